@@ -1,0 +1,29 @@
+"""stepprof: honest numbers about a PyTorch training step.
+
+Wrap a step with :func:`profile_step` (or decorate it with :func:`measure`)
+inside a :class:`Profiler`; each step's GPU time (CUDA events, read back
+lazily, no added synchronisation), wall time and peak memory go to a
+JSON-lines log that :func:`read` streams back.
+"""
+
+from ._api import configure, measure, profile_step
+from ._errors import ConfigError, StepprofError, UsageError
+from ._log import SCHEMA_VERSION, read
+from ._profiler import Profiler
+from ._records import Percentiles, Summary
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Percentiles",
+    "Profiler",
+    "SCHEMA_VERSION",
+    "StepprofError",
+    "Summary",
+    "UsageError",
+    "configure",
+    "measure",
+    "profile_step",
+    "read",
+]

@@ -1,0 +1,256 @@
+"""The module-level API: the active-profiler stack, the default profiler, and the
+``profile_step`` / ``measure`` entry points that act on whichever is current."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from ._errors import ConfigError, UsageError
+from ._profiler import Profiler, _StepContext, check_batch_size, check_name, check_warmup
+
+__all__ = ["configure", "current", "measure", "profile_step"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.Lock()
+_active: list[Profiler] = []
+_default: Profiler | None = None
+_warned_no_log = False
+
+
+def push_active(prof: Profiler) -> None:
+    _active.append(prof)
+
+
+def pop_active(prof: Profiler) -> None:
+    # Remove the innermost occurrence; tolerate out-of-order exits.
+    for i in range(len(_active) - 1, -1, -1):
+        if _active[i] is prof:
+            del _active[i]
+            return
+
+
+def current() -> Profiler:
+    """The profiler that ``profile_step``/``measure`` act on now.
+
+    The innermost active ``with Profiler(...)``; else the default profiler, made
+    by :func:`configure` or, on first use, from the ``STEPPROF_LOG`` and
+    ``STEPPROF_WARMUP`` environment variables.
+    """
+    if _active:
+        return _active[-1]
+    global _default
+    with _lock:
+        if _default is None or _default.closed:
+            _default = _from_environment()
+        return _default
+
+
+def _from_environment() -> Profiler:
+    global _warned_no_log
+    raw = os.environ.get("STEPPROF_WARMUP", "0")
+    try:
+        warmup = int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"STEPPROF_WARMUP must be an int >= 0 (got {raw!r}); unset it or set e.g. STEPPROF_WARMUP=3"
+        ) from None
+    check_warmup(warmup, "STEPPROF_WARMUP")
+    log = os.environ.get("STEPPROF_LOG") or None
+    if log is None and not _warned_no_log:
+        _warned_no_log = True
+        warnings.warn(
+            "stepprof: no Profiler is active and no log is configured, so steps are summarised "
+            "but not written. Use `with stepprof.Profiler(path):`, stepprof.configure(log=path) "
+            "or set STEPPROF_LOG.",
+            UserWarning,
+            stacklevel=4,
+        )
+    try:
+        return Profiler(log, warmup=warmup)
+    except ConfigError as e:
+        raise ConfigError(f"STEPPROF_LOG: {e}") from e
+
+
+def configure(
+    *,
+    log: str | os.PathLike[str] | None,
+    warmup: int = 0,
+    device: str | int | torch.device | None = None,
+    nvtx: bool = True,
+) -> Profiler:
+    """Set up the default profiler, used when no ``with Profiler(...)`` is active.
+
+    A previous default profiler is closed (its summary written) first.  The
+    default profiler is closed at interpreter exit.  Arguments are those of
+    :class:`stepprof.Profiler`.
+
+    Returns:
+        The new default profiler.
+    """
+    global _default
+    new = Profiler(log, warmup=warmup, device=device, nvtx=nvtx)
+    with _lock:
+        old, _default = _default, new
+    if old is not None:
+        old.close()
+    return new
+
+
+class _ProfileStep:
+    """``stepprof.profile_step``: see :meth:`__call__`."""
+
+    def __call__(self, name: str | None = None, *, batch_size: int | None = None) -> _StepContext:
+        """A context manager around one training step of the current profiler.
+
+        Args:
+            name: the step's name in the log (default ``"step"``).
+            batch_size: samples in the step; enables ``samples_per_s``.
+
+        Example:
+            >>> import stepprof
+            >>> with stepprof.Profiler(None) as prof:
+            ...     with stepprof.profile_step(batch_size=16):
+            ...         pass
+            >>> prof.summary.steps
+            1
+        """
+        return _StepContext(None, check_name(name), check_batch_size(batch_size))
+
+    def __enter__(self) -> None:
+        raise UsageError("use `with stepprof.profile_step():` (did you forget the brackets?)")
+
+    def __exit__(self, *exc: Any) -> None:  # pragma: no cover - __enter__ always raises
+        pass
+
+    def __repr__(self) -> str:
+        return "<function stepprof.profile_step>"
+
+
+class _Measure:
+    """A named measurement: a context manager, and a decorator via ``__call__``.
+
+    Inside an open step it times a phase of that step; outside, it is a step.
+    Inside a ``torch.compile``d region it does nothing (and adds no graph break).
+    """
+
+    __slots__ = ("_name", "_profiler", "_tokens")
+
+    def __init__(self, name: str | None, profiler: Profiler | None) -> None:
+        self._name = name
+        self._profiler = profiler
+        self._tokens: list[tuple[Profiler, Any]] = []
+
+    def __enter__(self) -> _Measure:
+        if torch.compiler.is_compiling():
+            return self
+        if self._name is None:
+            raise UsageError(
+                "measure() used as a context manager needs a name: `with stepprof.measure('forward'):`"
+            )
+        prof = self._profiler or current()
+        self._tokens.append((prof, prof._enter(self._name, None, step=False)))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if torch.compiler.is_compiling() or not self._tokens:
+            return
+        prof, token = self._tokens.pop()
+        prof._exit(token, exc)
+
+    def __call__(self, fn: F) -> F:
+        if not callable(fn):
+            raise UsageError(
+                f"measure({self._name!r}) decorates a function; got {fn!r}. "
+                f"Use `@stepprof.measure({self._name!r})` above a def"
+            )
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or (
+            inspect.isasyncgenfunction(fn)
+        ):
+            raise UsageError(
+                f"measure cannot time {getattr(fn, '__qualname__', fn)!r}: it is a generator or "
+                f"coroutine function, whose body runs after the call returns. Measure the code "
+                f"that consumes it with `with stepprof.measure(...)` instead"
+            )
+        name = self._name or getattr(fn, "__qualname__", None) or repr(fn)
+        bound = self._profiler
+
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            prof = bound or current()
+            token = prof._enter(name, None, step=False)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                prof._exit(token, e)
+                raise
+            prof._exit(token, None)
+            return result
+
+        return measured  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"<stepprof.measure {self._name!r}>"
+
+
+def make_measure(name: Any, profiler: Profiler | None) -> Any:
+    if name is None or isinstance(name, str):
+        return _Measure(name, profiler)
+    if callable(name):  # bare decorator: @measure
+        return _Measure(None, profiler)(name)
+    raise UsageError(
+        f"measure() takes a name (str) or a function (got {name!r}); "
+        f"use @stepprof.measure, @stepprof.measure('name') or `with stepprof.measure('name'):`"
+    )
+
+
+class _MeasureFactory:
+    """``stepprof.measure``: see :meth:`__call__`."""
+
+    @overload
+    def __call__(self, name: F) -> F: ...
+    @overload
+    def __call__(self, name: str | None = None) -> _Measure: ...
+
+    def __call__(self, name: Any = None) -> Any:
+        """Time a phase of the current step, or a whole step when no step is open.
+
+        Usable three ways: ``@stepprof.measure``, ``@stepprof.measure("name")``
+        and ``with stepprof.measure("name"):``.  A phase name used several
+        times in one step (gradient accumulation) is summed, with a ``count``.
+
+        Example:
+            >>> import stepprof
+            >>> with stepprof.Profiler(None) as prof:
+            ...     @stepprof.measure
+            ...     def train_step():
+            ...         with stepprof.measure("forward"):
+            ...             pass
+            ...     train_step()
+            >>> prof.summary.steps
+            1
+        """
+        return make_measure(name, None)
+
+    def __enter__(self) -> None:
+        raise UsageError("use `with stepprof.measure('name'):` (did you forget the brackets?)")
+
+    def __exit__(self, *exc: Any) -> None:  # pragma: no cover - __enter__ always raises
+        pass
+
+    def __repr__(self) -> str:
+        return "<function stepprof.measure>"
+
+
+profile_step = _ProfileStep()
+measure = _MeasureFactory()

@@ -1,0 +1,108 @@
+"""JSON-lines log: one record per line, written whole and flushed; and its reader."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from ._errors import ConfigError
+
+__all__ = ["SCHEMA_VERSION", "JsonlWriter", "read"]
+
+#: Version of the record schema; every line carries it as ``schema_version``.
+SCHEMA_VERSION = 1
+
+_DUMPS_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+class JsonlWriter:
+    """Appends records to ``path``, one ``write()`` system call per whole line.
+
+    The file is opened unbuffered at construction, so a path that cannot be
+    written fails before training starts.  Each line goes out in one call and
+    is on disk (in the page cache) when :meth:`write` returns, so a crash loses
+    nothing already logged and never leaves half a line from stepprof.
+    A write that fails later (disk full) warns once and stops logging; it never
+    raises into the training loop.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, argument: str = "log") -> None:
+        self.path = os.fspath(path)
+        try:
+            self._fd: int | None = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+            )
+        except OSError as e:
+            raise ConfigError(
+                f"{argument!r} cannot be written: {self.path!r} ({e.strerror}). "
+                f"Pass a path in an existing, writable directory."
+            ) from e
+        self.failed: str | None = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fd is None:
+            return
+        line = orjson.dumps(record, option=_DUMPS_OPTIONS) + b"\n"
+        try:
+            view = memoryview(line)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as e:
+            self.failed = f"writing {self.path!r} failed: {e.strerror}"
+            warnings.warn(f"stepprof: {self.failed}; logging stopped", RuntimeWarning, stacklevel=2)
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError:  # pragma: no cover - nothing useful to do
+                pass
+
+
+def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[dict[str, Any]]:
+    """Stream the records of a stepprof log as dicts, in file order.
+
+    Lines that do not parse (a torn last line after a crash, say) are skipped,
+    and one warning at the end says how many.
+
+    Args:
+        path: a JSON-lines log written by stepprof.
+        kind: keep only records of this kind, e.g. ``"step"`` or ``"summary"``.
+
+    Example:
+        >>> import stepprof, tempfile, os
+        >>> log = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with stepprof.Profiler(log) as prof:
+        ...     with prof.step(batch_size=8):
+        ...         pass
+        >>> [r["kind"] for r in stepprof.read(log)]
+        ['step', 'summary']
+    """
+    skipped = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                skipped += 1
+                continue
+            if not isinstance(record, dict):
+                skipped += 1
+                continue
+            if kind is None or record.get("kind") == kind:
+                yield record
+    if skipped:
+        warnings.warn(
+            f"stepprof.read: skipped {skipped} line(s) of {os.fspath(path)!r} that are not JSON objects",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,638 @@
+"""The recorder: steps, phases, lazy harvesting of device timings, the summary.
+
+This module is pure Python.  It reaches the device only through a backend
+(:mod:`stepprof._cuda`) and reads time only through an injected clock, so the
+tests drive all of it on a CPU with a fake device.
+
+How one step is measured (``B`` = a boundary, where stepprof does its work)::
+
+    B step entry : reset the allocator's peak counter, record the start event
+    B phase entry: read the peak so far (fold it into every open scope), reset,
+                   record the phase's start event
+    B phase exit : record the end event, read the peak (fold), reset
+    B step exit  : record the end event, read the peak (fold) and reserved,
+                   then harvest older steps whose end events have completed
+
+Folding the counter into every open scope at every boundary makes the step's
+peak the exact high-water mark over the whole step, phases and gaps included,
+while each phase also gets its own.  Events are only *queried*, never waited
+on; a step's record is written at a later boundary, once its end event (and
+each of its phases' end events) has completed.  :meth:`Profiler.close`
+synchronises once and writes whatever is still pending.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._cuda import Backend, HostBackend, select_backend
+from ._errors import ConfigError, StepprofError, UsageError
+from ._log import SCHEMA_VERSION, JsonlWriter
+from ._records import Percentiles, Summary
+
+__all__ = ["Profiler"]
+
+_Clock = Callable[[], int]
+
+
+class _Phase:
+    """An open phase: where it started."""
+
+    __slots__ = ("key", "mark", "t0", "peak")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.mark: Any = None
+        self.t0 = 0
+        self.peak = -1
+
+
+class _PhaseTotal:
+    """A phase name's totals within one step (it may run several times)."""
+
+    __slots__ = ("wall_ns", "marks", "peak", "count")
+
+    def __init__(self) -> None:
+        self.wall_ns = 0
+        self.marks: list[tuple[Any, Any]] = []
+        self.peak = -1
+        self.count = 0
+
+
+class _Step:
+    __slots__ = (
+        "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
+        "peak", "reserved", "rss", "phases", "overhead_ns", "error",
+    )
+
+    def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
+        self.index = index
+        self.name = name
+        self.warmup = warmup
+        self.batch_size = batch_size
+        self.t0 = self.t1 = 0
+        self.start_mark: Any = None
+        self.end_mark: Any = None
+        self.peak = -1
+        self.reserved: int | None = None
+        self.rss: int | None = None
+        self.phases: dict[str, _PhaseTotal] = {}
+        self.overhead_ns = 0
+        self.error: dict[str, str] | None = None
+
+
+def check_warmup(warmup: Any, argument: str = "warmup") -> int:
+    if isinstance(warmup, bool) or not isinstance(warmup, int):
+        raise ConfigError(f"{argument!r} must be an int >= 0 (got {warmup!r}); pass e.g. {argument}=3")
+    if warmup < 0:
+        raise ConfigError(f"{argument!r} must be >= 0 (got {warmup}); pass 0 to keep every step")
+    return warmup
+
+
+def check_name(name: Any, argument: str = "name") -> str | None:
+    if name is not None and not isinstance(name, str):
+        hint = (
+            "; to make a function a step, decorate it with @stepprof.measure"
+            if callable(name) else ""
+        )
+        raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
+    return name
+
+
+def check_batch_size(batch_size: Any) -> int | None:
+    if batch_size is None:
+        return None
+    if isinstance(batch_size, bool):
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r})")
+    try:
+        n = int(batch_size.__index__())
+    except (AttributeError, TypeError):
+        raise ConfigError(
+            f"'batch_size' must be a positive int or None (got {batch_size!r}); "
+            f"pass the number of samples in the step, e.g. batch_size=len(batch)"
+        ) from None
+    if n <= 0:
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {n})")
+    return n
+
+
+def _host_rss() -> int | None:
+    global _PROCESS
+    try:
+        if _PROCESS is None:
+            import psutil
+
+            _PROCESS = psutil.Process()
+        return int(_PROCESS.memory_info().rss)
+    except Exception:  # noqa: BLE001 - a missing figure, never a crash
+        return None
+
+
+_PROCESS: Any = None
+_open_profilers: weakref.WeakSet[Profiler] = weakref.WeakSet()
+
+
+class Profiler:
+    """A profiling session: records steps and their phases to a JSON-lines log.
+
+    Use it as a context manager (closing flushes the log and writes a summary)
+    or call :meth:`close`.  While it is the innermost active ``with Profiler``,
+    :func:`stepprof.profile_step` and :func:`stepprof.measure` record into it.
+
+    Args:
+        log: path of the JSON-lines log (appended to), or None to keep no log.
+            It is opened here, so an unwritable path fails before training.
+        warmup: how many first steps to flag ``warmup`` and leave out of the summary.
+        device: ``"cuda:N"``, ``"cpu"`` or None. None picks CUDA at the first step
+            if the training code has initialised it, else the host.
+        nvtx: push an NVTX range per step and phase (visible in Nsight Systems).
+
+    Example:
+        >>> import stepprof, torch
+        >>> with stepprof.Profiler(None, warmup=0) as prof:
+        ...     with prof.step(batch_size=32):
+        ...         with prof.measure("forward"):
+        ...             y = torch.ones(32, 8).sum()
+        >>> prof.summary.measured_steps
+        1
+    """
+
+    def __init__(
+        self,
+        log: str | os.PathLike[str] | None,
+        *,
+        warmup: int = 0,
+        device: str | int | torch.device | None = None,
+        nvtx: bool = True,
+        _backend: Backend | None = None,
+        _clock: _Clock | None = None,
+    ) -> None:
+        self.warmup = check_warmup(warmup)
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as e:
+                raise ConfigError(
+                    f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
+                ) from e
+        if not isinstance(nvtx, bool):
+            raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
+        self._writer = JsonlWriter(log) if log is not None else None
+        self.log = self._writer.path if self._writer else None
+        self._device_arg = device
+        self._nvtx = nvtx
+        self._backend: Backend | None = _backend
+        self._backend_pinned = _backend is not None or device is not None
+        self._clock: _Clock = _clock or time.perf_counter_ns
+        self._clock0 = self._clock()
+        self._unix0 = time.time()
+        self._next_index = 0
+        self._step: _Step | None = None
+        self._stack: list[_Phase] = []
+        self._pending: deque[_Step] = deque()
+        self._owner: int | None = None
+        self._broken: str | None = None
+        self._summary: Summary | None = None
+        self._n_steps = self._n_warm = self._n_err = 0
+        self._wall: list[float] = []
+        self._gpu: list[float] = []
+        self._busy: list[float] = []
+        self._sps: list[float] = []
+        self._ovh: list[float] = []
+        self._peak_max: int | None = None
+        self._reasons: dict[str, str] = {}
+        _open_profilers.add(self)
+
+    # -- public -------------------------------------------------------------
+
+    def step(self, name: str | None = None, batch_size: int | None = None) -> _StepContext:
+        """A context manager around one training step.
+
+        Args:
+            name: the step's name in the log (default ``"step"``).
+            batch_size: samples in the step; enables ``samples_per_s``.
+        """
+        return _StepContext(self, check_name(name), check_batch_size(batch_size))
+
+    def measure(self, name: Any = None) -> Any:
+        """Like :func:`stepprof.measure`, but recording into this profiler."""
+        from ._api import make_measure
+
+        return make_measure(name, self)
+
+    @property
+    def summary(self) -> Summary | None:
+        """The summary once :meth:`close` has run, else None."""
+        return self._summary
+
+    @property
+    def closed(self) -> bool:
+        return self._summary is not None
+
+    def close(self) -> Summary:
+        """Synchronise once, write every pending record and the summary, close the log.
+
+        Calling it again returns the same summary.
+        """
+        if self._summary is not None:
+            return self._summary
+        try:
+            if self._step is not None and self._owner == threading.get_ident():
+                self._end_step(self._step, RuntimeError("profiler closed while the step was open"))
+            if self._pending and self._broken is None and self._backend is not None:
+                self._backend.synchronize()
+                self._harvest()
+        except Exception as e:  # noqa: BLE001 - close must always produce a summary
+            self._fail(e)
+        self._pending.clear()
+        self._summary = self._build_summary()
+        self._write(self._summary.to_record())
+        if self._writer is not None:
+            self._writer.close()
+        _open_profilers.discard(self)
+        return self._summary
+
+    def __enter__(self) -> Profiler:
+        from ._api import push_active
+
+        push_active(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from ._api import pop_active
+
+        pop_active(self)
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self._next_index} steps"
+        return f"<stepprof.Profiler log={self.log!r} warmup={self.warmup} {state}>"
+
+    # -- entry and exit, shared by steps, phases and measured functions -------
+
+    def _enter(self, name: str | None, batch_size: int | None, *, step: bool) -> Any:
+        """Open a step (``step=True``, or no step is open) or a phase; return a token."""
+        if self._summary is not None:
+            raise UsageError(
+                "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
+            )
+        if self._broken is not None:
+            return None
+        tid = threading.get_ident()
+        if self._owner != tid:
+            if self._owner is not None and self._step is not None:
+                return None  # another thread's call while a step is open: not recorded
+            self._owner = tid
+        open_step = self._step
+        if open_step is not None and step:
+            raise UsageError(
+                f"profile_step() was entered inside step {open_step.index} "
+                f"({open_step.name!r}); steps do not nest. Use stepprof.measure({name or 'name'!r}) "
+                f"for a phase inside a step, or leave the outer step first"
+            )
+        try:
+            if open_step is None:
+                return self._begin_step(name or "step", batch_size)
+            return self._begin_phase(open_step, name or "phase")
+        except StepprofError:
+            raise
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+            return None
+
+    def _exit(self, token: Any, exc: BaseException | None) -> None:
+        if token is None or self._broken is not None:
+            return
+        try:
+            if isinstance(token, _Step):
+                if token is self._step:
+                    self._end_step(token, exc)
+            elif self._step is not None:
+                self._end_phase(self._step, token, exc)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+
+    # -- the boundaries ----------------------------------------------------
+
+    def _ensure_backend(self) -> Backend:
+        b = self._backend
+        if b is None or (
+            not self._backend_pinned
+            and isinstance(b, HostBackend)
+            and torch.cuda.is_available()
+            and torch.cuda.is_initialized()
+        ):
+            b = self._backend = select_backend(self._device_arg, nvtx=self._nvtx)
+        return b
+
+    def _begin_step(self, name: str, batch_size: int | None) -> _Step:
+        t_in = self._clock()
+        b = self._ensure_backend()
+        index = self._next_index
+        self._next_index += 1
+        step = _Step(index, name, index < self.warmup, batch_size)
+        self._step = step
+        b.range_push(f"{name} {index}")
+        b.reset_peak()
+        step.start_mark = b.mark()
+        step.t0 = self._clock()
+        step.overhead_ns = step.t0 - t_in
+        return step
+
+    def _fold_peak(self, step: _Step, b: Backend) -> int | None:
+        """Read the peak since the last reset into every open scope; return reserved."""
+        mem = b.read_memory()
+        if mem is None:
+            return None
+        peak, reserved = mem
+        if peak > step.peak:
+            step.peak = peak
+        for ph in self._stack:
+            if peak > ph.peak:
+                ph.peak = peak
+        return reserved
+
+    def _begin_phase(self, step: _Step, name: str) -> _Phase:
+        t_in = self._clock()
+        b = self._backend
+        assert b is not None
+        ph = _Phase(f"{self._stack[-1].key}/{name}" if self._stack else name)
+        self._fold_peak(step, b)
+        b.reset_peak()
+        b.range_push(name)
+        self._stack.append(ph)
+        ph.mark = b.mark()
+        ph.t0 = self._clock()
+        step.overhead_ns += ph.t0 - t_in
+        return ph
+
+    def _end_phase(self, step: _Step, ph: _Phase, exc: BaseException | None) -> None:
+        t_in = self._clock()
+        b = self._backend
+        assert b is not None
+        if ph not in self._stack:
+            return  # already closed (e.g. by its step's exit)
+        end = b.mark()
+        self._fold_peak(step, b)
+        b.reset_peak()
+        # Close ph and anything opened inside it that was left open.
+        while self._stack:
+            top = self._stack.pop()
+            b.range_pop()
+            total = step.phases.get(top.key)
+            if total is None:
+                total = step.phases[top.key] = _PhaseTotal()
+            total.wall_ns += t_in - top.t0
+            total.marks.append((top.mark, end))
+            if top.peak > total.peak:
+                total.peak = top.peak
+            total.count += 1
+            if top is ph:
+                break
+        step.overhead_ns += self._clock() - t_in
+
+    def _end_step(self, step: _Step, exc: BaseException | None) -> None:
+        step.t1 = self._clock()
+        b = self._backend
+        assert b is not None
+        if self._stack:  # phases left open (a generator suspended mid-phase, say)
+            self._end_phase(step, self._stack[0], exc)
+        t_in = self._clock()
+        step.end_mark = b.mark()
+        step.reserved = self._fold_peak(step, b)
+        if isinstance(b, HostBackend):
+            step.rss = _host_rss()
+        b.range_pop()
+        if exc is not None:
+            step.error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+        self._step = None
+        self._harvest()
+        step.overhead_ns += self._clock() - t_in
+        self._pending.append(step)
+        if isinstance(b, HostBackend):
+            # Nothing to wait for on the host: write it now rather than a step later.
+            self._harvest()
+
+    # -- harvesting ----------------------------------------------------------
+
+    def _harvest(self) -> None:
+        """Write every pending step, oldest first, whose events have all completed."""
+        b = self._backend
+        pending = self._pending
+        while pending:
+            s = pending[0]
+            if not b.is_done(s.end_mark):
+                return
+            for total in s.phases.values():
+                for _, end in total.marks:
+                    if not b.is_done(end):  # a phase on another stream, still running
+                        return
+            pending.popleft()
+            self._finalize(s, b)
+
+    def _elapsed(self, b: Backend, start: Any, end: Any) -> float | None:
+        if start is None or end is None:
+            return None
+        try:
+            return b.elapsed_ms(start, end)
+        except RuntimeError:
+            return None
+
+    def _finalize(self, s: _Step, b: Backend) -> None:
+        unavailable: dict[str, str] = {}
+        wall_ms = (s.t1 - s.t0) / 1e6
+        gpu_ms = self._elapsed(b, s.start_mark, s.end_mark)
+        if gpu_ms is None:
+            unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or (
+                "no CUDA event could be recorded (CUDA-graph capture?)"
+            )
+        phases: dict[str, dict[str, Any]] = {}
+        for key, total in s.phases.items():
+            pg: float | None = 0.0
+            for start, end in total.marks:
+                ms = self._elapsed(b, start, end)
+                if ms is None:
+                    pg = None
+                elif pg is not None:
+                    pg += ms
+            phases[key] = {
+                "wall_ms": total.wall_ns / 1e6,
+                "gpu_ms": pg,
+                "peak_allocated_bytes": total.peak if total.peak >= 0 else None,
+                "count": total.count,
+            }
+            if pg is None:
+                unavailable["phases.gpu_ms"] = b.gpu_reason or "no CUDA event could be recorded"
+            if total.peak < 0:
+                unavailable["phases.peak_allocated_bytes"] = b.memory_reason or "not read"
+        for start, end in [(s.start_mark, s.end_mark)] + [
+            m for t in s.phases.values() for m in t.marks
+        ]:
+            b.release(start)
+            b.release(end)
+        peak = s.peak if s.peak >= 0 else None
+        if peak is None:
+            unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
+        if s.reserved is None:
+            unavailable["reserved_bytes"] = b.memory_reason or "not read"
+        gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
+        if gpu_busy is None and gpu_ms is not None:
+            unavailable["gpu_busy"] = "wall time was zero"
+        samples_per_s = None
+        if s.batch_size is None:
+            unavailable["samples_per_s"] = "no batch_size was given"
+        else:
+            span_ms = max(wall_ms, gpu_ms or 0.0)
+            if span_ms > 0:
+                samples_per_s = s.batch_size / (span_ms / 1e3)
+            else:
+                unavailable["samples_per_s"] = "step took no measurable time"
+        overhead_us = s.overhead_ns / 1e3
+        record: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": "step",
+            "step": s.index,
+            "name": s.name,
+            "warmup": s.warmup,
+            "device": b.device,
+            "start_unix_s": self._unix0 + (s.t0 - self._clock0) / 1e9,
+            "wall_ms": wall_ms,
+            "gpu_ms": gpu_ms,
+            "gpu_busy": gpu_busy,
+            "peak_allocated_bytes": peak,
+            "reserved_bytes": s.reserved,
+            "batch_size": s.batch_size,
+            "samples_per_s": samples_per_s,
+            "phases": phases,
+            "overhead_us": overhead_us,
+            "error": s.error,
+            "unavailable": unavailable,
+        }
+        if isinstance(b, HostBackend):
+            record["host_rss_bytes"] = s.rss
+        self._write(record)
+
+        self._n_steps += 1
+        if s.warmup:
+            self._n_warm += 1
+            return
+        if s.error is not None:
+            self._n_err += 1
+            return
+        self._wall.append(wall_ms)
+        self._ovh.append(overhead_us)
+        if gpu_ms is not None:
+            self._gpu.append(gpu_ms)
+        else:
+            self._reasons.setdefault("gpu_ms", unavailable["gpu_ms"])
+        if gpu_busy is not None:
+            self._busy.append(gpu_busy)
+        if samples_per_s is not None:
+            self._sps.append(samples_per_s)
+        else:
+            self._reasons.setdefault("samples_per_s", unavailable["samples_per_s"])
+        if peak is not None:
+            self._peak_max = peak if self._peak_max is None else max(self._peak_max, peak)
+        else:
+            self._reasons.setdefault("peak_allocated_bytes", unavailable["peak_allocated_bytes"])
+
+    # -- summary, logging, failure --------------------------------------------
+
+    def _build_summary(self) -> Summary:
+        reasons = dict(self._reasons)
+        measured = self._n_steps - self._n_warm - self._n_err
+        if measured == 0:
+            why = "no measured steps (all were warm-up, failed, or none ran)"
+            for f in ("wall_ms", "gpu_ms", "gpu_busy_median", "peak_allocated_bytes_max",
+                      "samples_per_s_median", "overhead_us_median"):
+                reasons.setdefault(f, why)
+        if self._broken is not None:
+            reasons["stepprof"] = self._broken
+        if "gpu_ms" in reasons:
+            reasons.setdefault("gpu_busy_median", reasons["gpu_ms"])
+        if "samples_per_s" in reasons:
+            reasons.setdefault("samples_per_s_median", reasons.pop("samples_per_s"))
+        if "peak_allocated_bytes" in reasons:
+            reasons.setdefault("peak_allocated_bytes_max", reasons.pop("peak_allocated_bytes"))
+        if self._writer is not None and self._writer.failed:
+            reasons["log"] = self._writer.failed
+        busy = Percentiles.of(self._busy)
+        sps = Percentiles.of(self._sps)
+        ovh = Percentiles.of(self._ovh)
+        return Summary(
+            steps=self._n_steps,
+            warmup_steps=self._n_warm,
+            error_steps=self._n_err,
+            measured_steps=measured,
+            device=self._backend.device if self._backend is not None else "none",
+            wall_ms=Percentiles.of(self._wall),
+            gpu_ms=Percentiles.of(self._gpu),
+            gpu_busy_median=busy.median if busy else None,
+            peak_allocated_bytes_max=self._peak_max,
+            samples_per_s_median=sps.median if sps else None,
+            overhead_us_median=ovh.median if ovh else None,
+            log=self.log,
+            unavailable=reasons,
+        )
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._writer is not None:
+            if "schema_version" not in record:
+                record = {"schema_version": SCHEMA_VERSION, **record}
+            self._writer.write(record)
+
+    def _fail(self, exc: BaseException) -> None:
+        """An internal failure: stop recording, keep training, say so once."""
+        if self._broken is None:
+            self._broken = f"stepprof stopped recording after an internal error: {type(exc).__name__}: {exc}"
+            warnings.warn(self._broken, RuntimeWarning, stacklevel=3)
+        self._step = None
+        self._stack.clear()
+
+
+class _StepContext:
+    """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
+
+    __slots__ = ("_profiler", "_name", "_batch_size", "_tokens")
+
+    def __init__(self, profiler: Profiler | None, name: str | None, batch_size: int | None) -> None:
+        self._profiler = profiler
+        self._name = name
+        self._batch_size = batch_size
+        self._tokens: list[tuple[Profiler, Any]] = []
+
+    def __enter__(self) -> _StepContext:
+        if torch.compiler.is_compiling():
+            return self
+        from ._api import current
+
+        prof = self._profiler or current()
+        self._tokens.append((prof, prof._enter(self._name, self._batch_size, step=True)))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if torch.compiler.is_compiling() or not self._tokens:
+            return
+        prof, token = self._tokens.pop()
+        prof._exit(token, exc)
+
+
+def _close_all_at_exit() -> None:
+    for prof in list(_open_profilers):
+        try:
+            prof.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, nothing may raise
+            pass
+
+
+atexit.register(_close_all_at_exit)

@@ -1,0 +1,99 @@
+"""Frozen result records and the small statistics behind them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["Percentiles", "Summary", "quantile"]
+
+
+def quantile(sorted_xs: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of an already sorted, non-empty sequence (numpy's default)."""
+    pos = (len(sorted_xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+@attrs.frozen
+class Percentiles:
+    """Median and spread of one figure over the measured steps."""
+
+    median: float
+    p10: float
+    p90: float
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> Percentiles | None:
+        if not xs:
+            return None
+        s = sorted(xs)
+        return cls(median=quantile(s, 0.5), p10=quantile(s, 0.1), p90=quantile(s, 0.9))
+
+    def __str__(self) -> str:
+        return f"{self.median:.3f} [p10 {self.p10:.3f}, p90 {self.p90:.3f}]"
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@attrs.frozen
+class Summary:
+    """What :meth:`stepprof.Profiler.close` returns and logs as ``kind: "summary"``.
+
+    Figures are over the *measured* steps: past warm-up and without an error.
+    A figure that could not be measured is None, and ``unavailable`` says why.
+
+    Example:
+        >>> import stepprof
+        >>> with stepprof.Profiler(None, warmup=1) as prof:
+        ...     for _ in range(3):
+        ...         with prof.step(batch_size=4):
+        ...             pass
+        >>> prof.summary.steps, prof.summary.warmup_steps, prof.summary.measured_steps
+        (3, 1, 2)
+    """
+
+    steps: int
+    warmup_steps: int
+    error_steps: int
+    measured_steps: int
+    device: str
+    wall_ms: Percentiles | None
+    gpu_ms: Percentiles | None
+    gpu_busy_median: float | None
+    peak_allocated_bytes_max: int | None
+    samples_per_s_median: float | None
+    overhead_us_median: float | None
+    log: str | None
+    unavailable: dict[str, str] = attrs.field(factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON-lines form (without ``schema_version``, which the writer adds)."""
+        d = attrs.asdict(self, recurse=True)
+        return {"kind": "summary", **d}
+
+    def __str__(self) -> str:
+        parts = [f"{self.measured_steps} measured steps ({self.warmup_steps} warm-up"]
+        parts[0] += f", {self.error_steps} failed)" if self.error_steps else ")"
+        parts.append(f"on {self.device}")
+        if self.wall_ms is not None:
+            parts.append(f"wall {self.wall_ms.median:.2f} ms")
+        if self.gpu_ms is not None:
+            parts.append(f"gpu {self.gpu_ms.median:.2f} ms")
+        if self.gpu_busy_median is not None:
+            parts.append(f"busy {self.gpu_busy_median:.0%}")
+        if self.peak_allocated_bytes_max is not None:
+            parts.append(f"peak {_fmt_bytes(self.peak_allocated_bytes_max)}")
+        if self.samples_per_s_median is not None:
+            parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
+        if self.overhead_us_median is not None:
+            parts.append(f"stepprof {self.overhead_us_median:.0f} µs/step")
+        return "stepprof: " + ", ".join(parts)

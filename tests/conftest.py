@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import stepprof
+from stepprof import _api
+
+from .fakes import FakeGpu
+
+
+def _warm_torch() -> None:
+    """Let torch make its lazy imports (sympy adds a warning filter) before the state checks."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+
+
+_warm_torch()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    """Reset module singletons; afterwards assert stepprof left no global state behind."""
+    monkeypatch.delenv("STEPPROF_LOG", raising=False)
+    monkeypatch.delenv("STEPPROF_WARMUP", raising=False)
+    filters = list(warnings.filters)
+    sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
+    yield
+    leftover = list(_api._active)
+    _api._active.clear()
+    if _api._default is not None:
+        _api._default.close()
+        _api._default = None
+    _api._warned_no_log = False
+    assert not leftover, f"a Profiler was left active: {leftover}"
+    assert warnings.filters == filters, "warning filters were not restored"
+    if sync_mode is not None:
+        assert torch.cuda.get_sync_debug_mode() == sync_mode, "sync-debug mode was not restored"
+
+
+@pytest.fixture
+def gpu() -> FakeGpu:
+    return FakeGpu()
+
+
+@pytest.fixture
+def log(tmp_path):
+    return str(tmp_path / "run.jsonl")
+
+
+def make(log, gpu, **kw) -> stepprof.Profiler:
+    return stepprof.Profiler(log, _backend=gpu, _clock=gpu.clock, **kw)

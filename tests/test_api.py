@@ -1,0 +1,364 @@
+"""The public API as a user meets it: surface, decorator/context forms, bad input, the log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+import stepprof
+
+from .conftest import make
+
+
+def steps(log):
+    return list(stepprof.read(log, kind="step"))
+
+
+def test_all_is_exactly_the_public_surface():
+    public = {n for n in dir(stepprof) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(stepprof, n)).__name__ == "module"}
+    assert sorted(stepprof.__all__) == stepprof.__all__
+    assert set(stepprof.__all__) == public - modules
+
+
+def test_the_readme_example_runs_on_cpu(log):
+    model = torch.nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = [torch.randn(4, 8) for _ in range(5)]
+    with stepprof.Profiler(log, warmup=3) as prof:
+        for batch in loader:
+            with stepprof.profile_step(batch_size=len(batch)):
+                with stepprof.measure("forward"):
+                    loss = model(batch).square().mean()
+                with stepprof.measure("backward"):
+                    loss.backward()
+                with stepprof.measure("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+    recs = steps(log)
+    assert [r["warmup"] for r in recs] == [True] * 3 + [False] * 2
+    assert all(set(r["phases"]) == {"forward", "backward", "optimizer"} for r in recs)
+    assert prof.summary.measured_steps == 2
+
+
+def test_measure_forms_step_outside_a_step_and_phase_inside(log, gpu):
+    with make(log, gpu) as prof:
+
+        @stepprof.measure
+        def train_step(x):
+            with stepprof.measure("forward"):
+                return x + 1
+
+        @stepprof.measure("named")
+        def other():
+            return "ok"
+
+        @stepprof.measure()
+        def third():
+            return 3
+
+        assert train_step(1) == 2 and train_step.__name__ == "train_step"
+        assert other() == "ok" and third() == 3
+        with prof.step("outer"):
+            train_step(2)           # inside a step: a phase
+    recs = steps(log)
+    names = [r["name"] for r in recs]
+    assert names[:3] == [
+        "test_measure_forms_step_outside_a_step_and_phase_inside.<locals>.train_step",
+        "named",
+        "test_measure_forms_step_outside_a_step_and_phase_inside.<locals>.third",
+    ]
+    assert recs[0]["phases"].keys() == {"forward"}
+    outer = recs[3]
+    assert outer["name"] == "outer"
+    key = "test_measure_forms_step_outside_a_step_and_phase_inside.<locals>.train_step"
+    assert set(outer["phases"]) == {key, key + "/forward"}
+
+
+def test_measured_function_that_raises_is_recorded(log, gpu):
+    @stepprof.measure("boom")
+    def boom():
+        raise KeyError("k")
+
+    with make(log, gpu):
+        with pytest.raises(KeyError):
+            boom()
+    (r,) = steps(log)
+    assert r["error"]["type"] == "KeyError"
+
+
+def test_recursive_measured_function(log, gpu):
+    @stepprof.measure("fib")
+    def fib(n):
+        return n if n < 2 else fib(n - 1) + fib(n - 2)
+
+    with make(log, gpu):
+        assert fib(5) == 5
+    (r,) = steps(log)                # the outer call is the step, inner calls nest as phases
+    assert r["name"] == "fib"
+    assert r["phases"]["fib"]["count"] == 2
+
+
+def test_profile_step_inside_a_step_is_a_clear_error(log, gpu):
+    with make(log, gpu):
+        with stepprof.profile_step("outer"):
+            with pytest.raises(stepprof.UsageError, match="steps do not nest.*measure"):
+                with stepprof.profile_step("inner"):
+                    pass
+    (r,) = steps(log)
+    assert r["name"] == "outer" and r["error"] is None
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stepprof.measure.__enter__(), "forget the brackets"),
+        (lambda: stepprof.profile_step.__enter__(), "forget the brackets"),
+        (lambda: stepprof.measure(123), "takes a name"),
+        (lambda: stepprof.measure("x")(5), "decorates a function"),
+        (lambda: stepprof.measure("x")(lambda: (yield)), "generator or coroutine"),
+        (lambda: stepprof.profile_step(print), "'name' must be a str.*@stepprof.measure"),
+    ],
+)
+def test_misuse_gets_a_hint(call, match):
+    with pytest.raises(stepprof.UsageError, match=match):
+        call()
+
+
+def test_with_measure_without_brackets_is_hinted():
+    with pytest.raises(stepprof.UsageError, match="forget the brackets"):
+        with stepprof.measure:  # type: ignore[attr-defined]
+            pass
+
+
+def test_measure_as_context_needs_a_name(log, gpu):
+    with make(log, gpu):
+        with pytest.raises(stepprof.UsageError, match="needs a name"):
+            with stepprof.measure():
+                pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"warmup": -1}, r"'warmup' must be >= 0 \(got -1\)"),
+        ({"warmup": "3"}, r"'warmup' must be an int >= 0 \(got '3'\)"),
+        ({"warmup": True}, r"'warmup' must be an int"),
+        ({"device": "gpu0"}, r"'device' must name a torch device.*'gpu0'"),
+        ({"nvtx": "yes"}, r"'nvtx' must be True or False"),
+    ],
+)
+def test_bad_profiler_arguments(log, kwargs, match):
+    with pytest.raises(stepprof.ConfigError, match=match):
+        stepprof.Profiler(log, **kwargs)
+
+
+def test_unwritable_log_fails_at_construction(tmp_path):
+    bad = tmp_path / "no" / "such" / "dir" / "run.jsonl"
+    with pytest.raises(stepprof.ConfigError, match=r"'log' cannot be written: .*run.jsonl.*writable"):
+        stepprof.Profiler(bad)
+    assert isinstance(stepprof.ConfigError("x"), ValueError)
+
+
+@pytest.mark.parametrize("bs, match", [(0, r"got 0"), (-2, r"got -2"), ("8", r"got '8'"), (2.5, r"got 2.5")])
+def test_bad_batch_size(bs, match):
+    with pytest.raises(stepprof.ConfigError, match=r"'batch_size' must be a positive int.*" + match):
+        stepprof.profile_step(batch_size=bs)
+
+
+def test_innermost_profiler_is_the_active_one(tmp_path, gpu):
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    with make(a, gpu):
+        with stepprof.profile_step("in-a"):
+            pass
+        with make(b, gpu):
+            with stepprof.profile_step("in-b"):
+                pass
+        with stepprof.profile_step("in-a-again"):
+            pass
+    assert [r["name"] for r in steps(a)] == ["in-a", "in-a-again"]
+    assert [r["name"] for r in steps(b)] == ["in-b"]
+
+
+def test_configure_sets_the_default_profiler(tmp_path):
+    first, second = str(tmp_path / "1.jsonl"), str(tmp_path / "2.jsonl")
+    p1 = stepprof.configure(log=first, warmup=1)
+    for _ in range(2):
+        with stepprof.profile_step():
+            pass
+    p2 = stepprof.configure(log=second)
+    assert p1.closed and not p2.closed      # the old default was closed and summarised
+    assert [r["warmup"] for r in steps(first)] == [True, False]
+    assert len(list(stepprof.read(first, kind="summary"))) == 1
+    with pytest.raises(stepprof.ConfigError, match="'warmup' must be >= 0"):
+        stepprof.configure(log=second, warmup=-1)
+
+
+def test_environment_configures_the_default_profiler(tmp_path, monkeypatch):
+    path = str(tmp_path / "env.jsonl")
+    monkeypatch.setenv("STEPPROF_LOG", path)
+    monkeypatch.setenv("STEPPROF_WARMUP", "1")
+    for _ in range(2):
+        with stepprof.profile_step():
+            pass
+    from stepprof import _api
+
+    _api._default.close()
+    assert [r["warmup"] for r in steps(path)] == [True, False]
+
+
+def test_bad_environment_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEPPROF_WARMUP", "many")
+    with pytest.raises(stepprof.ConfigError, match="STEPPROF_WARMUP must be an int >= 0 \\(got 'many'\\)"):
+        with stepprof.profile_step():
+            pass
+    monkeypatch.setenv("STEPPROF_WARMUP", "0")
+    monkeypatch.setenv("STEPPROF_LOG", str(tmp_path / "missing" / "x.jsonl"))
+    with pytest.raises(stepprof.ConfigError, match="STEPPROF_LOG: 'log' cannot be written"):
+        with stepprof.profile_step():
+            pass
+
+
+def test_no_profiler_and_no_log_warns_once_and_still_runs():
+    with pytest.warns(UserWarning, match="no log is configured"):
+        with stepprof.profile_step():
+            x = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with stepprof.profile_step():
+            x += 1
+    assert x == 2
+
+
+def test_other_threads_do_not_disturb_the_open_step(log, gpu):
+    seen = []
+
+    @stepprof.measure("worker")
+    def work():
+        seen.append(threading.get_ident())
+
+    with make(log, gpu) as prof:
+        with prof.step("main"):
+            t = threading.Thread(target=work)
+            t.start()
+            t.join()
+    (r,) = steps(log)
+    assert seen and r["name"] == "main" and r["phases"] == {}
+
+
+def test_log_lines_are_whole_and_flushed_while_running(log, gpu):
+    prof = make(log, gpu)
+    for _ in range(3):
+        with prof.step():
+            pass                     # device idle: each step completes at once
+    with prof.step():
+        pass
+    with open(log, "rb") as f:       # read while the profiler is still open
+        data = f.read()
+    assert data.endswith(b"\n") and data.count(b"\n") == 3
+    prof.close()
+
+
+def test_pandas_loads_a_log_as_is(log, gpu):
+    pd = pytest.importorskip("pandas")
+    with make(log, gpu) as prof:
+        for _ in range(3):
+            with prof.step(batch_size=4):
+                with prof.measure("forward"):
+                    gpu.launch(1.0)
+    df = pd.read_json(log, lines=True)
+    assert list(df["kind"]) == ["step"] * 3 + ["summary"]
+    assert df.loc[df.kind == "step", "gpu_ms"].notna().all()
+
+
+def test_read_skips_torn_lines_with_a_warning(log, gpu):
+    with make(log, gpu) as prof:
+        with prof.step():
+            pass
+    with open(log, "ab") as f:
+        f.write(b'{"kind": "step", "step": 9, "wal')   # a crash mid-line (not by stepprof)
+    with pytest.warns(RuntimeWarning, match="skipped 1 line"):
+        kinds = [r["kind"] for r in stepprof.read(log)]
+    assert kinds == ["step", "summary"]
+
+
+def test_failed_log_write_warns_and_training_goes_on(gpu):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    prof = make("/dev/full", gpu)
+    with pytest.warns(RuntimeWarning, match="logging stopped"):
+        for _ in range(3):
+            with prof.step():
+                pass
+    s = prof.close()
+    assert s.steps == 3 and "failed" in s.unavailable["log"]
+
+
+def test_no_graph_break_inside_a_compiled_region(log, gpu):
+    def f(x):
+        with stepprof.measure("inside"):
+            y = x.sin()
+        return y.cos()
+
+    measured = stepprof.measure("compiled-step")(lambda x: x.sin() * 2)
+    with make(log, gpu):
+        compiled = torch.compile(f, fullgraph=True, backend="eager")
+        x = torch.randn(4)
+        assert torch.allclose(compiled(x), f(x))
+        compiled_measured = torch.compile(measured, fullgraph=True, backend="eager")
+        assert torch.allclose(compiled_measured(x), x.sin() * 2)
+        # Recommended form: measure outside torch.compile records a step per call.
+        outer = stepprof.measure("outside")(torch.compile(lambda x: x.cos(), backend="eager"))
+        outer(x)
+        outer(x)
+    names = [r["name"] for r in steps(log)]
+    assert names == ["inside", "outside", "outside"]  # the eager call of f recorded one step
+
+
+def test_autocast_and_real_cpu_training(log):
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with stepprof.Profiler(log) as prof:
+        for _ in range(3):
+            with prof.step(batch_size=8):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with prof.measure("forward"):
+                        loss = model(torch.randn(8, 16)).float().pow(2).mean()
+                with prof.measure("backward"):
+                    loss.backward()
+                with prof.measure("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+    assert prof.summary.measured_steps == 3
+
+
+def test_demo_command_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "stepprof", "demo", "--steps", "12", "--warmup", "2",
+         "--log", str(tmp_path / "demo.jsonl"), "--device", "cpu"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "10 measured steps" in out.stdout and "loss" in out.stdout
+    recs = list(stepprof.read(tmp_path / "demo.jsonl"))
+    assert recs[-1]["kind"] == "summary" and len(recs) == 13
+
+
+def test_interpreter_exit_flushes_the_default_profiler(tmp_path):
+    path = tmp_path / "exit.jsonl"
+    code = (
+        "import stepprof\n"
+        f"stepprof.configure(log={str(path)!r})\n"
+        "for _ in range(3):\n"
+        "    with stepprof.profile_step():\n"
+        "        pass\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    kinds = [r["kind"] for r in stepprof.read(path)]
+    assert kinds == ["step", "step", "step", "summary"]

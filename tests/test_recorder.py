@@ -1,0 +1,256 @@
+"""The recording logic, driven by a fake asynchronous device and a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+import stepprof
+
+from .conftest import make
+from .fakes import FakeGpu
+
+
+def steps(log):
+    return list(stepprof.read(log, kind="step"))
+
+
+def test_step_record_figures(log, gpu):
+    with make(log, gpu) as prof:
+        with prof.step(batch_size=32):
+            gpu.launch(5.0)         # 5 ms of device work queued at once...
+            gpu.host(2.0)           # ...then 2 ms of host work while it runs
+            gpu.alloc(1000)
+        gpu.wait_idle()
+    (r,) = steps(log)
+    assert r["schema_version"] == stepprof.SCHEMA_VERSION
+    assert r["kind"] == "step" and r["step"] == 0 and r["name"] == "step"
+    assert r["device"] == "cuda:0"
+    assert r["wall_ms"] == pytest.approx(2.0)
+    assert r["gpu_ms"] == pytest.approx(5.0)
+    assert r["gpu_busy"] == pytest.approx(2.5)
+    assert r["peak_allocated_bytes"] == 1000
+    assert r["reserved_bytes"] == 1000
+    # The step cannot complete faster than its device span: samples/s uses max(wall, gpu).
+    assert r["samples_per_s"] == pytest.approx(32 / 5e-3)
+    assert r["error"] is None
+    assert r["unavailable"] == {}
+    assert r["phases"] == {}
+    assert r["overhead_us"] >= 0
+
+
+def test_records_are_written_lazily_without_any_sync(log, gpu):
+    prof = make(log, gpu)
+    for _ in range(3):
+        with prof.step():
+            gpu.launch(10.0)        # device far behind the host
+            gpu.host(1.0)
+    assert steps(log) == []  # nothing has completed yet, and nothing waited
+    assert gpu.syncs == 0
+    gpu.host(15.0)                  # device finishes step 0 (ends at 10 ms) only
+    with prof.step():
+        gpu.host(1.0)
+    assert [r["step"] for r in steps(log)] == [0]
+    assert gpu.syncs == 0
+    summary = prof.close()
+    assert gpu.syncs == 1           # close synchronises exactly once
+    assert [r["step"] for r in steps(log)] == [0, 1, 2, 3]
+    assert summary.steps == 4
+    # every event went back to the pool exactly once
+    assert len(gpu.released) == gpu.marks_made
+
+
+def test_gpu_time_is_the_device_span_idle_gaps_included(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        gpu.host(2.0)               # device idles while the host prepares
+        gpu.launch(5.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["gpu_ms"] == pytest.approx(7.0)   # a span, not kernel-busy time (docs say so)
+
+
+def test_gpu_time_excludes_the_backlog_before_the_step(log, gpu):
+    prof = make(log, gpu)
+    gpu.launch(50.0)                # backlog queued before the step
+    with prof.step():
+        gpu.launch(5.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["gpu_ms"] == pytest.approx(5.0)   # the backlog is not charged to the step
+
+
+def test_phases_get_their_own_peak_and_the_step_gets_the_true_max(log, gpu):
+    prof = make(log, gpu)
+    gpu.alloc(100)                  # live before the step (weights)
+    with prof.step():
+        with prof.measure("forward"):
+            gpu.alloc(50)           # activations
+            gpu.launch(1.0)
+        gpu.alloc(500)              # a spike between phases, in no phase
+        gpu.free(500)
+        with prof.measure("backward"):
+            gpu.alloc(20)
+            gpu.free(50)
+            gpu.launch(2.0)
+        with prof.measure("optimizer"):
+            gpu.alloc(80)           # foreach temporaries: the optimizer sets the phase peak
+            gpu.free(80)
+            gpu.launch(1.0)
+    prof.close()
+    (r,) = steps(log)
+    ph = r["phases"]
+    assert list(ph) == ["forward", "backward", "optimizer"]
+    assert ph["forward"]["peak_allocated_bytes"] == 150
+    assert ph["backward"]["peak_allocated_bytes"] == 170
+    assert ph["optimizer"]["peak_allocated_bytes"] == 200
+    assert r["peak_allocated_bytes"] == 650       # the gap's spike is in the step's peak
+    assert ph["forward"]["gpu_ms"] == pytest.approx(1.0)
+    assert ph["backward"]["gpu_ms"] == pytest.approx(2.0)
+    assert all(p["count"] == 1 for p in ph.values())
+    assert r["gpu_ms"] == pytest.approx(4.0)
+
+
+def test_repeated_phase_names_sum_for_gradient_accumulation(log, gpu):
+    prof = make(log, gpu)
+    with prof.step(batch_size=4 * 8):
+        for _ in range(4):
+            with prof.measure("forward"):
+                gpu.launch(1.0)
+                gpu.host(0.5)
+            with prof.measure("backward"):
+                gpu.launch(2.0)
+                gpu.host(0.25)
+    prof.close()
+    (r,) = steps(log)
+    assert r["phases"]["forward"]["count"] == 4
+    assert r["phases"]["forward"]["wall_ms"] == pytest.approx(2.0)
+    assert r["phases"]["forward"]["gpu_ms"] == pytest.approx(4.0)
+    # The device runs behind the host, so phase spans include queued work of the
+    # previous phase; their sum over the step still equals the step's span.
+    total = sum(p["gpu_ms"] for p in r["phases"].values())
+    assert total == pytest.approx(r["gpu_ms"])
+
+
+def test_nested_phases_are_keyed_by_path(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        with prof.measure("model"):
+            with prof.measure("attention"):
+                gpu.alloc(10)
+            gpu.free(10)
+    prof.close()
+    (r,) = steps(log)
+    assert set(r["phases"]) == {"model", "model/attention"}
+    assert r["phases"]["model"]["peak_allocated_bytes"] == 10
+
+
+def test_nvtx_ranges_balance(log, gpu):
+    prof = make(log, gpu)
+    with prof.step("train"):
+        with prof.measure("forward"):
+            pass
+    prof.close()
+    assert gpu.ranges == ["+train 0", "+forward", "-", "-"]
+
+
+def test_step_that_raises_is_recorded_and_the_exception_propagates(log, gpu):
+    prof = make(log, gpu)
+    boom = ValueError("bad batch")
+    with pytest.raises(ValueError) as info:
+        with prof.step():
+            with prof.measure("forward"):
+                raise boom
+    assert info.value is boom
+    with prof.step():               # state is clean: the next step works
+        gpu.launch(1.0)
+    s = prof.close()
+    first, second = steps(log)
+    assert first["error"] == {"type": "ValueError", "message": "bad batch"}
+    assert "forward" in first["phases"]
+    assert second["error"] is None
+    assert s.error_steps == 1 and s.measured_steps == 1
+
+
+def test_warmup_and_summary_statistics(log, gpu):
+    prof = make(log, gpu, warmup=2)
+    walls = [100, 100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]   # warm-up steps are slow
+    for w in walls:
+        with prof.step(batch_size=10):
+            gpu.host(w)
+    s = prof.close()
+    recs = steps(log)
+    assert [r["warmup"] for r in recs] == [True, True] + [False] * 11
+    assert (s.steps, s.warmup_steps, s.measured_steps) == (13, 2, 11)
+    assert s.wall_ms.median == pytest.approx(6.0)
+    assert s.wall_ms.p10 == pytest.approx(2.0)
+    assert s.wall_ms.p90 == pytest.approx(10.0)
+    assert s.samples_per_s_median == pytest.approx(10 / 6e-3)
+    (line,) = list(stepprof.read(log, kind="summary"))
+    assert line["measured_steps"] == 11 and line["wall_ms"]["median"] == pytest.approx(6.0)
+    assert line["schema_version"] == stepprof.SCHEMA_VERSION
+    assert "6.00 ms" in str(s) and "11 measured steps" in str(s)
+
+
+def test_summary_is_null_with_reasons_when_nothing_was_measured(log, gpu):
+    s = make(log, gpu, warmup=5).close()
+    assert s.steps == 0 and s.wall_ms is None and s.gpu_ms is None
+    assert "no measured steps" in s.unavailable["wall_ms"]
+
+
+def test_close_is_idempotent_and_a_closed_profiler_refuses_steps(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    s = prof.close()
+    assert prof.close() is s and prof.summary is s and prof.closed
+    with pytest.raises(stepprof.UsageError, match="closed"):
+        with prof.step():
+            pass
+    assert len(list(stepprof.read(log, kind="summary"))) == 1
+
+
+def test_overhead_is_stepprofs_own_time(log):
+    gpu = FakeGpu(mark_cost_ns=3_000)   # each event record costs 3 µs of host time
+    prof = make(log, gpu)
+    with prof.step():
+        with prof.measure("forward"):
+            gpu.host(1.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["overhead_us"] == pytest.approx(12.0)    # four marks
+    assert r["wall_ms"] == pytest.approx(1.0 + 0.006)  # inner boundaries are inside the step
+
+
+def test_internal_failure_stops_recording_but_never_the_training(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    gpu.fail_on = "read_memory"
+    ran = []
+    with pytest.warns(RuntimeWarning, match="stopped recording"):
+        for i in range(3):
+            with prof.step():
+                with prof.measure("forward"):
+                    ran.append(i)
+    assert ran == [0, 1, 2]
+    s = prof.close()
+    assert "internal error" in s.unavailable["stepprof"]
+
+
+def test_cpu_backend_marks_gpu_fields_unavailable(log):
+    prof = stepprof.Profiler(log, device="cpu")
+    with prof.step(batch_size=2):
+        with prof.measure("forward"):
+            sum(range(1000))
+    s = prof.close()
+    (r,) = steps(log)
+    assert r["device"] == "cpu"
+    for field in ("gpu_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes"):
+        assert r[field] is None
+        assert r["unavailable"][field]
+    assert r["phases"]["forward"]["gpu_ms"] is None
+    assert r["unavailable"]["phases.gpu_ms"]
+    assert r["host_rss_bytes"] > 0
+    assert r["wall_ms"] > 0 and r["samples_per_s"] > 0
+    assert s.gpu_ms is None and s.unavailable["gpu_ms"]
+    assert s.peak_allocated_bytes_max is None and s.unavailable["peak_allocated_bytes_max"]
