@@ -68,8 +68,8 @@ def _from_environment() -> Profiler:
     if log is None and not _warned_no_log:
         _warned_no_log = True
         warnings.warn(
-            "stepprof: no Profiler is active and no log is configured, so steps are summarised "
-            "but not written. Use `with stepprof.Profiler(path):`, stepprof.configure(log=path) "
+            "stepprof: no Profiler is active and no log is configured, so steps are timed "
+            "but nothing is written. Use `with stepprof.Profiler(path):`, stepprof.configure(log=path) "
             "or set STEPPROF_LOG.",
             UserWarning,
             stacklevel=4,

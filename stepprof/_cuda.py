@@ -114,8 +114,10 @@ class CudaBackend:
         self._reset_peak = torch._C._cuda_resetPeakMemoryStats
         self._nvtx = nvtx
         if nvtx:
-            self._push = torch.cuda.nvtx.range_push
-            self._pop = torch.cuda.nvtx.range_pop
+            # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
+            nv = getattr(torch._C, "_nvtx", None)
+            self._push = getattr(nv, "rangePushA", None) or torch.cuda.nvtx.range_push
+            self._pop = getattr(nv, "rangePop", None) or torch.cuda.nvtx.range_pop
 
     def _new_event(self) -> Any:
         if self._event_cls is not None:

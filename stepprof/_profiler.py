@@ -7,15 +7,17 @@ tests drive all of it on a CPU with a fake device.
 How one step is measured (``B`` = a boundary, where stepprof does its work)::
 
     B step entry : reset the allocator's peak counter, record the start event
-    B phase entry: read the peak so far (fold it into every open scope), reset,
-                   record the phase's start event
+    B phase entry: record the phase's start event; a nested phase first reads
+                   the peak so far (folding it into every open scope) and resets
     B phase exit : record the end event, read the peak (fold), reset
     B step exit  : record the end event, read the peak (fold) and reserved,
                    then harvest older steps whose end events have completed
 
-Folding the counter into every open scope at every boundary makes the step's
-peak the exact high-water mark over the whole step, phases and gaps included,
-while each phase also gets its own.  Events are only *queried*, never waited
+Every read is folded into every open scope, and every interval of the step is
+covered by some read, so the step's peak is the exact high-water mark over the
+whole step, phases and gaps included.  Each phase gets its own peak; a
+top-level phase's peak also covers the (normally empty) gap since the previous
+read, which saves one raw-stats read per phase.  Events are only *queried*, never waited
 on; a step's record is written at a later boundary, once its end event (and
 each of its phases' end events) has completed.  :meth:`Profiler.close`
 synchronises once and writes whatever is still pending.
@@ -28,7 +30,6 @@ import os
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -139,7 +140,8 @@ def _host_rss() -> int | None:
 
 
 _PROCESS: Any = None
-_open_profilers: weakref.WeakSet[Profiler] = weakref.WeakSet()
+# Open profilers, held strongly: one that is never closed is still flushed at exit.
+_open_profilers: set[Profiler] = set()
 
 
 class Profiler:
@@ -215,7 +217,7 @@ class Profiler:
 
     # -- public -------------------------------------------------------------
 
-    def step(self, name: str | None = None, batch_size: int | None = None) -> _StepContext:
+    def step(self, name: str | None = None, *, batch_size: int | None = None) -> _StepContext:
         """A context manager around one training step.
 
         Args:
@@ -249,12 +251,15 @@ class Profiler:
         try:
             if self._step is not None and self._owner == threading.get_ident():
                 self._end_step(self._step, RuntimeError("profiler closed while the step was open"))
-            if self._pending and self._broken is None and self._backend is not None:
+            if self._pending and self._backend is not None:
+                # Steps that finished before any internal error are still written.
                 self._backend.synchronize()
                 self._harvest()
         except Exception as e:  # noqa: BLE001 - close must always produce a summary
             self._fail(e)
         self._pending.clear()
+        if self._writer is not None:
+            self._writer.flush()  # learn of a failed write before summarising
         self._summary = self._build_summary()
         self._write(self._summary.to_record())
         if self._writer is not None:
@@ -366,9 +371,16 @@ class Profiler:
         t_in = self._clock()
         b = self._backend
         assert b is not None
-        ph = _Phase(f"{self._stack[-1].key}/{name}" if self._stack else name)
-        self._fold_peak(step, b)
-        b.reset_peak()
+        if self._stack:
+            # Nested: the enclosing phase's peak so far must be read before the reset.
+            ph = _Phase(f"{self._stack[-1].key}/{name}")
+            self._fold_peak(step, b)
+            b.reset_peak()
+        else:
+            # Top level: the counter already runs from the last read (step entry or the
+            # previous phase's exit), so skip a 10-23 µs read; this phase's peak then
+            # also covers the gap before it. The step's peak stays exact.
+            ph = _Phase(name)
         b.range_push(name)
         self._stack.append(ph)
         ph.mark = b.mark()
@@ -520,6 +532,8 @@ class Profiler:
         }
         if isinstance(b, HostBackend):
             record["host_rss_bytes"] = s.rss
+            if s.rss is None:
+                unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
         self._write(record)
 
         self._n_steps += 1
@@ -569,6 +583,14 @@ class Profiler:
         busy = Percentiles.of(self._busy)
         sps = Percentiles.of(self._sps)
         ovh = Percentiles.of(self._ovh)
+        figures = {
+            "wall_ms": self._wall, "gpu_ms": self._gpu, "gpu_busy_median": self._busy,
+            "samples_per_s_median": self._sps, "overhead_us_median": self._ovh,
+            "peak_allocated_bytes_max": self._peak_max,
+        }
+        # A reason is kept only for a figure that is null: some steps may lack a
+        # figure (no batch_size once) while the others still give the median.
+        reasons = {k: v for k, v in reasons.items() if k not in figures or not figures[k]}
         return Summary(
             steps=self._n_steps,
             warmup_steps=self._n_warm,
@@ -596,6 +618,13 @@ class Profiler:
         if self._broken is None:
             self._broken = f"stepprof stopped recording after an internal error: {type(exc).__name__}: {exc}"
             warnings.warn(self._broken, RuntimeWarning, stacklevel=3)
+        b = self._backend
+        if b is not None:  # close the NVTX ranges this step had opened
+            for _ in range(len(self._stack) + (self._step is not None)):
+                try:
+                    b.range_pop()
+                except Exception:  # noqa: BLE001
+                    break
         self._step = None
         self._stack.clear()
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -259,8 +260,13 @@ def test_log_lines_are_whole_and_flushed_while_running(log, gpu):
             pass                     # device idle: each step completes at once
     with prof.step():
         pass
-    with open(log, "rb") as f:       # read while the profiler is still open
-        data = f.read()
+    deadline = time.monotonic() + 5
+    while True:                      # read while the profiler is still open
+        with open(log, "rb") as f:
+            data = f.read()
+        if data.count(b"\n") >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
     assert data.endswith(b"\n") and data.count(b"\n") == 3
     prof.close()
 
@@ -296,7 +302,7 @@ def test_failed_log_write_warns_and_training_goes_on(gpu):
         for _ in range(3):
             with prof.step():
                 pass
-    s = prof.close()
+        s = prof.close()
     assert s.steps == 3 and "failed" in s.unavailable["log"]
 
 

@@ -1,0 +1,95 @@
+"""Where stepprof's per-step host time goes, inside a real training loop.
+
+Wraps each backend method and the log write with timers, runs the launch-bound
+step (8 x 256 bf16 MLP, batch 64, AdamW) under the full instrumentation
+(step + three phases), and prints the median µs per step spent in each.
+
+    python bench/boundary_costs.py [--steps 300] [--log-dir DIR] [--out costs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stepprof  # noqa: E402
+from stepprof import _log  # noqa: E402
+from stepprof._cuda import CudaBackend  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import make_workload  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--out", default="boundary_costs.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 0
+    fwd, bwd, opt = make_workload(256, 64)
+    for _ in range(10):
+        fwd(); bwd(); opt()
+    torch.cuda.synchronize()
+
+    spent: dict[str, int] = collections.defaultdict(int)
+    calls: dict[str, int] = collections.defaultdict(int)
+    backend = CudaBackend(torch.cuda.current_device())
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] += time.perf_counter_ns() - t0
+                calls[name] += 1
+        return wrapper
+
+    for name in ("mark", "is_done", "elapsed_ms", "release", "reset_peak", "read_memory",
+                 "range_push", "range_pop"):
+        setattr(backend, name, timed(name, getattr(backend, name)))
+    orig_write = _log.JsonlWriter.write
+    _log.JsonlWriter.write = timed("log write (queued)", orig_write)
+
+    tmp = args.log_dir or tempfile.mkdtemp()
+    prof = stepprof.Profiler(os.path.join(tmp, "costs.jsonl"), _backend=backend)
+    wall0 = time.perf_counter_ns()
+    for _ in range(args.steps):
+        with prof.step(batch_size=64):
+            with prof.measure("forward"):
+                fwd()
+            with prof.measure("backward"):
+                bwd()
+            with prof.measure("optimizer"):
+                opt()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter_ns() - wall0) / args.steps / 1e3
+    s = prof.close()
+    _log.JsonlWriter.write = orig_write
+    n = args.steps
+    rows = {k: {"us_per_step": v / n / 1e3, "calls_per_step": calls[k] / n, "us_per_call": v / calls[k] / 1e3}
+            for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    total = sum(r["us_per_step"] for r in rows.values())
+    print(f"{'where':32s} {'µs/step':>9s} {'calls':>6s} {'µs/call':>8s}")
+    for k, r in rows.items():
+        print(f"{k:32s} {r['us_per_step']:9.1f} {r['calls_per_step']:6.1f} {r['us_per_call']:8.2f}")
+    print(f"{'sum of the above':32s} {total:9.1f}")
+    print(f"overhead_us median {s.overhead_us_median:.1f}; step wall {wall:.0f} µs; log dir {tmp}")
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "overhead_us_median": s.overhead_us_median, "step_us": wall}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""stepprof's overhead on a training step, against a bare loop and torch.profiler.
+
+Two steps (an 8-layer bf16 MLP with AdamW):
+  compute-bound: 4096 wide, batch 4096 (about 7 ms on an H200);
+  launch-bound:  256 wide, batch 64 (host-bound: launch cost dominates).
+Variants, interleaved in a shuffled order every round:
+  bare      the step as is;
+  step      inside ``prof.step(batch_size=...)``;
+  full      ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
+  profiler  the bare step under torch.profiler (CPU+CUDA activities), trace
+            post-processing excluded and reported apart.
+Each round times K steps of one variant between two synchronisations (the
+host clock is honest there: the queue is drained at both ends).  The table
+gives the median per-step time and, per variant, the median over rounds of
+its ratio to the bare loop of the same round, with p10-p90 as the spread.
+
+    python bench/overhead.py [--rounds 20] [--steps 30] [--out overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stepprof  # noqa: E402
+
+
+def make_workload(width: int, batch: int, depth: int = 8):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width, dtype=torch.bfloat16), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    state = {}
+
+    def forward():
+        state["loss"] = model(x).float().pow(2).mean()
+
+    def backward():
+        state["loss"].backward()
+
+    def optimizer():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return forward, backward, optimizer
+
+
+def quantiles(xs):
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=10, method="inclusive")
+    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1]}
+
+
+def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dict:
+    fwd, bwd, opt = make_workload(width, batch)
+    prof_step = stepprof.Profiler(os.path.join(tmp, f"{name}-step.jsonl"))
+    prof_full = stepprof.Profiler(os.path.join(tmp, f"{name}-full.jsonl"))
+
+    def bare():
+        fwd(); bwd(); opt()
+
+    def step():
+        with prof_step.step(batch_size=batch):
+            fwd(); bwd(); opt()
+
+    def full():
+        with prof_full.step(batch_size=batch):
+            with prof_full.measure("forward"):
+                fwd()
+            with prof_full.measure("backward"):
+                bwd()
+            with prof_full.measure("optimizer"):
+                opt()
+
+    variants = {"bare": bare, "step": step, "full": full, "profiler": bare}
+    for fn in (bare, step, full):  # warm-up: allocator, cuBLAS handles, Adam state
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+
+    per_step = {v: [] for v in variants}
+    post_s = []
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            fn = variants[v]
+            if v == "profiler":
+                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                p = torch.profiler.profile(activities=acts)
+                p.__enter__()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            if v == "profiler":
+                p.__exit__(None, None, None)
+                t2 = time.perf_counter()
+                p.key_averages()
+                post_s.append(time.perf_counter() - t2)
+            per_step[v].append((t1 - t0) / k * 1e6)
+    s_step, s_full = prof_step.close(), prof_full.close()
+
+    out = {"width": width, "batch": batch, "rounds": rounds, "steps_per_round": k, "variants": {}}
+    for v, xs in per_step.items():
+        ratios = [x / b for x, b in zip(xs, per_step["bare"])]
+        added = [x - b for x, b in zip(xs, per_step["bare"])]
+        out["variants"][v] = {
+            "us_per_step": quantiles(xs),
+            "ratio_to_bare": quantiles(ratios),
+            "added_us": quantiles(added),
+        }
+    out["profiler_postprocess_s_median"] = statistics.median(post_s)
+    out["stepprof_overhead_us_median"] = {"step": s_step.overhead_us_median, "full": s_full.overhead_us_median}
+    out["stepprof_gpu_ms_median"] = {"step": s_step.gpu_ms.median, "full": s_full.gpu_ms.median}
+    add = {v: out["variants"][v]["added_us"]["median"] for v in variants}
+    out["profiler_added_over_stepprof"] = {
+        v: (add["profiler"] / add[v] if add[v] > 0 else None) for v in ("step", "full")
+    }
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30, help="steps per variant per round")
+    ap.add_argument("--out", default="overhead.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/overhead.py needs CUDA; nothing measured")
+        return 0
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "command": "python bench/overhead.py " + " ".join(sys.argv[1:]),
+        "workloads": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):
+            results["workloads"][name] = run(name, width, batch, args.rounds, args.steps, tmp)
+
+    print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
+    print(f"{'workload':14s} {'variant':9s} {'µs/step':>10s} {'added µs':>9s} {'ratio median':>13s} {'p10-p90':>17s}")
+    for name, w in results["workloads"].items():
+        for v, r in w["variants"].items():
+            rt = r["ratio_to_bare"]
+            print(f"{name:14s} {v:9s} {r['us_per_step']['median']:10.1f} {r['added_us']['median']:9.1f} "
+                  f"{rt['median']:13.4f} {rt['p10']:8.4f}-{rt['p90']:.4f}")
+        f = w["profiler_added_over_stepprof"]
+        print(f"{name:14s} torch.profiler adds {f['step'] or float('nan'):.0f}x (step) / "
+              f"{f['full'] or float('nan'):.0f}x (full) stepprof's time; trace post-processing "
+              f"{w['profiler_postprocess_s_median']:.2f} s; stepprof's own overhead_us median "
+              f"{w['stepprof_overhead_us_median']['step']:.1f} (step) / {w['stepprof_overhead_us_median']['full']:.1f} (full)")
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

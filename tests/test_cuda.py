@@ -1,0 +1,241 @@
+"""On a real GPU: no added syncs, event timing against an independent span, exact peaks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stepprof
+
+pytestmark = pytest.mark.cuda
+
+_SYNCS: list[str] = []
+_TRACE = {"on": False}
+
+
+def _count_syncs() -> list[str]:
+    """Count every device/stream/event synchronisation via torch's GPU-trace callbacks.
+
+    The callbacks cannot be removed, so they are registered once and gated by a flag.
+    """
+    if not _TRACE.get("installed"):
+        import torch.cuda._gpu_trace as gt
+
+        def hook(kind):
+            return lambda *a: _SYNCS.append(kind) if _TRACE["on"] else None
+
+        gt.register_callback_for_device_synchronization(hook("device"))
+        gt.register_callback_for_stream_synchronization(hook("stream"))
+        gt.register_callback_for_event_synchronization(hook("event"))
+        torch._C._activate_gpu_trace()
+        _TRACE["installed"] = True
+        _TRACE["on"] = True
+        torch.cuda.synchronize()
+        assert _SYNCS == ["device"], "GPU-trace callbacks did not fire"
+    _SYNCS.clear()
+    return _SYNCS
+
+
+def mlp(width, depth=4, dtype=torch.float32):
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width, dtype=dtype), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers).cuda()
+
+
+def train_parts(model, x, opt):
+    def fwd():
+        return model(x).float().pow(2).mean()
+
+    def bwd(loss):
+        loss.backward()
+
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return fwd, bwd, step
+
+
+def test_stepprof_adds_no_sync(tmp_path):
+    model = mlp(1024, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    fwd, bwd, ostep = train_parts(model, x, opt)
+    for _ in range(3):
+        bwd(fwd()); ostep()
+    torch.cuda.synchronize()
+    log = tmp_path / "nosync.jsonl"
+    prof = stepprof.Profiler(log, warmup=2)
+    syncs = _count_syncs()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(50):
+            with prof.step(batch_size=256):
+                with prof.measure("forward"):
+                    loss = fwd()
+                with prof.measure("backward"):
+                    bwd(loss)
+                with prof.measure("optimizer"):
+                    ostep()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert syncs == [], f"stepprof synchronised: {syncs}"
+    prof._writer.flush()
+    written = len(list(stepprof.read(log)))
+    assert written >= 40, "records were not harvested lazily during the run"
+    prof.close()
+    recs = list(stepprof.read(log, kind="step"))
+    assert len(recs) == 50 and all(r["gpu_ms"] > 0 for r in recs)
+    assert all(r["phases"]["optimizer"]["gpu_ms"] is not None for r in recs)
+
+
+def test_gpu_ms_matches_an_independent_event_span(tmp_path):
+    model = mlp(4096, depth=8, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    fwd, bwd, ostep = train_parts(model, x, opt)
+    for _ in range(3):
+        bwd(fwd()); ostep()
+    log = tmp_path / "span.jsonl"
+    prof = stepprof.Profiler(log)
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(25):
+        with prof.step(batch_size=4096):
+            bwd(fwd()); ostep()
+    b.record()
+    prof.close()
+    span = a.elapsed_time(b)
+    total = sum(r["gpu_ms"] for r in stepprof.read(log, kind="step"))
+    assert abs(total - span) / span < 0.02, (total, span)
+    assert span / 25 > 2.0  # really compute-bound: milliseconds per step
+
+
+def _peak_model():
+    # Big weights, tiny batch: AdamW's foreach temporaries set the step's peak.
+    torch.manual_seed(0)
+    model = mlp(4096, depth=4)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randn(8, 4096, device="cuda")
+    return train_parts(model, x, opt)
+
+
+def test_peak_equals_max_memory_allocated_to_the_byte(tmp_path):
+    fwd, bwd, ostep = _peak_model()
+    for _ in range(2):
+        loss = fwd()
+        bwd(loss)
+        ostep()
+    log = tmp_path / "peak.jsonl"
+    prof = stepprof.Profiler(log)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with prof.step():
+        loss = fwd()
+        bwd(loss)
+        ostep()
+    independent = torch.cuda.max_memory_allocated()
+    # The same step again, with phases; then once more with no stepprof at all.
+    with prof.step():
+        with prof.measure("forward"):
+            loss = fwd()
+        with prof.measure("backward"):
+            bwd(loss)
+        with prof.measure("optimizer"):
+            ostep()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fwd()
+    bwd(loss)
+    ostep()
+    bare = torch.cuda.max_memory_allocated()
+    prof.close()
+    plain, phased = list(stepprof.read(log, kind="step"))
+    assert plain["peak_allocated_bytes"] == independent
+    assert phased["peak_allocated_bytes"] == bare == independent
+    ph = phased["phases"]
+    assert ph["optimizer"]["peak_allocated_bytes"] > ph["backward"]["peak_allocated_bytes"]
+    assert ph["optimizer"]["peak_allocated_bytes"] == phased["peak_allocated_bytes"]
+    assert phased["reserved_bytes"] >= phased["peak_allocated_bytes"]
+
+
+def test_records_lag_until_the_gpu_finishes(tmp_path):
+    log = tmp_path / "lag.jsonl"
+    prof = stepprof.Profiler(log)
+    with prof.step():
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time at ~2 GHz
+    prof._writer.flush()
+    assert list(stepprof.read(log)) == []   # not finished, and nobody waited
+    torch.cuda.synchronize()
+    with prof.step():
+        pass
+    prof._writer.flush()
+    assert [r["step"] for r in stepprof.read(log)] == [0]
+    prof.close()
+    first = next(stepprof.read(log, kind="step"))
+    assert first["gpu_ms"] > 20 and first["gpu_busy"] > 1
+
+
+def test_failed_step_leaves_state_clean(tmp_path):
+    log = tmp_path / "fail.jsonl"
+    mode = torch.cuda.get_sync_debug_mode()
+    prof = stepprof.Profiler(log)
+    with pytest.raises(RuntimeError, match="planted"):
+        with prof.step():
+            with prof.measure("forward"):
+                torch.ones(10, device="cuda").sum()
+                raise RuntimeError("planted")
+    with prof.step():
+        torch.ones(10, device="cuda").sum()
+    prof.close()
+    a, b = list(stepprof.read(log, kind="step"))
+    assert a["error"]["message"] == "planted" and b["error"] is None
+    assert torch.cuda.get_sync_debug_mode() == mode
+
+
+def test_compiled_autocast_and_accumulated_steps(tmp_path):
+    model = mlp(512, depth=2)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def fwd(x):
+        with stepprof.measure("inside-compiled"):  # compiled away, no graph break
+            return model(x).float().pow(2).mean()
+
+    cfwd = torch.compile(fwd, fullgraph=True)
+    xs = [torch.randn(32, 512, device="cuda") for _ in range(4)]
+    log = tmp_path / "compiled.jsonl"
+    with stepprof.Profiler(log, warmup=1) as prof:
+        for _ in range(3):
+            with prof.step(batch_size=128):
+                for x in xs:  # gradient accumulation over four micro-batches
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        with prof.measure("forward"):
+                            loss = cfwd(x) / len(xs)
+                    with prof.measure("backward"):
+                        loss.backward()
+                with prof.measure("optimizer"):
+                    opt.step()
+                    opt.zero_grad()
+    recs = list(stepprof.read(log, kind="step"))
+    assert len(recs) == 3
+    for r in recs:
+        assert set(r["phases"]) == {"forward", "backward", "optimizer"}
+        assert r["phases"]["forward"]["count"] == 4 and r["phases"]["forward"]["gpu_ms"] > 0
+        assert r["gpu_ms"] > 0 and r["peak_allocated_bytes"] > 0
+
+
+def test_no_cuda_context_for_a_cpu_job(tmp_path):
+    code = (
+        "import torch, stepprof\n"
+        f"with stepprof.Profiler({str(tmp_path / 'cpu.jsonl')!r}) as p:\n"
+        "    with p.step():\n"
+        "        torch.ones(3).sum()\n"
+        "assert not torch.cuda.is_initialized(), 'stepprof created a CUDA context'\n"
+        "assert p.summary.device == 'cpu', p.summary\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
