@@ -65,27 +65,41 @@ def quantiles(xs):
 
 def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dict:
     fwd, bwd, opt = make_workload(width, batch)
-    prof_step = stepprof.Profiler(os.path.join(tmp, f"{name}-step.jsonl"))
-    prof_full = stepprof.Profiler(os.path.join(tmp, f"{name}-full.jsonl"))
+    profs = {
+        v: stepprof.Profiler(os.path.join(tmp, f"{name}-{v}.jsonl"),
+                             **({"_collect_every_s": None} if v.endswith("inline") else {}))
+        for v in ("step", "full", "step-inline", "full-inline")
+    }
 
     def bare():
         fwd(); bwd(); opt()
 
-    def step():
-        with prof_step.step(batch_size=batch):
-            fwd(); bwd(); opt()
+    def stepped(prof):
+        def step():
+            with prof.step(batch_size=batch):
+                fwd(); bwd(); opt()
+        return step
 
-    def full():
-        with prof_full.step(batch_size=batch):
-            with prof_full.measure("forward"):
-                fwd()
-            with prof_full.measure("backward"):
-                bwd()
-            with prof_full.measure("optimizer"):
-                opt()
+    def phased(prof):
+        def full():
+            with prof.step(batch_size=batch):
+                with prof.measure("forward"):
+                    fwd()
+                with prof.measure("backward"):
+                    bwd()
+                with prof.measure("optimizer"):
+                    opt()
+        return full
 
-    variants = {"bare": bare, "step": step, "full": full, "profiler": bare}
-    for fn in (bare, step, full):  # warm-up: allocator, cuBLAS handles, Adam state
+    variants = {
+        "bare": bare,
+        "step": stepped(profs["step"]),
+        "full": phased(profs["full"]),
+        "step-inline": stepped(profs["step-inline"]),
+        "full-inline": phased(profs["full-inline"]),
+        "profiler": bare,
+    }
+    for v, fn in variants.items():  # warm-up: allocator, cuBLAS handles, Adam state
         for _ in range(10):
             fn()
     torch.cuda.synchronize()
@@ -114,7 +128,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dic
                 p.key_averages()
                 post_s.append(time.perf_counter() - t2)
             per_step[v].append((t1 - t0) / k * 1e6)
-    s_step, s_full = prof_step.close(), prof_full.close()
+    summaries = {v: p.close() for v, p in profs.items()}
 
     out = {"width": width, "batch": batch, "rounds": rounds, "steps_per_round": k, "variants": {}}
     for v, xs in per_step.items():
@@ -126,11 +140,11 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dic
             "added_us": quantiles(added),
         }
     out["profiler_postprocess_s_median"] = statistics.median(post_s)
-    out["stepprof_overhead_us_median"] = {"step": s_step.overhead_us_median, "full": s_full.overhead_us_median}
-    out["stepprof_gpu_ms_median"] = {"step": s_step.gpu_ms.median, "full": s_full.gpu_ms.median}
+    out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
+    out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
     add = {v: out["variants"][v]["added_us"]["median"] for v in variants}
     out["profiler_added_over_stepprof"] = {
-        v: (add["profiler"] / add[v] if add[v] > 0 else None) for v in ("step", "full")
+        v: (add["profiler"] / add[v] if add[v] > 0 else None) for v in profs
     }
     return out
 
@@ -157,17 +171,17 @@ def main() -> int:
             results["workloads"][name] = run(name, width, batch, args.rounds, args.steps, tmp)
 
     print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
-    print(f"{'workload':14s} {'variant':9s} {'µs/step':>10s} {'added µs':>9s} {'ratio median':>13s} {'p10-p90':>17s}")
+    print(f"{'workload':14s} {'variant':12s} {'µs/step':>9s} {'added µs':>9s} {'ratio':>7s} "
+          f"{'p10-p90':>14s} {'overhead_us':>11s} {'profiler/this':>13s}")
     for name, w in results["workloads"].items():
         for v, r in w["variants"].items():
             rt = r["ratio_to_bare"]
-            print(f"{name:14s} {v:9s} {r['us_per_step']['median']:10.1f} {r['added_us']['median']:9.1f} "
-                  f"{rt['median']:13.4f} {rt['p10']:8.4f}-{rt['p90']:.4f}")
-        f = w["profiler_added_over_stepprof"]
-        print(f"{name:14s} torch.profiler adds {f['step'] or float('nan'):.0f}x (step) / "
-              f"{f['full'] or float('nan'):.0f}x (full) stepprof's time; trace post-processing "
-              f"{w['profiler_postprocess_s_median']:.2f} s; stepprof's own overhead_us median "
-              f"{w['stepprof_overhead_us_median']['step']:.1f} (step) / {w['stepprof_overhead_us_median']['full']:.1f} (full)")
+            ovh = w["stepprof_overhead_us_median"].get(v)
+            f = w["profiler_added_over_stepprof"].get(v)
+            print(f"{name:14s} {v:12s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
+                  f"{rt['median']:7.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "
+                  f"{'' if ovh is None else f'{ovh:.1f}':>11s} {'' if f is None else f'{f:.1f}x':>13s}")
+        print(f"{name:14s} torch.profiler trace post-processing {w['profiler_postprocess_s_median']:.2f} s per round")
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     return 0

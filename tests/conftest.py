@@ -66,4 +66,6 @@ def log(tmp_path):
 
 
 def make(log, gpu, **kw) -> stepprof.Profiler:
+    """A profiler on the fake device, harvesting inline at step exits (deterministic)."""
+    kw.setdefault("_collect_every_s", None)
     return stepprof.Profiler(log, _backend=gpu, _clock=gpu.clock, **kw)
