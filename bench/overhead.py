@@ -140,11 +140,19 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dic
             "added_us": quantiles(added),
         }
     out["profiler_postprocess_s_median"] = statistics.median(post_s)
+    # torch.profiler's trace processing runs in the training process too: per profiled step,
+    # it costs post-processing time / steps profiled, on top of the in-loop slowdown.
+    out["profiler_added_us_with_postprocess"] = (
+        out["variants"]["profiler"]["added_us"]["median"] + statistics.median(post_s) / k * 1e6
+    )
     out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
     out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
     add = {v: out["variants"][v]["added_us"]["median"] for v in variants}
     out["profiler_added_over_stepprof"] = {
         v: (add["profiler"] / add[v] if add[v] > 0 else None) for v in profs
+    }
+    out["profiler_with_postprocess_over_stepprof"] = {
+        v: (out["profiler_added_us_with_postprocess"] / add[v] if add[v] > 0 else None) for v in profs
     }
     return out
 
@@ -154,6 +162,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30, help="steps per variant per round")
     ap.add_argument("--out", default="overhead.json")
+    ap.add_argument("--workloads", default="compute-bound,launch-bound",
+                    help="comma-separated subset of compute-bound,launch-bound")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/overhead.py needs CUDA; nothing measured")
@@ -167,8 +177,10 @@ def main() -> int:
         "workloads": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
+        chosen = args.workloads.split(",")
         for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):
-            results["workloads"][name] = run(name, width, batch, args.rounds, args.steps, tmp)
+            if name in chosen:
+                results["workloads"][name] = run(name, width, batch, args.rounds, args.steps, tmp)
 
     print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
     print(f"{'workload':14s} {'variant':12s} {'µs/step':>9s} {'added µs':>9s} {'ratio':>7s} "
@@ -181,7 +193,11 @@ def main() -> int:
             print(f"{name:14s} {v:12s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
                   f"{rt['median']:7.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "
                   f"{'' if ovh is None else f'{ovh:.1f}':>11s} {'' if f is None else f'{f:.1f}x':>13s}")
-        print(f"{name:14s} torch.profiler trace post-processing {w['profiler_postprocess_s_median']:.2f} s per round")
+        pp = w["profiler_with_postprocess_over_stepprof"]
+        print(f"{name:14s} torch.profiler trace post-processing {w['profiler_postprocess_s_median']:.2f} s per "
+              f"round of {w['steps_per_round']} steps: with it, torch.profiler adds "
+              f"{w['profiler_added_us_with_postprocess']:.0f} µs/step = "
+              + ", ".join(f"{v} {x:.0f}x" for v, x in pp.items() if x is not None))
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=2)
     return 0
