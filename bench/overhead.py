@@ -4,7 +4,7 @@ Two steps (an 8-layer bf16 MLP with AdamW):
   compute-bound: 4096 wide, batch 4096 (about 7 ms on an H200);
   launch-bound:  256 wide, batch 64 (host-bound: launch cost dominates).
 Variants, interleaved in a shuffled order every round:
-  bare      the step as is;
+  bare      the step as is (and bare-again, the same, as an A/A noise control);
   step      inside ``prof.step(batch_size=...)``;
   full      ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
   profiler  the bare step under torch.profiler (CPU+CUDA activities), trace
@@ -63,7 +63,7 @@ def quantiles(xs):
     return {"median": statistics.median(s), "p10": q[0], "p90": q[-1]}
 
 
-def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dict:
+def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profiler: bool = True) -> dict:
     fwd, bwd, opt = make_workload(width, batch)
     profs = {
         v: stepprof.Profiler(os.path.join(tmp, f"{name}-{v}.jsonl"),
@@ -93,12 +93,14 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dic
 
     variants = {
         "bare": bare,
+        "bare-again": bare,  # an A/A control: its ratio shows the noise floor of the estimate
         "step": stepped(profs["step"]),
         "full": phased(profs["full"]),
         "step-inline": stepped(profs["step-inline"]),
         "full-inline": phased(profs["full-inline"]),
-        "profiler": bare,
     }
+    if profiler:
+        variants["profiler"] = bare
     for v, fn in variants.items():  # warm-up: allocator, cuBLAS handles, Adam state
         for _ in range(10):
             fn()
@@ -139,14 +141,16 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str) -> dic
             "ratio_to_bare": quantiles(ratios),
             "added_us": quantiles(added),
         }
+    out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
+    out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
+    if not profiler:
+        return out
     out["profiler_postprocess_s_median"] = statistics.median(post_s)
     # torch.profiler's trace processing runs in the training process too: per profiled step,
     # it costs post-processing time / steps profiled, on top of the in-loop slowdown.
     out["profiler_added_us_with_postprocess"] = (
         out["variants"]["profiler"]["added_us"]["median"] + statistics.median(post_s) / k * 1e6
     )
-    out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
-    out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
     add = {v: out["variants"][v]["added_us"]["median"] for v in variants}
     out["profiler_added_over_stepprof"] = {
         v: (add["profiler"] / add[v] if add[v] > 0 else None) for v in profs
@@ -162,6 +166,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=30, help="steps per variant per round")
     ap.add_argument("--out", default="overhead.json")
+    ap.add_argument("--no-profiler", action="store_true",
+                    help="leave torch.profiler out (its trace post-processing dominates the run time)")
     ap.add_argument("--workloads", default="compute-bound,launch-bound",
                     help="comma-separated subset of compute-bound,launch-bound")
     args = ap.parse_args()
@@ -180,7 +186,9 @@ def main() -> int:
         chosen = args.workloads.split(",")
         for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):
             if name in chosen:
-                results["workloads"][name] = run(name, width, batch, args.rounds, args.steps, tmp)
+                results["workloads"][name] = run(
+                    name, width, batch, args.rounds, args.steps, tmp, profiler=not args.no_profiler
+                )
 
     print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
     print(f"{'workload':14s} {'variant':12s} {'µs/step':>9s} {'added µs':>9s} {'ratio':>7s} "
@@ -189,10 +197,12 @@ def main() -> int:
         for v, r in w["variants"].items():
             rt = r["ratio_to_bare"]
             ovh = w["stepprof_overhead_us_median"].get(v)
-            f = w["profiler_added_over_stepprof"].get(v)
+            f = w.get("profiler_added_over_stepprof", {}).get(v)
             print(f"{name:14s} {v:12s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
                   f"{rt['median']:7.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "
                   f"{'' if ovh is None else f'{ovh:.1f}':>11s} {'' if f is None else f'{f:.1f}x':>13s}")
+        if "profiler_postprocess_s_median" not in w:
+            continue
         pp = w["profiler_with_postprocess_over_stepprof"]
         print(f"{name:14s} torch.profiler trace post-processing {w['profiler_postprocess_s_median']:.2f} s per "
               f"round of {w['steps_per_round']} steps: with it, torch.profiler adds "
