@@ -139,6 +139,8 @@ def _host_rss() -> int | None:
         return None
 
 
+_NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
+
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
 
@@ -530,9 +532,7 @@ class Profiler:
         wall_ms = (s.t1 - s.t0) / 1e6
         gpu_ms = self._elapsed(b, s.start_mark, s.end_mark)
         if gpu_ms is None:
-            unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or (
-                "no CUDA event could be recorded (CUDA-graph capture?)"
-            )
+            unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or _NO_EVENT
         phases: dict[str, dict[str, Any]] = {}
         for key, total in s.phases.items():
             pg: float | None = 0.0
@@ -549,7 +549,7 @@ class Profiler:
                 "count": total.count,
             }
             if pg is None:
-                unavailable["phases.gpu_ms"] = b.gpu_reason or "no CUDA event could be recorded"
+                unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
             if total.peak < 0:
                 unavailable["phases.peak_allocated_bytes"] = b.memory_reason or "not read"
         released: set[int] = set()  # top-level phases share boundary events

@@ -239,3 +239,29 @@ def test_no_cuda_context_for_a_cpu_job(tmp_path):
         "assert p.summary.device == 'cpu', p.summary\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_cuda_graph_capture_inside_a_step_is_left_intact(tmp_path):
+    x = torch.randn(1024, 1024, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on a side stream, as torch.cuda.graph requires
+        y = x @ x
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    log = tmp_path / "graph.jsonl"
+    with stepprof.Profiler(log) as prof:
+        with prof.step():
+            with torch.cuda.graph(g):
+                with prof.measure("captured"):
+                    y = x @ x
+            g.replay()
+        with prof.step():
+            with prof.measure("replay"):
+                g.replay()
+    torch.testing.assert_close(y, x @ x)
+    captured, replayed = list(stepprof.read(log, kind="step"))
+    assert captured["phases"]["captured"]["gpu_ms"] is None
+    assert "capturing a CUDA graph" in captured["unavailable"]["phases.gpu_ms"]
+    assert captured["gpu_ms"] > 0          # the step's own events are outside the capture
+    assert replayed["phases"]["replay"]["gpu_ms"] > 0
