@@ -101,7 +101,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
     }
     if profiler:
         variants["profiler"] = bare
-    for v, fn in variants.items():  # warm-up: allocator, cuBLAS handles, Adam state
+    for fn in variants.values():  # warm-up: allocator, cuBLAS handles, Adam state
         for _ in range(10):
             fn()
     torch.cuda.synchronize()
