@@ -25,7 +25,7 @@ from stepprof import _log  # noqa: E402
 from stepprof._cuda import CudaBackend  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from overhead import make_workload  # noqa: E402
+from overhead import make_workload, phased_step  # noqa: E402
 
 
 def main() -> int:
@@ -60,19 +60,13 @@ def main() -> int:
                  "range_push", "range_pop"):
         setattr(backend, name, timed(name, getattr(backend, name)))
     orig_write = _log.JsonlWriter.write
-    _log.JsonlWriter.write = timed("log write (queued)", orig_write)
+    _log.JsonlWriter.write = timed("log write (collector: orjson + write)", orig_write)
 
     tmp = args.log_dir or tempfile.mkdtemp()
     prof = stepprof.Profiler(os.path.join(tmp, "costs.jsonl"), _backend=backend)
     wall0 = time.perf_counter_ns()
     for _ in range(args.steps):
-        with prof.step(batch_size=64):
-            with prof.measure("forward"):
-                fwd()
-            with prof.measure("backward"):
-                bwd()
-            with prof.measure("optimizer"):
-                opt()
+        phased_step(prof, 64, fwd, bwd, opt)
     torch.cuda.synchronize()
     wall = (time.perf_counter_ns() - wall0) / args.steps / 1e3
     s = prof.close()

@@ -57,6 +57,17 @@ def make_workload(width: int, batch: int, depth: int = 8):
     return forward, backward, optimizer
 
 
+def phased_step(prof, batch, fwd, bwd, opt):
+    """One step with forward/backward/optimizer phases: the README's loop."""
+    with prof.step(batch_size=batch):
+        with prof.measure("forward"):
+            fwd()
+        with prof.measure("backward"):
+            bwd()
+        with prof.measure("optimizer"):
+            opt()
+
+
 def quantiles(xs):
     s = sorted(xs)
     q = statistics.quantiles(s, n=10, method="inclusive")
@@ -81,15 +92,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
         return step
 
     def phased(prof):
-        def full():
-            with prof.step(batch_size=batch):
-                with prof.measure("forward"):
-                    fwd()
-                with prof.measure("backward"):
-                    bwd()
-                with prof.measure("optimizer"):
-                    opt()
-        return full
+        return lambda: phased_step(prof, batch, fwd, bwd, opt)
 
     variants = {
         "bare": bare,
