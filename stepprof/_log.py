@@ -17,7 +17,6 @@ __all__ = ["SCHEMA_VERSION", "JsonlWriter", "read"]
 SCHEMA_VERSION = 1
 
 
-
 class JsonlWriter:
     """Appends records to ``path``, one ``write()`` system call per whole line.
 

@@ -7,18 +7,19 @@ tests drive all of it on a CPU with a fake device.
 How one step is measured (``B`` = a boundary, where stepprof does its work)::
 
     B step entry : reset the allocator's peak counter, record the start event
-    B phase entry: record the phase's start event; a nested phase first reads
-                   the peak so far (folding it into every open scope) and resets
+    B phase entry: a top-level phase starts at the previous top-level boundary's
+                   event; a nested phase reads the peak so far (folding it into
+                   every open scope), resets, and records its own start event
     B phase exit : record the end event, read the peak (fold), reset
     B step exit  : record the end event, read the peak (fold) and reserved,
-                   then harvest older steps whose end events have completed
+                   and queue the step for the collector thread
 
 Every read is folded into every open scope, and every interval of the step is
 covered by some read, so the step's peak is the exact high-water mark over the
 whole step, phases and gaps included.  Each phase gets its own peak; a
 top-level phase's peak also covers the (normally empty) gap since the previous
-read, which saves one raw-stats read per phase.  Events are only *queried*, never waited
-on; a step's record is written at a later boundary, once its end event (and
+read, which saves one raw-stats read per phase.  Events are only *queried*, never
+waited on: the collector thread writes a step's record once its end event (and
 each of its phases' end events) has completed.  :meth:`Profiler.close`
 synchronises once and writes whatever is still pending.
 """
