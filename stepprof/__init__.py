@@ -7,7 +7,7 @@ JSON-lines log that :func:`read` streams back.
 """
 
 from ._api import configure, measure, profile_step
-from ._errors import ConfigError, StepprofError, UsageError
+from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._log import SCHEMA_VERSION, read
 from ._profiler import Profiler
 from ._records import Percentiles, Summary
@@ -21,6 +21,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "StepprofError",
     "Summary",
+    "SyncBudgetExceeded",
     "UsageError",
     "configure",
     "measure",

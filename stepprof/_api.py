@@ -14,7 +14,14 @@ from typing import Any, TypeVar, overload
 import torch
 
 from ._errors import ConfigError, UsageError
-from ._profiler import Profiler, _StepContext, check_batch_size, check_name, check_warmup
+from ._profiler import (
+    Profiler,
+    _StepContext,
+    check_batch_size,
+    check_budget,
+    check_name,
+    check_warmup,
+)
 
 __all__ = ["configure", "current", "measure", "profile_step"]
 
@@ -86,6 +93,9 @@ def configure(
     warmup: int = 0,
     device: str | int | torch.device | None = None,
     nvtx: bool = True,
+    syncs: str = "warn",
+    max_syncs: int | None = None,
+    on_sync: str = "count",
 ) -> Profiler:
     """Set up the default profiler, used when no ``with Profiler(...)`` is active.
 
@@ -97,7 +107,10 @@ def configure(
         The new default profiler.
     """
     global _default
-    new = Profiler(log, warmup=warmup, device=device, nvtx=nvtx)
+    new = Profiler(
+        log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
+        on_sync=on_sync,
+    )
     with _lock:
         old, _default = _default, new
     if old is not None:
@@ -108,12 +121,22 @@ def configure(
 class _ProfileStep:
     """``stepprof.profile_step``: see :meth:`__call__`."""
 
-    def __call__(self, name: str | None = None, *, batch_size: int | None = None) -> _StepContext:
+    def __call__(
+        self,
+        name: str | None = None,
+        *,
+        batch_size: int | None = None,
+        max_syncs: int | None = None,
+        on_sync: str | None = None,
+    ) -> _StepContext:
         """A context manager around one training step of the current profiler.
 
         Args:
             name: the step's name in the log (default ``"step"``).
             batch_size: samples in the step; enables ``samples_per_s``.
+            max_syncs: this step's sync budget (default: the profiler's, None).
+            on_sync: ``"count"``, ``"warn"`` or ``"raise"`` when the step goes over
+                ``max_syncs`` (default: the profiler's, ``"count"``).
 
         Example:
             >>> import stepprof
@@ -123,7 +146,9 @@ class _ProfileStep:
             >>> prof.summary.steps
             1
         """
-        return _StepContext(None, check_name(name), check_batch_size(batch_size))
+        return _StepContext(
+            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync)
+        )
 
     def __enter__(self) -> None:
         raise UsageError("use `with stepprof.profile_step():` (did you forget the brackets?)")

@@ -27,11 +27,27 @@ called once both events have completed.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Backend", "CudaBackend", "HostBackend", "select_backend"]
+from . import _syncs
+
+__all__ = ["Backend", "CudaBackend", "HostBackend", "SYNC_MECHANISMS", "select_backend"]
+
+#: How sync points are detected: torch's sync-debug warnings (plus wrappers for the
+#: device and event waits they miss), torch's GPU-trace callbacks, or not at all.
+SYNC_MECHANISMS = ("warn", "trace", "off")
+
+#: The allocator's own hidden-sync counters, reported as per-step deltas.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+_Counters = tuple[int, ...]
 
 
 class Backend(Protocol):
@@ -48,10 +64,12 @@ class Backend(Protocol):
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
     def release(self, mark: Any) -> None: ...
     def reset_peak(self) -> None: ...
-    def read_memory(self) -> tuple[int, int] | None: ...
+    def read_memory(self) -> tuple[int, int, _Counters | None] | None: ...
     def synchronize(self) -> None: ...
     def range_push(self, name: str) -> None: ...
     def range_pop(self) -> None: ...
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None: ...
+    def unwatch_syncs(self) -> None: ...
 
 
 class HostBackend:
@@ -63,6 +81,8 @@ class HostBackend:
         self.memory_reason = (
             f"{reason}; torch's CPU allocator keeps no peak counter (see host_rss_bytes)"
         )
+        self.sync_mechanism: str | None = None
+        self.sync_reason = f"{reason}: there is no device for the host to wait on"
 
     def mark(self) -> None:
         return None
@@ -91,6 +111,12 @@ class HostBackend:
     def range_pop(self) -> None:
         pass
 
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str:
+        return self.sync_reason
+
+    def unwatch_syncs(self) -> None:
+        pass
+
 
 class CudaBackend:
     """CUDA events from a reusable pool, the raw allocator stats, NVTX.
@@ -102,7 +128,7 @@ class CudaBackend:
     ever in flight at once.
     """
 
-    def __init__(self, device_index: int, *, nvtx: bool = True) -> None:
+    def __init__(self, device_index: int, *, nvtx: bool = True, syncs: str = "warn") -> None:
         self.index = device_index
         self.device = f"cuda:{device_index}"
         self.gpu_reason = None
@@ -114,6 +140,9 @@ class CudaBackend:
         self._memory_stats = torch._C._cuda_memoryStats
         self._reset_peak = torch._C._cuda_resetPeakMemoryStats
         self._nvtx = nvtx
+        self.sync_mechanism: str | None = None if syncs == "off" else syncs
+        self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
+        self._sync_resolved = syncs != "trace"
         if nvtx:
             # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
             nv = getattr(torch._C, "_nvtx", None)
@@ -155,10 +184,55 @@ class CudaBackend:
     def reset_peak(self) -> None:
         self._reset_peak(self.index)
 
-    def read_memory(self) -> tuple[int, int]:
-        """(peak allocated since the last reset, reserved now), from one raw-stats call."""
+    def read_memory(self) -> tuple[int, int, _Counters | None]:
+        """(peak allocated since the last reset, reserved now, the allocator's counters).
+
+        One raw-stats call; the counters (:data:`ALLOCATOR_COUNTERS`, cumulative)
+        are None on a torch that lacks them.
+        """
         stats = self._memory_stats(self.index)
-        return stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["current"]
+        try:
+            counters: _Counters | None = tuple(stats[k] for k in ALLOCATOR_COUNTERS)
+        except KeyError:
+            counters = None
+        return (
+            stats["allocated_bytes"]["all"]["peak"],
+            stats["reserved_bytes"]["all"]["current"],
+            counters,
+        )
+
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
+        """Route this thread's host-device waits to ``tracker`` until :meth:`unwatch_syncs`.
+
+        Returns why they are not counted this step, or None when they are.
+        """
+        if self.sync_mechanism is None:
+            return self.sync_reason
+        if not self._sync_resolved:  # "trace": check once that the callbacks fire
+            self._sync_resolved = True
+            why = _enable_gpu_trace(self.index)
+            if why is not None:
+                self.sync_mechanism = "warn"
+                warnings.warn(
+                    f"stepprof: syncs='trace' is not usable here ({why}); counting syncs "
+                    f"with 'warn' (torch's sync-debug warnings) instead",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        tracker.mechanism = self.sync_mechanism
+        if self.sync_mechanism == "trace":
+            _syncs.attach(tracker, _install_trace_route)
+            return None
+        if not _syncs.installed() and torch._C._cuda_get_sync_debug_mode() == 2:
+            return (
+                "torch's sync-debug mode is 'error' (set outside stepprof), "
+                "so a sync raises instead of being counted"
+            )
+        _syncs.attach(tracker, _install_warn_route)
+        return None
+
+    def unwatch_syncs(self) -> None:
+        _syncs.detach()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
@@ -172,7 +246,155 @@ class CudaBackend:
             self._pop()
 
 
-def select_backend(device: Any = None, *, nvtx: bool = True) -> Backend:
+# -- sync mechanisms ---------------------------------------------------------------
+#
+# "warn": torch's sync-debug mode "warn" makes every stream-level wait (``.item()``,
+# copies to the host, ``nonzero``, ``Stream.synchronize``...) issue a UserWarning on
+# the calling thread, which ``_syncs.WarningTap`` counts; it costs nothing until a
+# sync happens.  It misses device and event waits, so ``torch.cuda.synchronize``,
+# ``torch.accelerator.synchronize`` and ``torch.cuda.Event.synchronize`` are wrapped
+# while a step is open.  ``torch.Event`` is an immutable C type and cannot be wrapped.
+#
+# "trace": torch's private GPU-trace callbacks see every wait, but torch calls into
+# Python on every allocation and free once they are active (for good: activation
+# cannot be undone), which costs a few percent on an allocation-heavy step.
+
+_WAITERS: dict[tuple[Any, str], tuple[Any, Any]] = {}
+_prototype_quiet = False
+_UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
+
+
+def _waiter(original: Callable[..., Any], hint: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wait(*args: Any, **kwargs: Any) -> Any:
+        if _syncs.installed():
+            _syncs.dispatch(hint, sys._getframe(1))
+        return original(*args, **kwargs)
+
+    return wait
+
+
+def _patch(obj: Any, name: str, hint: str) -> Callable[[], None]:
+    key = (obj, name)
+    if key not in _WAITERS:
+        original = getattr(obj, name)
+        _WAITERS[key] = (original, _waiter(original, hint))
+    original, wrapper = _WAITERS[key]
+    setattr(obj, name, wrapper)
+
+    def undo() -> None:
+        if getattr(obj, name) is wrapper:  # else the user patched it meanwhile: leave theirs
+            setattr(obj, name, original)
+
+    return undo
+
+
+def _set_sync_debug_mode(mode: int) -> None:
+    global _prototype_quiet
+    if not _prototype_quiet:  # torch warns once per process that the mode is a prototype
+        _prototype_quiet = True
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch._C._cuda_set_sync_debug_mode(mode)
+        return
+    torch._C._cuda_set_sync_debug_mode(mode)
+
+
+def _install_warn_route() -> list[Callable[[], None]]:
+    undo: list[Callable[[], None]] = []
+    try:
+        mode = torch._C._cuda_get_sync_debug_mode()
+        if mode == 0:
+            _set_sync_debug_mode(1)
+            undo.append(functools.partial(torch._C._cuda_set_sync_debug_mode, 0))
+        # The user had "warn" on: count, and pass their warnings on as before.
+        undo.append(_syncs.WarningTap(forward=mode == 1).install())
+        undo.append(_patch(torch.cuda, "synchronize", "device_synchronize"))
+        undo.append(_patch(torch.cuda.Event, "synchronize", "event_synchronize"))
+        accelerator = getattr(torch, "accelerator", None)
+        if accelerator is not None and hasattr(accelerator, "synchronize"):
+            undo.append(_patch(accelerator, "synchronize", "device_synchronize"))
+    except BaseException:
+        for u in reversed(undo):
+            u()
+        raise
+    return undo
+
+
+_trace = {"registered": False, "on": False}
+_probe: list[str | None] | None = None
+
+
+def _trace_fire(hint: str | None) -> None:
+    if _probe is not None:
+        _probe.append(hint)
+        return
+    if not _trace["on"]:
+        return  # callbacks cannot be unregistered: this flag gates them
+    origin = sys._getframe(1)
+    while origin is not None and (
+        origin.f_code.co_filename == __file__ or origin.f_code.co_filename == _UTILS_FILE
+    ):
+        origin = origin.f_back
+    if origin is not None:
+        _syncs.dispatch(hint, origin)
+
+
+def _on_device_sync(*_: Any) -> None:
+    _trace_fire("device_synchronize")
+
+
+def _on_stream_sync(*_: Any) -> None:
+    _trace_fire(None)
+
+
+def _on_event_sync(*_: Any) -> None:
+    _trace_fire("event_synchronize")
+
+
+def _enable_gpu_trace(index: int) -> str | None:
+    """Register the GPU-trace callbacks (once) and check that one fires; None if it does.
+
+    The check waits on an event recorded on a fresh, idle side stream, so it does not
+    wait for any of the user's work.
+    """
+    global _probe
+    try:
+        import torch.cuda._gpu_trace as gt
+
+        activate = torch._C._activate_gpu_trace
+        if not _trace["registered"]:
+            gt.register_callback_for_device_synchronization(_on_device_sync)
+            gt.register_callback_for_stream_synchronization(_on_stream_sync)
+            gt.register_callback_for_event_synchronization(_on_event_sync)
+            activate()
+            _trace["registered"] = True
+        probe: list[str | None] = []
+        _probe = probe
+        try:
+            side = torch.cuda.Stream(index)
+            ev = torch.cuda.Event()
+            ev.record(side)
+            ev.synchronize()
+        finally:
+            _probe = None
+    except Exception as e:  # noqa: BLE001 - a private API: any failure means "not available"
+        return f"torch's GPU-trace callbacks are unavailable ({type(e).__name__}: {e})"
+    if "event_synchronize" not in probe:
+        return "torch's GPU-trace callbacks did not fire in the start-up self-test"
+    return None
+
+
+def _install_trace_route() -> list[Callable[[], None]]:
+    _trace["on"] = True
+
+    def undo() -> None:
+        _trace["on"] = False
+
+    return [undo]
+
+
+def select_backend(device: Any = None, *, nvtx: bool = True, syncs: str = "warn") -> Backend:
     """Choose the backend for a step that is starting now.
 
     With ``device=None`` the CUDA backend is used only when CUDA is available
@@ -188,9 +410,9 @@ def select_backend(device: Any = None, *, nvtx: bool = True) -> Backend:
         if not torch.cuda.is_available():
             return HostBackend("CUDA is not available")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return CudaBackend(index, nvtx=nvtx)
+        return CudaBackend(index, nvtx=nvtx, syncs=syncs)
     if not torch.cuda.is_available():
         return HostBackend("CUDA is not available")
     if not torch.cuda.is_initialized():
         return HostBackend("CUDA was not initialised when the step began (the step ran on the CPU)")
-    return CudaBackend(torch.cuda.current_device(), nvtx=nvtx)
+    return CudaBackend(torch.cuda.current_device(), nvtx=nvtx, syncs=syncs)

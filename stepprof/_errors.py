@@ -13,3 +13,18 @@ class ConfigError(StepprofError, ValueError):
 
 class UsageError(StepprofError, TypeError):
     """An API was called in a way it does not support (wrong nesting, missing brackets)."""
+
+
+class SyncBudgetExceeded(StepprofError, RuntimeError):
+    """A step made more host-device syncs than its ``max_syncs`` with ``on_sync="raise"``.
+
+    Raised at the offending line.  ``where`` is its ``file:line``, ``kind`` what
+    synchronised there (``item``, ``nonzero``...), ``count`` how often that line has
+    synced in this step.
+    """
+
+    def __init__(self, message: str, *, where: str, kind: str, count: int) -> None:
+        super().__init__(message)
+        self.where = where
+        self.kind = kind
+        self.count = count

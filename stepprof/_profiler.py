@@ -37,10 +37,11 @@ from typing import Any
 
 import torch
 
-from ._cuda import Backend, HostBackend, select_backend
+from ._cuda import ALLOCATOR_COUNTERS, SYNC_MECHANISMS, Backend, HostBackend, select_backend
 from ._errors import ConfigError, StepprofError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._records import Percentiles, Summary
+from ._syncs import SyncTracker, check_max_syncs, check_on_sync
 
 __all__ = ["Profiler"]
 
@@ -50,31 +51,34 @@ _Clock = Callable[[], int]
 class _Phase:
     """An open phase: where it started."""
 
-    __slots__ = ("key", "mark", "t0", "peak")
+    __slots__ = ("key", "mark", "t0", "peak", "syncs")
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.mark: Any = None
         self.t0 = 0
         self.peak = -1
+        self.syncs = 0
 
 
 class _PhaseTotal:
     """A phase name's totals within one step (it may run several times)."""
 
-    __slots__ = ("wall_ns", "marks", "peak", "count")
+    __slots__ = ("wall_ns", "marks", "peak", "count", "syncs")
 
     def __init__(self) -> None:
         self.wall_ns = 0
         self.marks: list[tuple[Any, Any]] = []
         self.peak = -1
         self.count = 0
+        self.syncs = 0
 
 
 class _Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
-        "peak", "reserved", "rss", "phases", "overhead_ns", "error",
+        "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
+        "counters",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -91,6 +95,9 @@ class _Step:
         self.phases: dict[str, _PhaseTotal] = {}
         self.overhead_ns = 0
         self.error: dict[str, str] | None = None
+        self.syncs: dict[str, Any] | None = None
+        self.syncs_reason: str | None = None
+        self.counters: tuple[int, ...] | None = None
 
 
 def check_warmup(warmup: Any, argument: str = "warmup") -> int:
@@ -126,6 +133,10 @@ def check_batch_size(batch_size: Any) -> int | None:
     if n <= 0:
         raise ConfigError(f"'batch_size' must be a positive int or None (got {n})")
     return n
+
+
+def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
+    return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
 
 
 def _host_rss() -> int | None:
@@ -164,6 +175,15 @@ class Profiler:
         device: ``"cuda:N"``, ``"cpu"`` or None. None picks CUDA at the first step
             if the training code has initialised it, else the host.
         nvtx: push an NVTX range per step and phase (visible in Nsight Systems).
+        syncs: how to count the step's host-device syncs: ``"warn"`` (torch's
+            sync-debug warnings, free until a sync happens), ``"trace"`` (torch's
+            GPU-trace callbacks: sees every wait, costs on every allocation) or
+            ``"off"``.  See docs/syncs.md.
+        max_syncs: the default sync budget of a step (None: no budget).
+        on_sync: what a step over budget does: ``"count"`` (record it),
+            ``"warn"`` (one warning per offending line) or ``"raise"``
+            (:class:`stepprof.SyncBudgetExceeded` at the offending line).
+            The budget applies after the warm-up steps.
 
     Example:
         >>> import stepprof, torch
@@ -182,6 +202,9 @@ class Profiler:
         warmup: int = 0,
         device: str | int | torch.device | None = None,
         nvtx: bool = True,
+        syncs: str = "warn",
+        max_syncs: int | None = None,
+        on_sync: str = "count",
         _backend: Backend | None = None,
         _clock: _Clock | None = None,
         _collect_every_s: float | None = COLLECT_EVERY_S,
@@ -196,6 +219,17 @@ class Profiler:
                 ) from e
         if not isinstance(nvtx, bool):
             raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
+        if syncs not in SYNC_MECHANISMS:
+            raise ConfigError(
+                f"'syncs' must be one of {', '.join(map(repr, SYNC_MECHANISMS))} (got {syncs!r}); "
+                f"'warn' is the cheap default"
+            )
+        self._sync_mode = syncs
+        self.max_syncs = check_max_syncs(max_syncs)
+        self.on_sync = check_on_sync(on_sync)
+        self._tracker = SyncTracker(syncs)
+        self._watching = False
+        self._counters: tuple[int, ...] | None = None
         self._writer = JsonlWriter(log) if log is not None else None
         self.log = self._writer.path if self._writer else None
         self._device_arg = device
@@ -218,6 +252,7 @@ class Profiler:
         self._busy: list[float] = []
         self._sps: list[float] = []
         self._ovh: list[float] = []
+        self._sync_counts: list[float] = []
         self._peak_max: int | None = None
         self._reasons: dict[str, str] = {}
         self._last_top_mark: Any = None
@@ -233,14 +268,24 @@ class Profiler:
 
     # -- public -------------------------------------------------------------
 
-    def step(self, name: str | None = None, *, batch_size: int | None = None) -> _StepContext:
+    def step(
+        self,
+        name: str | None = None,
+        *,
+        batch_size: int | None = None,
+        max_syncs: int | None = None,
+        on_sync: str | None = None,
+    ) -> _StepContext:
         """A context manager around one training step.
 
         Args:
             name: the step's name in the log (default ``"step"``).
             batch_size: samples in the step; enables ``samples_per_s``.
+            max_syncs, on_sync: this step's sync budget and policy (default: the
+                profiler's).
         """
-        return _StepContext(self, check_name(name), check_batch_size(batch_size))
+        return _StepContext(self, check_name(name), check_batch_size(batch_size),
+                            *check_budget(max_syncs, on_sync))
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
@@ -306,7 +351,14 @@ class Profiler:
 
     # -- entry and exit, shared by steps, phases and measured functions -------
 
-    def _enter(self, name: str | None, batch_size: int | None, *, step: bool) -> Any:
+    def _enter(
+        self,
+        name: str | None,
+        batch_size: int | None,
+        *,
+        step: bool,
+        budget: tuple[int | None, str | None] = (None, None),
+    ) -> Any:
         """Open a step (``step=True``, or no step is open) or a phase; return a token."""
         if self._summary is not None:
             raise UsageError(
@@ -328,7 +380,7 @@ class Profiler:
             )
         try:
             if open_step is None:
-                return self._begin_step(name or "step", batch_size)
+                return self._begin_step(name or "step", batch_size, budget)
             return self._begin_phase(open_step, name or "phase")
         except StepprofError:
             raise
@@ -358,10 +410,14 @@ class Profiler:
             and torch.cuda.is_available()
             and torch.cuda.is_initialized()
         ):
-            b = self._backend = select_backend(self._device_arg, nvtx=self._nvtx)
+            b = self._backend = select_backend(
+                self._device_arg, nvtx=self._nvtx, syncs=self._sync_mode
+            )
         return b
 
-    def _begin_step(self, name: str, batch_size: int | None) -> _Step:
+    def _begin_step(
+        self, name: str, batch_size: int | None, budget: tuple[int | None, str | None]
+    ) -> _Step:
         t_in = self._clock()
         b = self._ensure_backend()
         index = self._next_index
@@ -369,24 +425,39 @@ class Profiler:
         step = _Step(index, name, index < self.warmup, batch_size)
         self._step = step
         b.range_push(f"{name} {index}")
+        if self._counters is None and b.memory_reason is None:
+            mem = b.read_memory()  # once: the baseline of the allocator's counters
+            self._counters = mem[2] if mem is not None else None
+        max_syncs = self.max_syncs if budget[0] is None else budget[0]
+        self._tracker.begin(self._stack, max_syncs, budget[1] or self.on_sync, not step.warmup)
+        step.syncs_reason = b.watch_syncs(self._tracker)
+        self._watching = step.syncs_reason is None
         b.reset_peak()
         step.start_mark = self._last_top_mark = b.mark()
         step.t0 = self._clock()
         step.overhead_ns = step.t0 - t_in
         return step
 
-    def _fold_peak(self, step: _Step, b: Backend) -> int | None:
-        """Read the peak since the last reset into every open scope; return reserved."""
+    def _fold_peak(self, step: _Step, b: Backend) -> tuple[int, int, Any] | None:
+        """Read the peak since the last reset into every open scope; return the read."""
         mem = b.read_memory()
         if mem is None:
             return None
-        peak, reserved = mem
+        peak = mem[0]
         if peak > step.peak:
             step.peak = peak
         for ph in self._stack:
             if peak > ph.peak:
                 ph.peak = peak
-        return reserved
+        return mem
+
+    def _unwatch(self) -> None:
+        if self._watching:
+            self._watching = False
+            try:
+                self._backend.unwatch_syncs()  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+                self._fail(e)
 
     def _begin_phase(self, step: _Step, name: str) -> _Phase:
         t_in = self._clock()
@@ -438,6 +509,7 @@ class Profiler:
             if top.peak > total.peak:
                 total.peak = top.peak
             total.count += 1
+            total.syncs += top.syncs
             if top is ph:
                 break
         step.overhead_ns += self._clock() - t_in
@@ -446,11 +518,22 @@ class Profiler:
         step.t1 = self._clock()
         b = self._backend
         assert b is not None
-        if self._stack:  # phases left open (a generator suspended mid-phase, say)
-            self._end_phase(step, self._stack[0], exc)
-        t_in = self._clock()
-        step.end_mark = b.mark()
-        step.reserved = self._fold_peak(step, b)
+        try:
+            if self._stack:  # phases left open (a generator suspended mid-phase, say)
+                self._end_phase(step, self._stack[0], exc)
+            t_in = self._clock()
+            step.end_mark = b.mark()
+            mem = self._fold_peak(step, b)
+            if self._watching:
+                step.syncs = self._tracker.end()
+        finally:
+            self._unwatch()
+        if mem is not None:
+            step.reserved = mem[1]
+            counters, previous = mem[2], self._counters
+            if counters is not None and previous is not None:
+                step.counters = tuple(now - then for now, then in zip(counters, previous))
+            self._counters = counters
         if isinstance(b, HostBackend):
             step.rss = _host_rss()
         b.range_pop()
@@ -548,6 +631,7 @@ class Profiler:
                 "gpu_ms": pg,
                 "peak_allocated_bytes": total.peak if total.peak >= 0 else None,
                 "count": total.count,
+                "syncs": total.syncs if s.syncs is not None else None,
             }
             if pg is None:
                 unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
@@ -595,8 +679,18 @@ class Profiler:
             "phases": phases,
             "overhead_us": overhead_us,
             "error": s.error,
+            "syncs": s.syncs,
+            "allocator": dict(zip(ALLOCATOR_COUNTERS, s.counters)) if s.counters else None,
             "unavailable": unavailable,
         }
+        if s.syncs is None:
+            unavailable["syncs"] = s.syncs_reason or "not counted"
+            if phases:
+                unavailable["phases.syncs"] = unavailable["syncs"]
+        if s.counters is None:
+            unavailable["allocator"] = b.memory_reason or (
+                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
+            )
         if isinstance(b, HostBackend):
             record["host_rss_bytes"] = s.rss
             if s.rss is None:
@@ -626,6 +720,10 @@ class Profiler:
             self._peak_max = peak if self._peak_max is None else max(self._peak_max, peak)
         else:
             self._reasons.setdefault("peak_allocated_bytes", unavailable["peak_allocated_bytes"])
+        if s.syncs is not None:
+            self._sync_counts.append(s.syncs["count"])
+        else:
+            self._reasons.setdefault("syncs_per_step_median", unavailable["syncs"])
 
     # -- summary, logging, failure --------------------------------------------
 
@@ -635,7 +733,7 @@ class Profiler:
         if measured == 0:
             why = "no measured steps (all were warm-up, failed, or none ran)"
             for f in ("wall_ms", "gpu_ms", "gpu_busy_median", "peak_allocated_bytes_max",
-                      "samples_per_s_median", "overhead_us_median"):
+                      "samples_per_s_median", "overhead_us_median", "syncs_per_step_median"):
                 reasons.setdefault(f, why)
         if self._broken is not None:
             reasons["stepprof"] = self._broken
@@ -652,10 +750,16 @@ class Profiler:
         busy = Percentiles.of(self._busy)
         sps = Percentiles.of(self._sps)
         ovh = Percentiles.of(self._ovh)
+        syncs = Percentiles.of(self._sync_counts)
+        mechanism = getattr(self._backend, "sync_mechanism", None)
+        if not self._sync_counts and "syncs_per_step_median" in reasons:
+            reasons["sync_mechanism"] = reasons["syncs_per_step_median"]
         figures = {
             "wall_ms": self._wall, "gpu_ms": self._gpu, "gpu_busy_median": self._busy,
             "samples_per_s_median": self._sps, "overhead_us_median": self._ovh,
             "peak_allocated_bytes_max": self._peak_max,
+            "syncs_per_step_median": self._sync_counts,
+            "sync_mechanism": self._sync_counts,
         }
         # A reason is kept only for a figure that is null: some steps may lack a
         # figure (no batch_size once) while the others still give the median.
@@ -673,6 +777,8 @@ class Profiler:
             samples_per_s_median=sps.median if sps else None,
             overhead_us_median=ovh.median if ovh else None,
             log=self.log,
+            syncs_per_step_median=syncs.median if syncs else None,
+            sync_mechanism=mechanism if self._sync_counts else None,
             unavailable=reasons,
         )
 
@@ -684,6 +790,7 @@ class Profiler:
 
     def _fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""
+        self._unwatch()
         if self._broken is None:
             self._broken = f"stepprof stopped recording after an internal error: {type(exc).__name__}: {exc}"
             warnings.warn(self._broken, RuntimeWarning, stacklevel=3)
@@ -701,12 +808,20 @@ class Profiler:
 class _StepContext:
     """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
 
-    __slots__ = ("_profiler", "_name", "_batch_size", "_tokens")
+    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_tokens")
 
-    def __init__(self, profiler: Profiler | None, name: str | None, batch_size: int | None) -> None:
+    def __init__(
+        self,
+        profiler: Profiler | None,
+        name: str | None,
+        batch_size: int | None,
+        max_syncs: int | None = None,
+        on_sync: str | None = None,
+    ) -> None:
         self._profiler = profiler
         self._name = name
         self._batch_size = batch_size
+        self._budget = (max_syncs, on_sync)
         self._tokens: list[tuple[Profiler, Any]] = []
 
     def __enter__(self) -> _StepContext:
@@ -715,7 +830,9 @@ class _StepContext:
         from ._api import current
 
         prof = self._profiler or current()
-        self._tokens.append((prof, prof._enter(self._name, self._batch_size, step=True)))
+        self._tokens.append(
+            (prof, prof._enter(self._name, self._batch_size, step=True, budget=self._budget))
+        )
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

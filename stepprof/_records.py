@@ -73,6 +73,8 @@ class Summary:
     samples_per_s_median: float | None
     overhead_us_median: float | None
     log: str | None
+    syncs_per_step_median: float | None = None
+    sync_mechanism: str | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:
@@ -94,6 +96,8 @@ class Summary:
             parts.append(f"peak {_fmt_bytes(self.peak_allocated_bytes_max)}")
         if self.samples_per_s_median is not None:
             parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
+        if self.syncs_per_step_median:
+            parts.append(f"{self.syncs_per_step_median:g} syncs/step")
         if self.overhead_us_median is not None:
             parts.append(f"stepprof {self.overhead_us_median:.0f} µs/step")
         return "stepprof: " + ", ".join(parts)

@@ -9,6 +9,9 @@ an allocator's current/peak counters.
 from __future__ import annotations
 
 import random
+import sys
+
+from stepprof import _syncs
 
 
 class FakeEvent:
@@ -25,6 +28,8 @@ class FakeGpu:
     device = "cuda:0"
     gpu_reason = None
     memory_reason = None
+    sync_mechanism = "fake"
+    sync_reason = None
 
     def __init__(self, *, mark_cost_ns: int = 0, seed: int = 0) -> None:
         self.host_ns = 1_000_000_000
@@ -40,6 +45,9 @@ class FakeGpu:
         self.mark_cost_ns = mark_cost_ns
         self.rng = random.Random(seed)
         self.fail_on: str | None = None
+        self.counters = [0, 0, 0, 0]  # num_alloc_retries, num_sync_all_streams, device alloc/free
+        self.installs = 0
+        self.uninstalls = 0
 
     # -- what a test does -------------------------------------------------
     def clock(self) -> int:
@@ -62,6 +70,11 @@ class FakeGpu:
 
     def free(self, n: int) -> None:
         self.allocated -= n
+
+    def sync(self, hint: str | None = None, *, depth: int = 1) -> None:
+        """A host-device wait made by the caller's line (as torch would report it)."""
+        _syncs.dispatch(hint, sys._getframe(depth))
+        self.wait_idle()
 
     def wait_idle(self) -> None:
         """Let the host sleep until the device has drained (not a stepprof sync)."""
@@ -97,9 +110,31 @@ class FakeGpu:
         self._maybe_fail("reset_peak")
         self.peak = self.allocated
 
-    def read_memory(self) -> tuple[int, int]:
+    def read_memory(self) -> tuple[int, int, tuple[int, ...]]:
         self._maybe_fail("read_memory")
-        return self.peak, self.reserved
+        return self.peak, self.reserved, tuple(self.counters)
+
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
+        if self.sync_reason is not None:
+            return self.sync_reason
+        tracker.mechanism = self.sync_mechanism
+
+        def install():
+            self.installs += 1
+
+            def undo():
+                self.uninstalls += 1
+
+            return [undo]
+
+        _syncs.attach(tracker, install)
+        return None
+
+    def unwatch_syncs(self) -> None:
+        try:
+            self._maybe_fail("unwatch_syncs")  # like an undo that fails: the rest still run
+        finally:
+            _syncs.detach()
 
     def synchronize(self) -> None:
         self.syncs += 1

@@ -1,0 +1,468 @@
+"""Sync points: which of the user's lines made the host wait for the GPU, and how often.
+
+This module is pure Python.  A *mechanism* (in :mod:`stepprof._cuda`) notices
+each host-device synchronisation and calls :func:`dispatch` with a kind hint and
+the Python frame that made the call.  The :class:`SyncTracker` of the step open
+on that thread then
+
+* walks out of torch's and stepprof's own frames to the first other frame: the
+  user's line (``where``);
+* names the kind from the bytecode instruction that frame is executing and the
+  source text of its expression (``loss.item()`` is ``item``, ``if t > 0:`` is
+  ``bool``, ``x[mask]`` is ``mask_index``...), cached per code object and offset;
+* folds several waits of one call into one count: ``print(t)`` waits about a
+  dozen times inside torch's formatting code, and ``repeat_interleave`` twice
+  inside one C++ op, but each is one sync point of the user's.  ``waits`` keeps
+  the raw number;
+* applies the step's sync budget (``max_syncs``, ``on_sync``).
+
+The warning route's plumbing is here too (:class:`WarningTap`): torch's
+sync-debug mode "warn" turns each sync into a ``UserWarning``; a front filter
+("always", for that message only) and a ``showwarning`` hook turn it into a
+count, and every other warning goes on to the previous ``showwarning``
+unchanged.  Everything is installed when the first step opens and restored when
+the last one closes, on every exit path.
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import linecache
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._errors import ConfigError, SyncBudgetExceeded
+
+__all__ = [
+    "SYNC_MESSAGE",
+    "SyncTracker",
+    "WarningTap",
+    "check_on_sync",
+    "check_max_syncs",
+    "classify",
+    "dispatch",
+]
+
+#: The text of torch's sync-debug warning (c10/cuda/CUDAFunctions.cpp).
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+#: Policies for a step over its sync budget.
+ON_SYNC = ("count", "warn", "raise")
+
+# Two waits of one C++ call arrive back to back (torch flushes the call's buffered
+# warnings together when it returns), about 1-2 µs apart; two separate calls of a
+# syncing op are at least an op dispatch plus a device round trip apart (>= 8 µs
+# measured for `.item()` on an idle H200).  Same line, same instruction, no Python
+# frame in between, and closer than this: the same call.
+SAME_CALL_GAP_NS = 4_000
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STEPPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_WARNINGS_FILES = frozenset(
+    f for f in (warnings.__file__, getattr(sys.modules.get("_py_warnings"), "__file__", None)) if f
+)
+
+# The last name of the callee -> kind.  "to" and "copy_" are decided by their arguments.
+_CALLEE_KIND = {
+    "item": "item",
+    "tolist": "tolist",
+    "cpu": "to_host",
+    "numpy": "to_host",
+    "cuda": "to_device",
+    "tensor": "to_device",
+    "as_tensor": "to_device",
+    "bool": "bool",
+    "__bool__": "bool",
+    "float": "scalar",
+    "int": "scalar",
+    "complex": "scalar",
+    "__float__": "scalar",
+    "__int__": "scalar",
+    "__index__": "scalar",
+    "nonzero": "nonzero",
+    "argwhere": "nonzero",
+    "where": "nonzero",
+    "masked_select": "masked_select",
+    "unique": "unique",
+    "unique_consecutive": "unique",
+    "repeat_interleave": "repeat_interleave",
+    "print": "print",
+    "str": "print",
+    "repr": "print",
+    "format": "print",
+    "__str__": "print",
+    "__repr__": "print",
+    "__format__": "print",
+    "synchronize": "stream_synchronize",
+    "backward": "backward",
+}
+_CALL_OPS = frozenset(
+    {"CALL", "CALL_KW", "CALL_FUNCTION_EX", "PRECALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_METHOD"}
+)
+_SUBSCRIPT_OPS = frozenset({"BINARY_SUBSCR"})
+_BOOL_OPS = frozenset(
+    {
+        "POP_JUMP_IF_FALSE", "POP_JUMP_IF_TRUE", "POP_JUMP_FORWARD_IF_FALSE",
+        "POP_JUMP_FORWARD_IF_TRUE", "POP_JUMP_BACKWARD_IF_FALSE", "POP_JUMP_BACKWARD_IF_TRUE",
+        "JUMP_IF_FALSE_OR_POP", "JUMP_IF_TRUE_OR_POP", "TO_BOOL", "UNARY_NOT",
+    }
+)
+_FORMAT_OPS = frozenset({"FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC"})
+
+_Site = tuple[str, str, str]  # (where, kind, code)
+
+
+def check_max_syncs(max_syncs: Any) -> int | None:
+    if max_syncs is None:
+        return None
+    if isinstance(max_syncs, bool) or not isinstance(max_syncs, int) or max_syncs < 0:
+        raise ConfigError(
+            f"'max_syncs' must be an int >= 0 or None (got {max_syncs!r}); "
+            f"pass e.g. max_syncs=0 to require sync-free steps"
+        )
+    return max_syncs
+
+
+def check_on_sync(on_sync: Any) -> str:
+    if on_sync not in ON_SYNC:
+        raise ConfigError(
+            f"'on_sync' must be one of {', '.join(map(repr, ON_SYNC))} (got {on_sync!r}); "
+            f"'count' records, 'warn' warns once per site, 'raise' raises SyncBudgetExceeded"
+        )
+    return on_sync
+
+
+# -- naming a sync point -------------------------------------------------------
+
+_where_cache: dict[str, str] = {}
+_site_cache: dict[tuple[Any, int], tuple[str | None, str]] = {}
+
+
+def _display_path(filename: str) -> str:
+    shown = _where_cache.get(filename)
+    if shown is None:
+        shown = filename
+        try:
+            rel = os.path.relpath(filename)
+            if not rel.startswith(os.pardir):
+                shown = rel
+        except ValueError:  # another drive (Windows)
+            pass
+        _where_cache[filename] = shown
+    return shown
+
+
+def _segment(filename: str, positions: Any) -> str | None:
+    if positions is None or positions.lineno is None or positions.col_offset is None:
+        return None
+    lines = [
+        linecache.getline(filename, n) for n in range(positions.lineno, positions.end_lineno + 1)
+    ]
+    if not lines or not lines[0]:
+        return None
+    if len(lines) == 1:
+        return lines[0][positions.col_offset : positions.end_col_offset]
+    lines[0] = lines[0][positions.col_offset :]
+    lines[-1] = lines[-1][: positions.end_col_offset]
+    return " ".join(s.strip() for s in lines)
+
+
+def _callee(text: str) -> tuple[str | None, str]:
+    """(last name of the called function, its arguments' source) of a call expression."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None, ""
+    if not isinstance(node, ast.Call):
+        return None, ""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    args = " ".join(ast.unparse(a) for a in [*node.args, *(k.value for k in node.keywords)])
+    return name, args
+
+
+def _kind_of_call(text: str) -> str | None:
+    name, args = _callee(text)
+    if name == "to" or name == "copy_":
+        if "cpu" in args:
+            return "to_host"
+        if "cuda" in args:
+            return "to_device"
+        return "copy"
+    return _CALLEE_KIND.get(name) if name else None
+
+
+def classify(frame: Any) -> tuple[str | None, str]:
+    """(kind or None, source text) of what ``frame`` is executing now.
+
+    Reads the instruction at ``frame.f_lasti`` and its source positions
+    (Python 3.11+); on older versions, the whole line.  Cached per code object
+    and offset, so a sync point costs a dictionary lookup after its first time.
+    """
+    code = frame.f_code
+    key = (code, frame.f_lasti)
+    hit = _site_cache.get(key)
+    if hit is not None:
+        return hit
+    kind: str | None = None
+    text: str | None = None
+    ins = None
+    for i in dis.get_instructions(code):  # the instruction that owns f_lasti (or its caches)
+        if i.offset > frame.f_lasti:
+            break
+        ins = i
+    if ins is not None and getattr(ins, "positions", None) is not None:
+        text = _segment(code.co_filename, ins.positions)
+        op = ins.opname
+        if op in _CALL_OPS and text:
+            kind = _kind_of_call(text)
+        elif op in _SUBSCRIPT_OPS or (op == "BINARY_OP" and "[" in (text or "")):
+            kind = "mask_index"
+        elif op in _BOOL_OPS:
+            kind = "bool"
+        elif op in _FORMAT_OPS:
+            kind = "print"
+    if text is None:  # no positions: fall back on the line
+        text = linecache.getline(code.co_filename, frame.f_lineno).strip()
+        for m in re.finditer(r"(\w+)\s*\(", text):
+            kind = _CALLEE_KIND.get(m.group(1))
+            if kind:
+                break
+    if len(_site_cache) > 50_000:
+        _site_cache.clear()
+    hit = _site_cache[key] = (kind, " ".join(text.split())[:200])
+    return hit
+
+
+def _is_internal(filename: str) -> bool:
+    return (
+        filename.startswith(_TORCH_DIR)
+        or filename.startswith(_STEPPROF_DIR)
+        or filename in _WARNINGS_FILES
+    )
+
+
+# -- the tracker -------------------------------------------------------------
+
+
+class SyncTracker:
+    """Counts one thread's sync points per step, by site, and enforces the budget."""
+
+    def __init__(self, mechanism: str) -> None:
+        self.mechanism = mechanism
+        self._sites: dict[_Site, list[int]] = {}
+        self._open: list[Any] = []  # the open phases, each with a ``syncs`` count
+        self.count = 0
+        self.waits = 0
+        self.other_threads = 0
+        self.max_syncs: int | None = None
+        self.on_sync = "count"
+        self.budget_armed = False
+        self._warned: set[_Site] = set()
+        self._last_key: tuple[Any, int] | None = None
+        self._last_child: Any = None
+        self._last_site: _Site | None = None
+        self._last_ns = 0
+        self._mute = 0
+
+    def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
+        self._sites = {}
+        self._open = phases
+        self.count = self.waits = self.other_threads = 0
+        self.max_syncs = max_syncs
+        self.on_sync = on_sync
+        self.budget_armed = armed and max_syncs is not None
+
+    def end(self) -> dict[str, Any]:
+        """The step's ``syncs`` field; forgets the frames it held."""
+        self._last_key = self._last_child = None
+        self._open = []
+        sites = [
+            {"where": w, "kind": k, "code": c, "count": n, "waits": waits}
+            for (w, k, c), (n, waits) in sorted(self._sites.items(), key=lambda kv: -kv[1][0])
+        ]
+        return {
+            "count": self.count,
+            "waits": self.waits,
+            "sites": sites,
+            "other_threads": self.other_threads,
+            "mechanism": self.mechanism,
+        }
+
+    def record(self, hint: str | None, origin: Any) -> None:
+        """A host-device wait, made by the code running in frame ``origin``."""
+        if self._mute:
+            return
+        now = time.perf_counter_ns()
+        self.waits += 1
+        user = origin
+        child = None
+        while user is not None and _is_internal(user.f_code.co_filename):
+            child = user
+            user = user.f_back
+        if user is None:  # torch's own code with no caller outside it
+            user, child = origin, None
+        key = (user, user.f_lasti)
+        if key == self._last_key and (
+            child is not None and child is self._last_child
+            or child is None and self._last_child is None and now - self._last_ns < SAME_CALL_GAP_NS
+        ):
+            # Another wait of the same call: print(t)'s formatting, repeat_interleave's two.
+            self._sites[self._last_site][1] += 1  # type: ignore[index]
+            self._last_ns = time.perf_counter_ns()
+            return
+        kind, text = classify(user)
+        if kind is None and origin is not user:
+            kind = classify(origin)[0]  # what torch's own code was doing (`.item()` in a helper)
+        if hint is not None:
+            kind = hint  # the mechanism knows device and event waits exactly
+        site = (f"{_display_path(user.f_code.co_filename)}:{user.f_lineno}", kind or "other", text)
+        counts = self._sites.get(site)
+        if counts is None:
+            counts = self._sites[site] = [0, 0]
+        counts[0] += 1
+        counts[1] += 1
+        self.count += 1
+        for ph in self._open:
+            ph.syncs += 1
+        self._last_key, self._last_child, self._last_site = key, child, site
+        if self.budget_armed and self.count > self.max_syncs:  # type: ignore[operator]
+            self._over_budget(site, counts[0], user)
+        self._last_ns = time.perf_counter_ns()
+
+    def _over_budget(self, site: _Site, site_count: int, frame: Any) -> None:
+        where, kind, text = site
+        msg = (
+            f"step made {self.count} sync(s), over max_syncs={self.max_syncs}: "
+            f"{kind} at {where} ({text}) has synced {site_count} time(s) this step"
+        )
+        if self.on_sync == "raise":
+            raise SyncBudgetExceeded(msg, where=where, kind=kind, count=site_count)
+        if self.on_sync == "warn" and site not in self._warned:
+            self._warned.add(site)
+            self._mute += 1
+            try:
+                warnings.warn_explicit(
+                    f"stepprof: {msg}", RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
+                    module=frame.f_globals.get("__name__"),
+                    registry=frame.f_globals.setdefault("__warningregistry__", {}),
+                )
+            finally:
+                self._mute -= 1
+
+
+# -- the hub: one process-wide installation, per-thread trackers ----------------
+
+_lock = threading.RLock()
+_trackers: dict[int, SyncTracker] = {}
+_uninstall: list[Callable[[], None]] = []
+
+
+def dispatch(hint: str | None, origin: Any) -> None:
+    """Called by a mechanism for every host-device wait it sees, on the waiting thread."""
+    tracker = _trackers.get(threading.get_ident())
+    if tracker is not None:
+        tracker.record(hint, origin)
+        return
+    for t in list(_trackers.values()):  # a wait on a thread with no open step
+        t.other_threads += 1
+
+
+def attach(tracker: SyncTracker, install: Callable[[], list[Callable[[], None]]]) -> None:
+    """Route this thread's waits to ``tracker``; the first attach runs ``install``.
+
+    ``install`` returns the undo callables; the last :func:`detach` runs them.
+    """
+    with _lock:
+        if not _trackers:
+            _uninstall[:] = install()
+        _trackers[threading.get_ident()] = tracker
+
+
+def detach() -> None:
+    with _lock:
+        _trackers.pop(threading.get_ident(), None)
+        if not _trackers:
+            undo, _uninstall[:] = list(_uninstall), []
+            errors = []
+            for u in reversed(undo):
+                try:
+                    u()
+                except Exception as e:  # noqa: BLE001 - restore the rest before reporting
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+
+
+def installed() -> bool:
+    return bool(_trackers)
+
+
+# -- the warning route's plumbing (pure Python) --------------------------------
+
+
+class WarningTap:
+    """Turns torch's sync-debug warnings into :func:`dispatch` calls.
+
+    Installs a front "always" filter for :data:`SYNC_MESSAGE` only (the default
+    filter would show each location once) and a ``showwarning`` hook that
+    consumes that message and passes every other warning to the previous hook.
+    With ``forward=True`` (the user had turned sync-debug warnings on
+    themselves) the sync warnings are passed on too, after counting.
+    """
+
+    def __init__(self, forward: bool = False) -> None:
+        self.forward = forward
+        self._filter = ("always", re.compile(re.escape(SYNC_MESSAGE)), UserWarning, None, 0)
+        self._previous: Any = None
+        self._hook = self._show  # one bound method, so that uninstall can recognise it
+
+    def install(self) -> Callable[[], None]:
+        self._previous = warnings.showwarning
+        warnings.filters.insert(0, self._filter)
+        _filters_mutated()
+        warnings.showwarning = self._hook
+        return self.uninstall
+
+    def uninstall(self) -> None:
+        try:
+            warnings.filters.remove(self._filter)
+        except ValueError:
+            pass  # the user reset the filters meanwhile
+        _filters_mutated()
+        if warnings.showwarning is self._hook:
+            warnings.showwarning = self._previous
+        # Else someone hooked showwarning after us: leave theirs; ours passes all through now.
+
+    def _show(self, message: Any, category: Any, filename: Any, lineno: Any, file: Any = None,
+              line: Any = None) -> None:
+        if installed() and issubclass(category, UserWarning) and str(message).startswith(SYNC_MESSAGE):
+            origin = sys._getframe(1)
+            while origin is not None and (
+                origin.f_code.co_filename in _WARNINGS_FILES
+                or origin.f_code.co_filename.startswith(_STEPPROF_DIR)
+            ):
+                origin = origin.f_back
+            if origin is not None:
+                dispatch(None, origin)
+            if not self.forward:
+                return
+        previous = self._previous or warnings._showwarning_orig  # type: ignore[attr-defined]
+        previous(message, category, filename, lineno, file, line)
+
+
+def _filters_mutated() -> None:
+    f = getattr(warnings, "_filters_mutated", None) or getattr(
+        warnings, "_filters_mutated_lock_held", None
+    )
+    if f is not None:
+        f()

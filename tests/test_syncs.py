@@ -1,0 +1,367 @@
+"""Sync points on the CPU: attribution to the user's line, kinds, de-duplication, budgets,
+the warning route's plumbing, and restoring global state."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import stepprof
+from stepprof import _syncs
+
+from . import fake_torch
+from .conftest import make
+from .fake_torch import FakeTensor
+
+HERE = os.path.relpath(__file__)
+
+
+@pytest.fixture(autouse=True)
+def fake_torch_is_internal(monkeypatch):
+    real = _syncs._is_internal
+    monkeypatch.setattr(
+        _syncs, "_is_internal", lambda f: real(f) or f == fake_torch.__file__
+    )
+
+
+def line_of(marker: str) -> str:
+    """``file:line`` of the line in this file that ends with ``# <marker>``."""
+    src, _ = inspect.getsourcelines(sys.modules[__name__])
+    for i, text in enumerate(src):
+        if text.rstrip().endswith(f"# {marker}"):
+            return f"{HERE}:{i + 1}"
+    raise AssertionError(marker)
+
+
+def steps(log):
+    return [r for r in stepprof.read(log) if r["kind"] == "step"]
+
+
+def sites(record):
+    return {(s["where"], s["kind"]): (s["count"], s["waits"]) for s in record["syncs"]["sites"]}
+
+
+def test_each_kind_is_named_and_attributed_to_the_users_line(log, gpu):
+    t = FakeTensor(gpu)
+    mask = FakeTensor(gpu)
+    with make(log, gpu) as prof:
+        with prof.step():
+            t.item()  # item
+            t.tolist()  # tolist
+            t.cpu()  # cpu
+            t.to("cpu")  # to-cpu
+            t.cuda()  # cuda
+            float(t)  # float
+            if t > 0:  # if
+                pass
+            t.nonzero()  # nonzero
+            t[mask]  # mask
+            fake_torch.masked_select(t, mask)  # masked_select
+            fake_torch.unique(t)  # unique
+            t.repeat_interleave(2)  # repeat_interleave
+            print(t)  # print
+            f"{t}"  # fstring
+            t.synchronize()  # stream
+            fake_torch.synchronize(gpu)  # device
+            t.to("cpu", non_blocking=True)
+            t[mask] = 1.0
+    (rec,) = steps(log)
+    expected = {
+        (line_of("item"), "item"): (1, 1),
+        (line_of("tolist"), "tolist"): (1, 1),
+        (line_of("cpu"), "to_host"): (1, 1),
+        (line_of("to-cpu"), "to_host"): (1, 1),
+        (line_of("cuda"), "to_device"): (1, 1),
+        (line_of("float"), "scalar"): (1, 1),
+        (line_of("if"), "bool"): (1, 1),
+        (line_of("nonzero"), "nonzero"): (1, 1),
+        (line_of("mask"), "mask_index"): (1, 1),
+        (line_of("masked_select"), "masked_select"): (1, 1),
+        (line_of("unique"), "unique"): (1, 1),
+        (line_of("repeat_interleave"), "repeat_interleave"): (1, 2),
+        (line_of("print"), "print"): (1, 3),
+        (line_of("fstring"), "print"): (1, 3),
+        (line_of("stream"), "stream_synchronize"): (1, 1),
+        (line_of("device"), "device_synchronize"): (1, 1),
+    }
+    assert sites(rec) == expected
+    assert rec["syncs"]["count"] == 16
+    assert rec["syncs"]["waits"] == 16 + 1 + 2 + 2
+    by_where = {s["where"]: s for s in rec["syncs"]["sites"]}
+    assert by_where[line_of("item")]["code"] == "t.item()"
+    assert by_where[line_of("if")]["code"] == "t > 0"
+    assert by_where[line_of("mask")]["code"] == "t[mask]"
+
+
+def test_a_line_in_a_loop_counts_every_call(log, gpu, monkeypatch):
+    # Separate calls are a device round trip apart; make that explicit and large here.
+    monkeypatch.setattr(_syncs, "SAME_CALL_GAP_NS", 1_000_000)
+    t = FakeTensor(gpu)
+
+    def slow_item():
+        time.sleep(0.003)  # > SAME_CALL_GAP_NS: another call
+        return t.item()  # looped
+
+    with make(log, gpu) as prof:
+        with prof.step():
+            for _ in range(3):
+                slow_item()
+            for _ in range(2):
+                print(t)  # printed
+    (rec,) = steps(log)
+    assert sites(rec) == {
+        (line_of("looped"), "item"): (3, 3),
+        (line_of("printed"), "print"): (2, 6),
+    }
+
+
+def test_syncs_are_counted_per_phase_and_in_nested_phases(log, gpu):
+    t = FakeTensor(gpu)
+    with make(log, gpu) as prof:
+        with prof.step():
+            with prof.measure("forward"):
+                t.item()
+                with prof.measure("loss"):
+                    t.item()
+            with prof.measure("backward"):
+                pass
+            t.item()  # outside any phase: the step's only
+    (rec,) = steps(log)
+    assert rec["syncs"]["count"] == 3
+    assert rec["phases"]["forward"]["syncs"] == 2
+    assert rec["phases"]["forward/loss"]["syncs"] == 1
+    assert rec["phases"]["backward"]["syncs"] == 0
+
+
+def test_sync_free_step_counts_zero_and_steps_do_not_share_counts(log, gpu):
+    t = FakeTensor(gpu)
+    with make(log, gpu) as prof:
+        with prof.step():
+            t.item()
+        with prof.step():
+            t > 0
+            t.to("cpu", non_blocking=True)
+    first, second = steps(log)
+    assert first["syncs"]["count"] == 1
+    assert second["syncs"] == {
+        "count": 0, "waits": 0, "sites": [], "other_threads": 0, "mechanism": "fake",
+    }
+    assert prof.summary.syncs_per_step_median == 0.5
+    assert prof.summary.sync_mechanism == "fake"
+
+
+def test_waits_on_other_threads_are_counted_apart(log, gpu):
+    t = FakeTensor(gpu)
+    with make(log, gpu) as prof:
+        with prof.step():
+            worker = threading.Thread(target=t.item)
+            worker.start()
+            worker.join()
+            t.item()
+    (rec,) = steps(log)
+    assert rec["syncs"]["count"] == 1
+    assert rec["syncs"]["other_threads"] == 1
+
+
+def test_budget_raise_names_the_site_and_keeps_the_step(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu, max_syncs=1, on_sync="raise")
+    with pytest.raises(stepprof.SyncBudgetExceeded) as info:
+        with prof.step():
+            t.item()
+            t.tolist()  # over
+    assert info.value.where == line_of("over")
+    assert info.value.kind == "tolist"
+    assert info.value.count == 1
+    assert "max_syncs=1" in str(info.value) and line_of("over") in str(info.value)
+    with prof.step():  # the profiler goes on
+        t.item()
+    prof.close()
+    failed, ok = steps(log)
+    assert failed["error"]["type"] == "SyncBudgetExceeded"
+    assert ok["error"] is None and ok["syncs"]["count"] == 1
+    assert gpu.installs == gpu.uninstalls == 2
+
+
+def test_budget_warn_warns_once_per_site_at_the_users_line(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu, max_syncs=0, on_sync="warn")
+    with pytest.warns(RuntimeWarning, match="max_syncs=0") as caught:
+        for _ in range(3):
+            with prof.step():
+                t.item()  # warned
+    prof.close()
+    ours = [w for w in caught if "max_syncs" in str(w.message)]
+    assert len(ours) == 1
+    assert f"{os.path.relpath(ours[0].filename)}:{ours[0].lineno}" == line_of("warned")
+
+
+def test_budget_is_per_step_overridable_and_skips_warmup(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu, warmup=1, max_syncs=0, on_sync="raise")
+    with prof.step():  # warm-up: lazy initialisation may sync
+        t.item()
+    with prof.step(max_syncs=2):
+        t.item()
+        t.item()
+    with pytest.raises(stepprof.SyncBudgetExceeded):
+        with prof.step():
+            t.item()
+    prof.close()
+    with stepprof.Profiler(None, _backend=gpu, _clock=gpu.clock, _collect_every_s=None):
+        with stepprof.profile_step(max_syncs=0, on_sync="raise"):
+            with pytest.raises(stepprof.SyncBudgetExceeded):
+                t.item()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_syncs": -1}, "'max_syncs' must be an int >= 0 or None \\(got -1\\)"),
+        ({"max_syncs": "0"}, "'max_syncs' .*got '0'"),
+        ({"max_syncs": True}, "'max_syncs' .*got True"),
+        ({"on_sync": "explode"}, "'on_sync' must be one of 'count', 'warn', 'raise' \\(got 'explode'\\)"),
+        ({"syncs": "always"}, "'syncs' must be one of 'warn', 'trace', 'off' \\(got 'always'\\)"),
+    ],
+)
+def test_bad_budget_arguments_are_named(log, kwargs, match):
+    with pytest.raises(stepprof.ConfigError, match=match):
+        stepprof.Profiler(log, **kwargs)
+    if "syncs" not in kwargs:
+        with pytest.raises(stepprof.ConfigError, match=match):
+            stepprof.profile_step(**kwargs)
+
+
+def test_internal_failure_while_watching_still_detaches(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu)
+    gpu.fail_on = "unwatch_syncs"
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        with prof.step():
+            t.item()
+    assert not _syncs.installed()
+    gpu.fail_on = None
+    prof.close()
+
+
+def test_no_cuda_means_null_syncs_and_allocator_with_reasons(log):
+    with stepprof.Profiler(log, device="cpu") as prof:
+        with prof.step():
+            pass
+    (rec,) = steps(log)
+    assert rec["syncs"] is None and rec["allocator"] is None
+    assert "there is no device for the host to wait on" in rec["unavailable"]["syncs"]
+    assert "allocator" in rec["unavailable"]
+    assert prof.summary.syncs_per_step_median is None
+    assert "syncs_per_step_median" in prof.summary.unavailable
+
+
+def test_allocator_counters_are_per_step_deltas(log, gpu):
+    with make(log, gpu) as prof:
+        gpu.counters = [1, 0, 5, 5]  # before the first step: the baseline
+        with prof.step():
+            gpu.counters = [3, 1, 9, 6]
+        with prof.step():
+            pass
+    first, second = steps(log)
+    assert first["allocator"] == {
+        "num_alloc_retries": 2, "num_sync_all_streams": 1, "num_device_alloc": 4, "num_device_free": 1,
+    }
+    assert set(second["allocator"].values()) == {0}
+
+
+# -- the warning route's plumbing, with real warnings ------------------------------
+
+
+def _tapped(forward=False):
+    tap = _syncs.WarningTap(forward=forward)
+    return lambda: [tap.install()]
+
+
+class _Shown:
+    """The user's own ``showwarning`` (pytest.warns would re-emit what it did not match)."""
+
+    def __enter__(self):
+        self.messages, self._previous = [], warnings.showwarning
+        warnings.showwarning = lambda message, *args, **kwargs: self.messages.append(str(message))
+        return self
+
+    def __exit__(self, *exc):
+        warnings.showwarning = self._previous
+
+
+def test_warning_tap_counts_sync_warnings_and_passes_the_rest_on():
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], None, "count", True)
+    with _Shown() as shown:
+        filters, show = list(warnings.filters), warnings.showwarning
+        _syncs.attach(tracker, _tapped())
+        try:
+            for _ in range(2):
+                time.sleep(0.001)
+                warnings.warn(f"{_syncs.SYNC_MESSAGE} (Triggered internally)")  # tapped
+            warnings.warn("the user's own warning")
+        finally:
+            _syncs.detach()
+        assert warnings.filters == filters and warnings.showwarning is show
+    rec = tracker.end()
+    assert [(s["where"], s["count"]) for s in rec["sites"]] == [(line_of("tapped"), 2)]
+    assert shown.messages == ["the user's own warning"]
+
+
+def test_warning_tap_forwards_sync_warnings_when_the_user_had_them_on():
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], None, "count", True)
+    with _Shown() as shown:
+        _syncs.attach(tracker, _tapped(forward=True))
+        try:
+            warnings.warn(_syncs.SYNC_MESSAGE)
+        finally:
+            _syncs.detach()
+    assert tracker.end()["count"] == 1
+    assert shown.messages == [_syncs.SYNC_MESSAGE]
+
+
+def test_budget_raise_propagates_through_the_warning_machinery():
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], 0, "raise", True)
+    _syncs.attach(tracker, _tapped())
+    try:
+        with pytest.raises(stepprof.SyncBudgetExceeded, match="max_syncs=0"):
+            warnings.warn(_syncs.SYNC_MESSAGE)
+    finally:
+        _syncs.detach()
+    tracker.end()
+
+
+def test_uninstall_leaves_a_showwarning_hook_installed_after_ours():
+    show = warnings.showwarning
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], None, "count", True)
+    _syncs.attach(tracker, _tapped())
+
+    def users_hook(*args, **kwargs):
+        pass
+
+    warnings.showwarning = users_hook
+    _syncs.detach()
+    try:
+        assert warnings.showwarning is users_hook
+    finally:
+        warnings.showwarning = show
+    tracker.end()
+
+
+def test_classify_falls_back_to_the_line_without_positions(monkeypatch):
+    monkeypatch.setattr(_syncs.dis, "get_instructions", lambda code: iter(()))
+    _syncs._site_cache.clear()
+    frame = sys._getframe()
+    kind, text = _syncs.classify(frame)  # this line has no call that syncs
+    assert kind is None and "classify" in text
+    _syncs._site_cache.clear()
