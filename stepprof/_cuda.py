@@ -259,7 +259,7 @@ class CudaBackend:
 # Python on every allocation and free once they are active (for good: activation
 # cannot be undone), which costs a few percent on an allocation-heavy step.
 
-_WAITERS: dict[tuple[Any, str], tuple[Any, Any]] = {}
+_PATCHES: dict[tuple[Any, str], Callable[[], Callable[[], None]]] = {}
 _prototype_quiet = False
 _UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
 
@@ -275,18 +275,22 @@ def _waiter(original: Callable[..., Any], hint: str) -> Callable[..., Any]:
 
 
 def _patch(obj: Any, name: str, hint: str) -> Callable[[], None]:
-    key = (obj, name)
-    if key not in _WAITERS:
+    """Wrap ``obj.name`` now; return the undo.  The wrapper and undo are made once."""
+    apply = _PATCHES.get((obj, name))
+    if apply is None:
         original = getattr(obj, name)
-        _WAITERS[key] = (original, _waiter(original, hint))
-    original, wrapper = _WAITERS[key]
-    setattr(obj, name, wrapper)
+        wrapper = _waiter(original, hint)
 
-    def undo() -> None:
-        if getattr(obj, name) is wrapper:  # else the user patched it meanwhile: leave theirs
-            setattr(obj, name, original)
+        def undo() -> None:
+            if getattr(obj, name) is wrapper:  # else the user patched it meanwhile: leave theirs
+                setattr(obj, name, original)
 
-    return undo
+        def apply() -> Callable[[], None]:
+            setattr(obj, name, wrapper)
+            return undo
+
+        _PATCHES[(obj, name)] = apply
+    return apply()
 
 
 def _set_sync_debug_mode(mode: int) -> None:
@@ -300,15 +304,19 @@ def _set_sync_debug_mode(mode: int) -> None:
     torch._C._cuda_set_sync_debug_mode(mode)
 
 
+def _sync_debug_off() -> None:
+    torch._C._cuda_set_sync_debug_mode(0)
+
+
 def _install_warn_route() -> list[Callable[[], None]]:
     undo: list[Callable[[], None]] = []
     try:
         mode = torch._C._cuda_get_sync_debug_mode()
         if mode == 0:
             _set_sync_debug_mode(1)
-            undo.append(functools.partial(torch._C._cuda_set_sync_debug_mode, 0))
+            undo.append(_sync_debug_off)
         # The user had "warn" on: count, and pass their warnings on as before.
-        undo.append(_syncs.WarningTap(forward=mode == 1).install())
+        undo.append(_syncs.tap(forward=mode == 1).install())
         undo.append(_patch(torch.cuda, "synchronize", "device_synchronize"))
         undo.append(_patch(torch.cuda.Event, "synchronize", "event_synchronize"))
         accelerator = getattr(torch, "accelerator", None)

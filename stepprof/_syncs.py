@@ -58,12 +58,13 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: Policies for a step over its sync budget.
 ON_SYNC = ("count", "warn", "raise")
 
-# Two waits of one C++ call arrive back to back (torch flushes the call's buffered
-# warnings together when it returns), about 1-2 µs apart; two separate calls of a
-# syncing op are at least an op dispatch plus a device round trip apart (>= 8 µs
-# measured for `.item()` on an idle H200).  Same line, same instruction, no Python
+# Two waits of one C++ call arrive back to back: torch flushes the call's buffered
+# warnings together when it returns, 3.7-6 µs apart on the H200 host (median 4.2 µs,
+# rare outliers to 20 µs).  Two separate calls of a syncing op on the same line are
+# an op dispatch, a device round trip and the warning path apart: >= 18.6 µs for
+# `.item()` in a loop (bench/syncs.py).  Same line, same instruction, no Python
 # frame in between, and closer than this: the same call.
-SAME_CALL_GAP_NS = 4_000
+SAME_CALL_GAP_NS = 10_000
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STEPPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -144,7 +145,9 @@ def check_on_sync(on_sync: Any) -> str:
 # -- naming a sync point -------------------------------------------------------
 
 _where_cache: dict[str, str] = {}
-_site_cache: dict[tuple[Any, int], tuple[str | None, str]] = {}
+# Keyed by id(code): hashing a code object hashes its bytecode and constants (µs for
+# a long function).  The value holds the code object, so the id cannot be reused.
+_site_cache: dict[tuple[int, int], tuple[Any, str | None, str]] = {}
 
 
 def _display_path(filename: str) -> str:
@@ -209,10 +212,10 @@ def classify(frame: Any) -> tuple[str | None, str]:
     and offset, so a sync point costs a dictionary lookup after its first time.
     """
     code = frame.f_code
-    key = (code, frame.f_lasti)
+    key = (id(code), frame.f_lasti)
     hit = _site_cache.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is code:
+        return hit[1], hit[2]
     kind: str | None = None
     text: str | None = None
     ins = None
@@ -239,8 +242,9 @@ def classify(frame: Any) -> tuple[str | None, str]:
                 break
     if len(_site_cache) > 50_000:
         _site_cache.clear()
-    hit = _site_cache[key] = (kind, " ".join(text.split())[:200])
-    return hit
+    text = " ".join(text.split())[:200]
+    _site_cache[key] = (code, kind, text)
+    return kind, text
 
 
 def _is_internal(filename: str) -> bool:
@@ -410,6 +414,17 @@ def installed() -> bool:
 # -- the warning route's plumbing (pure Python) --------------------------------
 
 
+_TAPS: dict[bool, WarningTap] = {}
+
+
+def tap(forward: bool) -> WarningTap:
+    """The shared :class:`WarningTap` (one per ``forward``), made once."""
+    t = _TAPS.get(forward)
+    if t is None:
+        t = _TAPS[forward] = WarningTap(forward)
+    return t
+
+
 class WarningTap:
     """Turns torch's sync-debug warnings into :func:`dispatch` calls.
 
@@ -445,7 +460,7 @@ class WarningTap:
 
     def _show(self, message: Any, category: Any, filename: Any, lineno: Any, file: Any = None,
               line: Any = None) -> None:
-        if installed() and issubclass(category, UserWarning) and str(message).startswith(SYNC_MESSAGE):
+        if _trackers and category is UserWarning and str(message).startswith(SYNC_MESSAGE):
             origin = sys._getframe(1)
             while origin is not None and (
                 origin.f_code.co_filename in _WARNINGS_FILES

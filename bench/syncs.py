@@ -1,0 +1,198 @@
+"""What counting sync points costs: per step without syncs, and per sync.
+
+Three parts, on the launch-bound step of bench/overhead.py (8-layer 256-wide bf16
+MLP, batch 64, AdamW) inside the README's phased loop:
+
+  1. sync tracking off vs on ("warn", the default), interleaved rounds, with an
+     A/A control (off vs off again);
+  2. the added cost per sync: steps of 50 ``.item()`` calls and of none, off vs
+     "warn"; (added with 50 - added with none) / 50, so that the per-step cost of
+     installing the tracking is not counted per sync;
+  3. the opt-in "trace" mechanism.  Activating torch's GPU trace cannot be undone
+     and makes every allocation and free call into Python, whoever allocates, so it
+     runs last: the per-allocation cost before and after activation, the
+     allocations per step, and the step off vs "trace" after activation (where
+     "off" pays the per-allocation cost too).
+
+    python bench/syncs.py [--rounds 40] [--steps 50] [--out syncs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import stepprof  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import make_workload, phased_step, quantiles  # noqa: E402
+
+
+def interleave(variants: dict, rounds: int, k: int, base: str) -> dict:
+    """Median µs per call of each variant and its ratio to ``base`` in the same round."""
+    for fn in variants.values():
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    per = {v: [] for v in variants}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            fn = variants[v]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            torch.cuda.synchronize()
+            per[v].append((time.perf_counter() - t0) / k * 1e6)
+    return {
+        v: {
+            "us": quantiles(xs),
+            "ratio": quantiles([x / b for x, b in zip(xs, per[base])]),
+            "added_us": quantiles([x - b for x, b in zip(xs, per[base])]),
+        }
+        for v, xs in per.items()
+    }
+
+
+def alloc_pair_us(n: int = 20000) -> float:
+    """Host µs to allocate and free a small CUDA tensor (the caching allocator's fast path)."""
+    for _ in range(1000):
+        torch.empty(256, device="cuda")
+    best = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            torch.empty(256, device="cuda")
+        best.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(best)[2]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=50, help="steps per variant per round")
+    ap.add_argument("--out", default="syncs.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/syncs.py needs CUDA; nothing measured")
+        return 0
+    res = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "command": "python bench/syncs.py " + " ".join(sys.argv[1:]),
+    }
+    fwd, bwd, opt = make_workload(256, 64)
+    tmp = tempfile.mkdtemp()
+
+    def prof(tag, **kw):
+        return stepprof.Profiler(os.path.join(tmp, f"{tag}.jsonl"), **kw)
+
+    # 1. the launch-bound step, sync tracking off vs on
+    profs = {"off": prof("off", syncs="off"), "off-again": prof("off2", syncs="off"),
+             "warn": prof("warn")}
+    res["launch_bound"] = interleave(
+        {v: (lambda p=p: phased_step(p, 64, fwd, bwd, opt)) for v, p in profs.items()},
+        args.rounds, args.steps, "off",
+    )
+    for p in profs.values():
+        p.close()
+
+    # 2. the added cost per sync
+    s = torch.ones(8, device="cuda").sum()
+    n_syncs = 50
+
+    def syncing(p, n):
+        def step():
+            with p.step():
+                for _ in range(n):
+                    s.item()
+        return step
+
+    ps = {v: prof("s-" + v, syncs=v.split("-")[0]) for v in ("off-0", "warn-0", "off-50", "warn-50")}
+    per_sync = interleave(
+        {v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()}, args.rounds, 10, "off-0"
+    )
+    counted = ps["warn-50"].close().syncs_per_step_median
+    for p in ps.values():
+        p.close()
+    med = {v: r["us"]["median"] for v, r in per_sync.items()}
+    added = {
+        "median": (med["warn-50"] - med["off-50"] - med["warn-0"] + med["off-0"]) / n_syncs
+    }
+    res["per_sync"] = {
+        "syncs_per_step": n_syncs,
+        "counted_per_step": counted,
+        "item_us_untracked": (per_sync["off-50"]["us"]["median"] - per_sync["off-0"]["us"]["median"])
+        / n_syncs,
+        "added_us_per_sync": added,
+        "note": "from the four variants' medians; their spreads are under 'variants'",
+        "variants": per_sync,
+    }
+
+    # 3. the "trace" mechanism, last: its activation cannot be undone
+    stats = torch._C._cuda_memoryStats
+    a0 = stats(0)["allocation"]["all"]["allocated"]
+    for _ in range(10):
+        fwd(); bwd(); opt()  # noqa: E702
+    allocs_per_step = (stats(0)["allocation"]["all"]["allocated"] - a0) / 10
+    before = alloc_pair_us()
+    p_off, p_trace = prof("t-off", syncs="off"), prof("t-trace", syncs="trace")
+    with p_trace.step():  # activates the GPU trace (and self-tests it)
+        pass
+    after = alloc_pair_us()
+    trace = interleave(
+        {"off (trace active)": lambda: phased_step(p_off, 64, fwd, bwd, opt),
+         "trace": lambda: phased_step(p_trace, 64, fwd, bwd, opt)},
+        args.rounds, args.steps, "off (trace active)",
+    )
+    p_off.close()
+    mechanism = p_trace.close().sync_mechanism
+    step_us = res["launch_bound"]["off"]["us"]["median"]
+    res["trace"] = {
+        "mechanism": mechanism,
+        "allocations_per_step": allocs_per_step,
+        "alloc_free_pair_us_before": before,
+        "alloc_free_pair_us_after": after,
+        "activation_cost_us_per_step": allocs_per_step * (after - before),
+        "activation_cost_fraction": allocs_per_step * (after - before) / step_us,
+        "interleaved_after_activation": trace,
+    }
+
+    print(f"{res['gpu']}, torch {res['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
+    print("1. launch-bound phased step, sync tracking off vs on")
+    for v, r in res["launch_bound"].items():
+        print(f"   {v:10s} {r['us']['median']:8.1f} µs/step  ratio {r['ratio']['median']:.4f} "
+              f"[p10 {r['ratio']['p10']:.4f}, p90 {r['ratio']['p90']:.4f}]  "
+              f"added {r['added_us']['median']:+.1f} µs")
+    ps = res["per_sync"]
+    a = ps["added_us_per_sync"]
+    print(f"2. per sync: .item() {ps['item_us_untracked']:.1f} µs untracked; tracking adds "
+          f"{a['median']:.2f} µs per sync; counted {ps['counted_per_step']} of {n_syncs} per step")
+    t = res["trace"]
+    print(f"3. trace ({t['mechanism']}): {t['allocations_per_step']:.0f} allocations/step; alloc+free "
+          f"{t['alloc_free_pair_us_before']:.2f} -> {t['alloc_free_pair_us_after']:.2f} µs once active: "
+          f"+{t['activation_cost_us_per_step']:.0f} µs/step ({t['activation_cost_fraction']:.1%}) "
+          f"for every step of the process")
+    for v, r in trace.items():
+        print(f"   {v:18s} {r['us']['median']:8.1f} µs/step  ratio {r['ratio']['median']:.4f} "
+              f"[p10 {r['ratio']['p10']:.4f}, p90 {r['ratio']['p90']:.4f}]")
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
