@@ -59,12 +59,15 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 ON_SYNC = ("count", "warn", "raise")
 
 # Two waits of one C++ call arrive back to back: torch flushes the call's buffered
-# warnings together when it returns, 3.7-6 µs apart on the H200 host (median 4.2 µs,
-# rare outliers to 20 µs).  Two separate calls of a syncing op on the same line are
-# an op dispatch, a device round trip and the warning path apart: >= 18.6 µs for
-# `.item()` in a loop (bench/syncs.py).  Same line, same instruction, no Python
-# frame in between, and closer than this: the same call.
+# warnings together when it returns, 3.7-6 µs apart on the H200 host once Python has
+# specialised the warning path (11-20 µs the first few times).  Two separate calls of
+# a syncing op on the same line are an op dispatch, a device round trip and the
+# warning path apart: >= 18.6 µs for `.item()` in a loop.  Same line, same
+# instruction, no Python frame in between, and closer than this: the same call.
+# The first installation warms the warning path up and raises the gap to 2.5x its
+# measured round trip on slower hosts (see WarningTap.install).
 SAME_CALL_GAP_NS = 10_000
+_calibrating = False
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STEPPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -446,6 +449,8 @@ class WarningTap:
         warnings.filters.insert(0, self._filter)
         _filters_mutated()
         warnings.showwarning = self._hook
+        if not _warmed:
+            _warm_up()
         return self.uninstall
 
     def uninstall(self) -> None:
@@ -460,6 +465,8 @@ class WarningTap:
 
     def _show(self, message: Any, category: Any, filename: Any, lineno: Any, file: Any = None,
               line: Any = None) -> None:
+        if _calibrating and str(message) == _CALIBRATION:
+            return
         if _trackers and category is UserWarning and str(message).startswith(SYNC_MESSAGE):
             origin = sys._getframe(1)
             while origin is not None and (
@@ -473,6 +480,32 @@ class WarningTap:
                 return
         previous = self._previous or warnings._showwarning_orig  # type: ignore[attr-defined]
         previous(message, category, filename, lineno, file, line)
+
+
+_CALIBRATION = f"{SYNC_MESSAGE} (stepprof calibration)"
+_warmed = False
+
+
+def _warm_up() -> None:
+    """Run the warning path until Python has specialised it, and time it.
+
+    The first executions of a code path are several times slower than later ones
+    (the adaptive interpreter specialises after a few runs), which would split the
+    first burst of waits of one C++ call.  32 dummy warnings, once per process, cost
+    about 0.2 ms; the median of the last 16 sets a floor for the same-call gap.
+    """
+    global _warmed, _calibrating, SAME_CALL_GAP_NS
+    _warmed = _calibrating = True
+    times = []
+    try:
+        for _ in range(32):
+            t0 = time.perf_counter_ns()
+            warnings.warn(_CALIBRATION, UserWarning, stacklevel=1)
+            times.append(time.perf_counter_ns() - t0)
+    finally:
+        _calibrating = False
+    round_trip = sorted(times[16:])[8]
+    SAME_CALL_GAP_NS = max(SAME_CALL_GAP_NS, int(2.5 * round_trip))
 
 
 def _filters_mutated() -> None:
