@@ -292,7 +292,10 @@ def memory_report(device: str | int | torch.device | None = None) -> MemoryRepor
     dev = None
     if device is not None:
         try:
-            dev = torch.device(device)
+            if isinstance(device, int) and not isinstance(device, bool):
+                dev = torch.device("cuda", device)  # an index names a CUDA device, even without CUDA
+            else:
+                dev = torch.device(device)
         except (RuntimeError, TypeError) as e:
             raise ConfigError(
                 f"'device' must name a torch device such as 'cuda:0' or 0 (got {device!r}); "

@@ -498,6 +498,8 @@ def test_memory_report_without_cuda_returns_nulls_with_reasons_and_creates_no_co
         "assert set(r.unavailable) >= {'allocated_bytes', 'nvml_process_bytes', 'residual_bytes',\n"
         "                              'context_baseline_bytes', 'basis'}\n"
         "assert set(r.unavailable.values()) == {'CUDA is not available'}\n"
+        "assert stepprof.memory_report(0).unavailable['basis'] == 'CUDA is not available'\n"
+        "assert not torch.cuda.is_initialized()\n"
         "print(r)\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
