@@ -529,3 +529,16 @@ def test_memory_every_must_be_a_non_negative_int(log, bad):
 def test_memory_report_rejects_a_device_that_is_not_one():
     with pytest.raises(stepprof.ConfigError, match=r"'device' must name a torch device .*'gpu please'"):
         stepprof.memory_report("gpu please")
+
+
+def test_the_real_nvidia_ml_py_errors_are_translated(monkeypatch):
+    monkeypatch.delitem(sys.modules, "pynvml")  # conftest hid it; import the installed one
+    reading = _nvml.read("00000000-0000-0000-0000-000000000000", None)
+    m = sys.modules.get("pynvml")
+    assert m is not None and hasattr(m, "_nvmlGetFunctionPointer"), "nvidia-ml-py is not installed"
+    if _nvml._module is None:   # no driver here: nvmlInit itself fails
+        assert reading.process_reason.startswith("NVML could not start: nvmlInit: ")
+        assert reading.process_reason.endswith(("(LibraryNotFound)", "(DriverNotLoaded)"))
+    else:                       # a driver: the made-up UUID is not one of its GPUs
+        assert reading.process_reason.startswith("NVML has no device matching torch's: UUID GPU-")
+        assert "(NotFound)" in reading.process_reason or "(InvalidArgument)" in reading.process_reason
