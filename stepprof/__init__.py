@@ -3,12 +3,14 @@
 Wrap a step with :func:`profile_step` (or decorate it with :func:`measure`)
 inside a :class:`Profiler`; each step's GPU time (CUDA events, read back
 lazily, no added synchronisation), wall time and peak memory go to a
-JSON-lines log that :func:`read` streams back.
+JSON-lines log that :func:`read` streams back.  :func:`memory_report` reconciles
+PyTorch's memory figures with nvidia-smi's and explains the difference.
 """
 
-from ._api import configure, measure, profile_step
+from ._api import configure, measure, memory_report, profile_step
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._log import SCHEMA_VERSION, read
+from ._memory import MemoryReport
 from ._profiler import Profiler
 from ._records import Percentiles, Summary
 
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
+    "MemoryReport",
     "Percentiles",
     "Profiler",
     "SCHEMA_VERSION",
@@ -25,6 +28,7 @@ __all__ = [
     "UsageError",
     "configure",
     "measure",
+    "memory_report",
     "profile_step",
     "read",
 ]

@@ -23,6 +23,12 @@ NVTX push + pop                                0.4 µs
 
 None of these synchronises: ``query()`` polls, and ``elapsed_time`` is only
 called once both events have completed.
+
+The memory reconciliation (:mod:`stepprof._memory`) reads three more things
+here, never per step: the allocator's detailed figures (the same raw-stats
+call), ``torch.cuda.mem_get_info`` (5.7 µs) and the device's identity (UUID and
+PCI bus id, from ``get_device_properties``), which :mod:`stepprof._nvml` uses
+to find the same GPU in NVML.
 """
 
 from __future__ import annotations
@@ -32,13 +38,22 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from . import _syncs
 
-__all__ = ["Backend", "CudaBackend", "HostBackend", "SYNC_MECHANISMS", "select_backend"]
+__all__ = [
+    "ALLOCATOR_COUNTERS",
+    "SYNC_MECHANISMS",
+    "AllocatorFigures",
+    "Backend",
+    "CudaBackend",
+    "HostBackend",
+    "memory_backend",
+    "select_backend",
+]
 
 #: How sync points are detected: torch's sync-debug warnings (plus wrappers for the
 #: device and event waits they miss), torch's GPU-trace callbacks, or not at all.
@@ -48,6 +63,19 @@ SYNC_MECHANISMS = ("warn", "trace", "off")
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 
 _Counters = tuple[int, ...]
+
+
+class AllocatorFigures(NamedTuple):
+    """The caching allocator's figures for one device, from one raw-stats read."""
+
+    allocated_bytes: int
+    #: Since the last reset of the peak counters (stepprof resets them at every boundary).
+    peak_allocated_bytes: int
+    reserved_bytes: int
+    inactive_split_bytes: int
+    #: Cumulative since the process started (or ``reset_accumulated_memory_stats``).
+    num_ooms: int
+    num_alloc_retries: int
 
 
 class Backend(Protocol):
@@ -70,6 +98,10 @@ class Backend(Protocol):
     def range_pop(self) -> None: ...
     def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None: ...
     def unwatch_syncs(self) -> None: ...
+    # For the memory reconciliation, never per step:
+    def read_allocator(self) -> AllocatorFigures | None: ...
+    def mem_get_info(self) -> tuple[int, int] | None: ...
+    def identity(self) -> tuple[str | None, str | None]: ...
 
 
 class HostBackend:
@@ -116,6 +148,14 @@ class HostBackend:
 
     def unwatch_syncs(self) -> None:
         pass
+    def read_allocator(self) -> None:
+        return None
+
+    def mem_get_info(self) -> None:
+        return None
+
+    def identity(self) -> tuple[None, None]:
+        return None, None
 
 
 class CudaBackend:
@@ -244,6 +284,43 @@ class CudaBackend:
     def range_pop(self) -> None:
         if self._nvtx:
             self._pop()
+
+    def read_allocator(self) -> AllocatorFigures:
+        """The allocator's current, peak and cumulative figures, from one raw-stats read."""
+        stats = self._memory_stats(self.index)
+        return AllocatorFigures(
+            allocated_bytes=stats["allocated_bytes"]["all"]["current"],
+            peak_allocated_bytes=stats["allocated_bytes"]["all"]["peak"],
+            reserved_bytes=stats["reserved_bytes"]["all"]["current"],
+            inactive_split_bytes=stats["inactive_split_bytes"]["all"]["current"],
+            num_ooms=stats.get("num_ooms", 0),
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+        )
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device as the CUDA driver sees it (``cudaMemGetInfo``).
+
+        Device-wide: it counts every process on the GPU (or on the MIG instance).
+        """
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def identity(self) -> tuple[str | None, str | None]:
+        """The device's UUID (``"xxxxxxxx-xxxx-..."``, no prefix) and PCI bus id.
+
+        Both come from ``cudaGetDeviceProperties``, so they name the physical GPU
+        (or MIG instance) behind torch's index, whatever ``CUDA_VISIBLE_DEVICES``
+        says.  The bus id is formatted as NVML writes it: ``"00000000:65:00.0"``.
+        Either is None when this torch build does not expose it.
+        """
+        props = torch.cuda.get_device_properties(self.index)
+        raw_uuid = getattr(props, "uuid", None)
+        uuid = str(raw_uuid) if raw_uuid is not None else None
+        bus = getattr(props, "pci_bus_id", None)
+        dev = getattr(props, "pci_device_id", None)
+        domain = getattr(props, "pci_domain_id", None)
+        pci = f"{domain:08X}:{bus:02X}:{dev:02X}.0" if None not in (bus, dev, domain) else None
+        return uuid, pci
 
 
 # -- sync mechanisms ---------------------------------------------------------------
@@ -424,3 +501,25 @@ def select_backend(device: Any = None, *, nvtx: bool = True, syncs: str = "warn"
     if not torch.cuda.is_initialized():
         return HostBackend("CUDA was not initialised when the step began (the step ran on the CPU)")
     return CudaBackend(torch.cuda.current_device(), nvtx=nvtx, syncs=syncs)
+
+
+def memory_backend(device: torch.device | None = None) -> Backend:
+    """A backend to read memory figures on now, for :func:`stepprof.memory_report`.
+
+    It never initialises CUDA: where the process has no CUDA context yet, the
+    answer is a :class:`HostBackend` whose ``gpu_reason`` says so, because
+    creating one would itself add hundreds of MiB to what nvidia-smi shows.
+    """
+    if device is not None and device.type != "cuda":
+        return HostBackend(f"device {str(device)!r} has no CUDA memory")
+    if not torch.cuda.is_available():
+        return HostBackend("CUDA is not available")
+    if not torch.cuda.is_initialized():
+        return HostBackend(
+            "CUDA is not initialised in this process, so it holds no GPU memory "
+            "(stepprof never initialises CUDA itself)"
+        )
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        return HostBackend(f"there is no CUDA device {index} ({torch.cuda.device_count()} visible)")
+    return CudaBackend(index, nvtx=False)

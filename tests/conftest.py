@@ -1,14 +1,15 @@
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
 import torch
 
 import stepprof
-from stepprof import _api
+from stepprof import _api, _memory, _nvml
 
-from .fakes import FakeGpu
+from .fakes import FakeGpu, FakeNvml
 
 
 def _warm_torch() -> None:
@@ -36,10 +37,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def clean_state(monkeypatch):
-    """Reset module singletons; afterwards assert stepprof left no global state behind."""
+def clean_state(monkeypatch, request):
+    """Reset module singletons; afterwards assert stepprof left no global state behind.
+
+    Tests without the ``cuda`` marker never reach the real NVML: ``import pynvml``
+    fails in them (NVML missing) unless the test installs a ``FakeNvml``.
+    """
     monkeypatch.delenv("STEPPROF_LOG", raising=False)
     monkeypatch.delenv("STEPPROF_WARMUP", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if "cuda" not in request.keywords:
+        monkeypatch.setitem(sys.modules, "pynvml", None)
+    _nvml.shutdown()
+    _memory.reset()
     filters = list(warnings.filters)
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
     yield
@@ -49,6 +60,8 @@ def clean_state(monkeypatch):
         _api._default.close()
         _api._default = None
     _api._warned_no_log = False
+    _nvml.shutdown()
+    _memory.reset()
     assert not leftover, f"a Profiler was left active: {leftover}"
     assert warnings.filters == filters, "warning filters were not restored"
     if sync_mode is not None:
@@ -58,6 +71,14 @@ def clean_state(monkeypatch):
 @pytest.fixture
 def gpu() -> FakeGpu:
     return FakeGpu()
+
+
+@pytest.fixture
+def nvml(monkeypatch, gpu) -> FakeNvml:
+    """A fake NVML that sees ``gpu``, imported by stepprof._nvml as ``pynvml``."""
+    fake = FakeNvml(gpu)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake
 
 
 @pytest.fixture

@@ -1,17 +1,28 @@
-"""A fake device and clock for driving stepprof's recorder on a CPU.
+"""A fake device and clock for driving stepprof's recorder on a CPU, and a fake NVML.
 
 ``FakeGpu`` simulates an asynchronous device: work launched from the host is
 queued and runs back to back; a mark (event) completes when simulated device
 time reaches it; the host clock only moves when a test says so.  It also keeps
-an allocator's current/peak counters.
+an allocator's current/peak counters, and the memory the process holds outside
+the allocator (``outside``: the CUDA context, libraries).
+
+``FakeNvml`` stands in for the ``pynvml`` module (tests put it in
+``sys.modules``, where ``stepprof._nvml`` imports it).  It sees a ``FakeGpu``:
+the process's NVML figure is the allocator's reserved bytes plus ``outside``.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+from types import SimpleNamespace
 
 from stepprof import _syncs
+from stepprof._cuda import AllocatorFigures
+
+GiB = 2**30
+MiB = 2**20
 
 
 class FakeEvent:
@@ -48,6 +59,15 @@ class FakeGpu:
         self.counters = [0, 0, 0, 0]  # num_alloc_retries, num_sync_all_streams, device alloc/free
         self.installs = 0
         self.uninstalls = 0
+        # Memory for the reconciliation: outside the allocator, and the device.
+        self.outside = 500 * MiB          # CUDA context and libraries
+        self.total = 80 * GiB
+        self.others = 0                   # bytes other processes hold on the device
+        self.inactive_split = 0
+        self.num_ooms = 0
+        self.num_alloc_retries = 0
+        self.uuid: str | None = "6f1c2a3b-0000-4000-8000-00000000c0de"
+        self.pci_bus_id: str | None = "00000000:65:00.0"
 
     # -- what a test does -------------------------------------------------
     def clock(self) -> int:
@@ -145,3 +165,135 @@ class FakeGpu:
 
     def range_pop(self) -> None:
         self.ranges.append("-")
+
+    def read_allocator(self) -> AllocatorFigures:
+        self._maybe_fail("read_allocator")
+        return AllocatorFigures(
+            self.allocated, self.peak, self.reserved, self.inactive_split,
+            self.num_ooms, self.num_alloc_retries,
+        )
+
+    def mem_get_info(self) -> tuple[int, int]:
+        self._maybe_fail("mem_get_info")
+        return self.total - self.process_bytes() - self.others, self.total
+
+    def identity(self) -> tuple[str | None, str | None]:
+        self._maybe_fail("identity")
+        return self.uuid, self.pci_bus_id
+
+    def process_bytes(self) -> int:
+        """What the driver holds for this process: the allocator's reserve plus the rest."""
+        return self.reserved + self.outside
+
+
+class NVMLError(Exception):
+    """pynvml's error: one class per code in the real module; ``value`` is the code."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+    def __str__(self) -> str:
+        return f"fake NVML error {self.value}"
+
+
+class FakeNvml:
+    """Enough of the ``pynvml`` module for stepprof._nvml, seeing one ``FakeGpu``.
+
+    ``fail[name] = code`` makes ``name`` raise ``NVMLError(code)``; ``calls``
+    counts every call by name; ``pid_visible=False`` lists the process under a
+    host PID, as NVML does inside a container.
+    """
+
+    # Real NVML values (nvml.h).
+    NVML_ERROR_UNINITIALIZED = 1
+    NVML_ERROR_INVALID_ARGUMENT = 2
+    NVML_ERROR_NOT_SUPPORTED = 3
+    NVML_ERROR_NO_PERMISSION = 4
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_ERROR_DRIVER_NOT_LOADED = 9
+    NVML_ERROR_LIBRARY_NOT_FOUND = 12
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+    NVML_ERROR_UNKNOWN = 999
+    nvmlMemory_v2 = 0x02000028
+    NVMLError = NVMLError
+
+    def __init__(self, gpu, *, official: bool = True) -> None:
+        self.gpu = gpu
+        self.fail: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self.initialised = 0
+        self.pid_visible = True
+        self.other_pids: list[int] = []
+        self.used_memory_available = True
+        self.mig = False              # the device torch names is a MIG instance
+        self.parent_in_mig = False    # torch's UUID names a whole GPU that is in MIG mode
+        self.driver_reserved = 300 * MiB
+        # The GPU as NVML knows it (torch's side may be changed to miss it).
+        self.uuid, self.pci_bus_id = gpu.uuid, gpu.pci_bus_id
+        if official:
+            self._nvmlGetFunctionPointer = lambda name: None
+
+    def _call(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if name in self.fail:
+            raise NVMLError(self.fail[name])
+        if name not in ("nvmlInit", "nvmlShutdown") and self.initialised <= 0:
+            raise NVMLError(self.NVML_ERROR_UNINITIALIZED)
+
+    def nvmlInit(self) -> None:
+        self._call("nvmlInit")
+        self.initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        self._call("nvmlShutdown")
+        self.initialised -= 1
+
+    def _uuid(self) -> str:
+        return ("MIG-" if self.mig else "GPU-") + str(self.uuid)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        self._call("nvmlDeviceGetHandleByUUID")
+        if uuid != self._uuid():
+            raise NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return "handle"
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> str:
+        self._call("nvmlDeviceGetHandleByPciBusId")
+        if bus_id != self.pci_bus_id:
+            raise NVMLError(self.NVML_ERROR_NOT_FOUND)
+        return "handle"
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:  # stepprof must never call it
+        raise AssertionError("stepprof matched an NVML device by index")
+
+    def nvmlDeviceGetUUID(self, handle: str) -> str:
+        self._call("nvmlDeviceGetUUID")
+        return self._uuid()
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: str) -> int:
+        self._call("nvmlDeviceIsMigDeviceHandle")
+        return int(self.mig)
+
+    def nvmlDeviceGetMigMode(self, handle: str) -> list[int]:
+        self._call("nvmlDeviceGetMigMode")
+        if not self.parent_in_mig:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)   # as on a GPU without MIG
+        return [1, 1]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str, version: int | None = None) -> SimpleNamespace:
+        self._call("nvmlDeviceGetMemoryInfo")
+        used = self.gpu.process_bytes() + self.gpu.others
+        return SimpleNamespace(
+            total=self.gpu.total + self.driver_reserved, reserved=self.driver_reserved,
+            free=self.gpu.total - used, used=used,
+        )
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: str) -> list[SimpleNamespace]:
+        self._call("nvmlDeviceGetComputeRunningProcesses")
+        mine = self.gpu.process_bytes() if self.used_memory_available else None
+        pid = os.getpid() if self.pid_visible else 4_000_000 + os.getpid()
+        procs = [SimpleNamespace(pid=pid, usedGpuMemory=mine)]
+        return procs + [SimpleNamespace(pid=p, usedGpuMemory=GiB) for p in self.other_pids]

@@ -26,6 +26,11 @@ def test_all_is_exactly_the_public_surface():
     modules = {n for n in public if type(getattr(stepprof, n)).__name__ == "module"}
     assert sorted(stepprof.__all__) == stepprof.__all__
     assert set(stepprof.__all__) == public - modules
+    assert stepprof.__all__ == [
+        "ConfigError", "MemoryReport", "Percentiles", "Profiler", "SCHEMA_VERSION", "StepprofError",
+        "Summary", "SyncBudgetExceeded", "UsageError", "configure", "measure", "memory_report",
+        "profile_step", "read",
+    ]
 
 
 def test_the_readme_example_runs_on_cpu(log):
@@ -264,10 +269,12 @@ def test_log_lines_are_whole_and_flushed_while_running(log, gpu):
     while True:                      # read while the profiler is still open
         with open(log, "rb") as f:
             data = f.read()
-        if data.count(b"\n") >= 3 or time.monotonic() > deadline:
+        if data.count(b"\n") >= 4 or time.monotonic() > deadline:
             break
         time.sleep(0.005)
-    assert data.endswith(b"\n") and data.count(b"\n") == 3
+    # Three steps, and after the first (warmup=0) its after-warm-up memory record.
+    assert data.endswith(b"\n") and data.count(b"\n") == 4
+    assert data.count(b'"kind":"memory"') == 1
     prof.close()
 
 
@@ -279,7 +286,8 @@ def test_pandas_loads_a_log_as_is(log, gpu):
                 with prof.measure("forward"):
                     gpu.launch(1.0)
     df = pd.read_json(log, lines=True)
-    assert list(df["kind"]) == ["step"] * 3 + ["summary"]
+    # The fake is a CUDA device: memory records follow the first step and precede the summary.
+    assert list(df["kind"]) == ["step", "memory", "step", "step", "memory", "summary"]
     assert df.loc[df.kind == "step", "gpu_ms"].notna().all()
 
 
@@ -291,7 +299,7 @@ def test_read_skips_torn_lines_with_a_warning(log, gpu):
         f.write(b'{"kind": "step", "step": 9, "wal')   # a crash mid-line (not by stepprof)
     with pytest.warns(RuntimeWarning, match="skipped 1 line"):
         kinds = [r["kind"] for r in stepprof.read(log)]
-    assert kinds == ["step", "summary"]
+    assert kinds == ["step", "memory", "memory", "summary"]   # after warm-up, and at close
 
 
 def test_failed_log_write_warns_and_training_goes_on(gpu):

@@ -1,0 +1,336 @@
+"""The one module that imports ``pynvml`` (the nvidia-ml-py distribution).
+
+NVML is what nvidia-smi reads.  stepprof asks it two things about the GPU that
+torch trains on: how much memory NVML attributes to *this process* (the figure
+nvidia-smi prints next to the PID), and how much the device has in use.
+
+- **Lazy.**  ``pynvml`` is imported and ``nvmlInit`` called at the first
+  :func:`read`, behind a lock, never at import and never for a job without
+  CUDA.  The outcome (a working library, or why not) is cached; ``nvmlShutdown``
+  runs at interpreter exit, only if stepprof's ``nvmlInit`` succeeded.
+- **Matched by identity, never by index.**  NVML numbers GPUs in PCI order and
+  ignores ``CUDA_VISIBLE_DEVICES``; torch numbers the visible ones.  So the
+  device is looked up by the UUID torch reports (``GPU-<uuid>``, or
+  ``MIG-<uuid>`` for a MIG instance), else by its PCI bus id.
+- **Errors become reasons.**  Every NVML call goes through :func:`_query`, which
+  turns an ``NVMLError`` into a plain sentence with NVML's code name
+  (NotSupported, NoPermission, NotFound, ...).  Nothing here raises.
+- **Never per step.**  A process query costs 36-44 µs on the H200 host (memory
+  info ≈7 µs); the recorder calls :func:`read` only when a memory record is due.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import os
+import threading
+from typing import Any
+
+import attrs
+
+__all__ = ["NvmlReading", "read", "shutdown"]
+
+
+@attrs.frozen
+class NvmlReading:
+    """What NVML says about one device and this process; a None figure has a reason."""
+
+    process_bytes: int | None
+    device_used_bytes: int | None
+    process_reason: str | None = None
+    device_reason: str | None = None
+    #: The NVML UUID of the matched device ("GPU-..." or "MIG-..."), or None.
+    device_uuid: str | None = None
+    notes: tuple[str, ...] = ()
+
+
+# NVML's error constants -> (NVML's code name, plain words).  Codes not listed
+# here get their name derived from the constant and pynvml's own message.
+_WORDS = {
+    "NVML_ERROR_UNINITIALIZED": ("Uninitialized", "NVML is not initialised"),
+    "NVML_ERROR_NOT_SUPPORTED": ("NotSupported", "not supported on this GPU, driver or partition"),
+    "NVML_ERROR_NO_PERMISSION": ("NoPermission", "permission denied to this user or container"),
+    "NVML_ERROR_NOT_FOUND": ("NotFound", "no such device"),
+    "NVML_ERROR_LIBRARY_NOT_FOUND": (
+        "LibraryNotFound", "libnvidia-ml.so.1 was not found: no NVIDIA driver is visible here",
+    ),
+    "NVML_ERROR_DRIVER_NOT_LOADED": ("DriverNotLoaded", "the NVIDIA driver is not loaded"),
+    "NVML_ERROR_FUNCTION_NOT_FOUND": (
+        "FunctionNotFound", "the driver's NVML is older than this call",
+    ),
+    "NVML_ERROR_ARGUMENT_VERSION_MISMATCH": (
+        "ArgumentVersionMismatch", "the driver does not know this version of the call",
+    ),
+    "NVML_ERROR_GPU_IS_LOST": ("GpuIsLost", "the GPU has fallen off the bus"),
+    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": (
+        "LibRmVersionMismatch", "NVML and the kernel driver versions differ (reboot after a driver update)",
+    ),
+    "NVML_ERROR_UNKNOWN": ("Unknown", "an unknown NVML error"),
+}
+
+#: nvmlDeviceGetMigMode's "enabled" value (NVML_DEVICE_MIG_ENABLE).
+_MIG_ENABLED = 1
+
+_lock = threading.Lock()
+_tried = False
+_module: Any = None            # pynvml, once nvmlInit succeeded
+_unavailable: str | None = None  # why NVML cannot be used, once tried
+_package_note: str | None = None
+_codes: dict[Any, str] = {}    # error value -> NVML_ERROR_* name
+_handles: dict[tuple[str | None, str | None], tuple[Any, bool, bool, str | None, str | None]] = {}
+
+
+def _import_pynvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
+def _deprecated_distribution() -> str | None:
+    """The version of the deprecated ``pynvml`` distribution, if it is installed."""
+    try:
+        return importlib.metadata.version("pynvml")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _check_package(m: Any) -> str | None:
+    """A note when ``import pynvml`` is not (only) nvidia-ml-py's module."""
+    fix = "run `pip uninstall pynvml` and `pip install nvidia-ml-py`"
+    if not hasattr(m, "_nvmlGetFunctionPointer"):
+        return (
+            f"`import pynvml` found a module that is not nvidia-ml-py's (the deprecated `pynvml` "
+            f"distribution provides it); {fix}"
+        )
+    version = _deprecated_distribution()
+    if version is not None:
+        return (
+            f"the deprecated `pynvml` distribution ({version}) is installed next to nvidia-ml-py, "
+            f"and both provide `import pynvml`; {fix}"
+        )
+    return None
+
+
+def _translate(e: BaseException, m: Any) -> str:
+    """An NVML error as words plus NVML's code name, e.g. ``"permission denied ... (NoPermission)"``."""
+    value = getattr(e, "value", None)
+    if not _codes:
+        for name in dir(m):
+            if name.startswith("NVML_ERROR_"):
+                _codes.setdefault(getattr(m, name), name)
+    name = _codes.get(value)
+    if name in _WORDS:
+        code, words = _WORDS[name]
+    elif name is not None:
+        code = "".join(w.capitalize() for w in name[len("NVML_ERROR_"):].split("_"))
+        words = str(e)
+    else:
+        code, words = f"code {value}", str(e) or type(e).__name__
+    return f"{words} ({code})"
+
+
+def _query(m: Any, fn: str, *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
+    """Call ``m.<fn>``; return (value, None), or (None, why) for any failure."""
+    try:
+        return getattr(m, fn)(*args, **kwargs), None
+    except Exception as e:  # noqa: BLE001 - every failure becomes a reason
+        error_cls = getattr(m, "NVMLError", None)
+        if isinstance(error_cls, type) and isinstance(e, error_cls):
+            return None, f"{fn}: {_translate(e, m)}"
+        return None, f"{fn} failed: {type(e).__name__}: {e}"
+
+
+def _code_of(why: str | None) -> str | None:
+    return why.rsplit("(", 1)[-1].rstrip(")") if why and why.endswith(")") else None
+
+
+def _load() -> tuple[Any, str | None]:
+    """pynvml after a successful ``nvmlInit``, or (None, why not).  Tried once."""
+    global _tried, _module, _unavailable, _package_note
+    with _lock:
+        if _tried:
+            return _module, _unavailable
+        _tried = True
+        try:
+            m = _import_pynvml()
+        except ImportError as e:
+            _unavailable = f"nvidia-ml-py is not installed ({e}); `pip install nvidia-ml-py`"
+            return None, _unavailable
+        except Exception as e:  # noqa: BLE001 - a broken install is a reason too
+            _unavailable = f"importing pynvml failed: {type(e).__name__}: {e}"
+            return None, _unavailable
+        _package_note = _check_package(m)
+        _codes.clear()
+        _, why = _query(m, "nvmlInit")
+        if why is not None:
+            _unavailable = f"NVML could not start: {why}"
+            if _package_note:
+                _unavailable += f"; {_package_note}"
+            return None, _unavailable
+        _module = m
+        return m, None
+
+
+def _device(m: Any, uuid: str | None, pci: str | None) -> tuple[Any, bool, bool, str | None, str | None]:
+    """(handle, is a MIG instance, parent GPU in MIG mode, NVML UUID, why not found).  Cached."""
+    key = (uuid, pci)
+    with _lock:
+        hit = _handles.get(key)
+    if hit is not None:
+        return hit
+    handle = None
+    tried: list[str] = []
+    if uuid is None and pci is None:
+        tried.append("torch reports neither a UUID nor a PCI bus id for it (stepprof never matches by index)")
+    if uuid is not None:
+        for prefix in ("GPU-", "MIG-"):
+            handle, why = _query(m, "nvmlDeviceGetHandleByUUID", prefix + uuid)
+            if handle is not None:
+                break
+            tried.append(f"UUID {prefix}{uuid}: {why}")
+    if handle is None and pci is not None:
+        handle, why = _query(m, "nvmlDeviceGetHandleByPciBusId", pci)
+        if handle is None:
+            tried.append(f"PCI bus id {pci}: {why}")
+    if handle is None:
+        result = (None, False, False, None, "NVML has no device matching torch's: " + "; ".join(tried))
+    else:
+        is_mig, _ = _query(m, "nvmlDeviceIsMigDeviceHandle", handle)
+        is_mig = bool(getattr(is_mig, "value", is_mig))
+        parent_mig = False
+        if not is_mig:
+            mode, _ = _query(m, "nvmlDeviceGetMigMode", handle)  # NotSupported: no MIG on this GPU
+            parent_mig = bool(mode) and mode[0] == _MIG_ENABLED
+        nvml_uuid, _ = _query(m, "nvmlDeviceGetUUID", handle)
+        if isinstance(nvml_uuid, bytes):
+            nvml_uuid = nvml_uuid.decode()
+        result = (handle, is_mig, parent_mig, nvml_uuid, None)
+    with _lock:
+        _handles[key] = result
+    return result
+
+
+def _memory_info(m: Any, handle: Any) -> tuple[Any, str | None, bool]:
+    """NVML's device memory info: (info, why not, whether it is the v1 struct)."""
+    if hasattr(m, "nvmlMemory_v2"):
+        info, why = _query(m, "nvmlDeviceGetMemoryInfo", handle, version=m.nvmlMemory_v2)
+        if info is not None:
+            return info, None, False
+    info, why = _query(m, "nvmlDeviceGetMemoryInfo", handle)
+    return info, why, True
+
+
+def _processes(m: Any, handle: Any) -> tuple[Any, str | None]:
+    procs, why = _query(m, "nvmlDeviceGetComputeRunningProcesses", handle)
+    if procs is None and _code_of(why) in ("FunctionNotFound", "ArgumentVersionMismatch") and hasattr(
+        m, "nvmlDeviceGetComputeRunningProcesses_v2"
+    ):
+        procs, why = _query(m, "nvmlDeviceGetComputeRunningProcesses_v2", handle)
+    return procs, why
+
+
+def read(uuid: str | None, pci: str | None, pid: int | None = None) -> NvmlReading:
+    """NVML's figures for the device torch calls ``uuid``/``pci``, and for process ``pid``.
+
+    Costs one memory-info and one process query (≈50 µs) after the first call,
+    which also pays for ``nvmlInit`` and the device lookup.  Never raises.
+
+    Args:
+        uuid: torch's device UUID, without NVML's ``GPU-``/``MIG-`` prefix.
+        pci: the PCI bus id, ``"00000000:65:00.0"``.
+        pid: the process to look for; default this one.
+    """
+    try:
+        return _read(uuid, pci, os.getpid() if pid is None else pid)
+    except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        why = f"stepprof's NVML reading failed: {type(e).__name__}: {e}"
+        return NvmlReading(None, None, why, why)
+
+
+def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
+    m, why = _load()
+    notes: list[str] = [_package_note] if _package_note else []
+    if m is None:
+        return NvmlReading(None, None, why, why, notes=tuple(notes))
+    handle, is_mig, parent_mig, nvml_uuid, why = _device(m, uuid, pci)
+    if handle is None:
+        return NvmlReading(None, None, why, why, notes=tuple(notes))
+    if parent_mig:
+        why = (
+            f"the GPU {nvml_uuid} is partitioned into MIG instances and torch's device matched the "
+            f"whole GPU, not an instance: NVML's figures would not be this process's"
+        )
+        return NvmlReading(None, None, why, why, device_uuid=nvml_uuid, notes=tuple(notes))
+    if is_mig:
+        notes.append(
+            f"this is a MIG instance ({nvml_uuid}): NVML's and cudaMemGetInfo's device figures "
+            f"cover the instance, not the whole GPU"
+        )
+
+    device_used = process = None
+    device_why = process_why = None
+    info, device_why, v1 = _memory_info(m, handle)
+    if info is not None:
+        device_used = int(info.used)
+        if v1:
+            notes.append("NVML's device figure is the v1 one, which also counts memory the driver reserves")
+
+    procs, process_why = _processes(m, handle)
+    if procs is not None:
+        mine = [p for p in procs if p.pid == pid]
+        others = len(procs) - len(mine)
+        if not mine:
+            listed = f"lists {len(procs)} compute process(es)" if procs else "lists no compute process"
+            process_why = (
+                f"NVML {listed} on this GPU but not this process (PID {pid}): inside a container "
+                f"NVML reports host PIDs, or cannot see processes at all"
+            )
+            if others > 1:
+                notes.append(
+                    f"NVML lists {others} compute processes on this GPU: if some are not this process, "
+                    f"the device-wide figures include their memory"
+                )
+        elif any(p.usedGpuMemory is None for p in mine):
+            process_why = (
+                "NVML lists this process but gives no memory figure for it (not available on "
+                "this partition or driver model)"
+            )
+        else:
+            process = sum(int(p.usedGpuMemory) for p in mine)
+            if others:
+                notes.append(f"{others} other process(es) also use this GPU")
+    if process_why is not None and _package_note:
+        process_why += f"; {_package_note}"
+    return NvmlReading(
+        process, device_used, process_why, device_why, device_uuid=nvml_uuid, notes=tuple(notes)
+    )
+
+
+def shutdown() -> None:
+    """``nvmlShutdown`` if stepprof's ``nvmlInit`` succeeded; forget every cached answer."""
+    global _tried, _module, _unavailable, _package_note
+    with _lock:
+        m, _module = _module, None
+        _tried = False
+        _unavailable = _package_note = None
+        _handles.clear()
+        _codes.clear()
+    if m is not None:
+        _query(m, "nvmlShutdown")
+
+
+def _forget_in_child() -> None:
+    # A forked child inherits NVML's library state but not its own init (nor a lock
+    # another thread may have held at the fork): start over.
+    global _lock, _tried, _module, _unavailable, _package_note
+    _lock = threading.Lock()
+    _tried, _module, _unavailable, _package_note = False, None, None, None
+    _handles.clear()
+
+
+# Registered at import, before stepprof._profiler registers its close-at-exit, so
+# (atexit runs last-in, first-out) profilers closing at exit can still read NVML.
+atexit.register(shutdown)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
