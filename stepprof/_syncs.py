@@ -10,10 +10,11 @@ on that thread then
 * names the kind from the bytecode instruction that frame is executing and the
   source text of its expression (``loss.item()`` is ``item``, ``if t > 0:`` is
   ``bool``, ``x[mask]`` is ``mask_index``...), cached per code object and offset;
-* folds several waits of one call into one count: ``print(t)`` waits about a
-  dozen times inside torch's formatting code, and ``repeat_interleave`` twice
-  inside one C++ op, but each is one sync point of the user's.  ``waits`` keeps
-  the raw number;
+* folds the waits made inside torch's Python code on behalf of one call into
+  one count: ``print(t)`` waits about a dozen times inside torch's formatting
+  code, but it is one sync point of the user's.  ``waits`` keeps the raw number.
+  A C++ op that waits twice (``repeat_interleave`` without ``output_size``)
+  counts twice: nothing in Python tells its two waits from two calls in a loop;
 * applies the step's sync budget (``max_syncs``, ``on_sync``).
 
 The warning route's plumbing is here too (:class:`WarningTap`): torch's
@@ -33,7 +34,6 @@ import os
 import re
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -58,16 +58,6 @@ SYNC_MESSAGE = "called a synchronizing CUDA operation"
 #: Policies for a step over its sync budget.
 ON_SYNC = ("count", "warn", "raise")
 
-# Two waits of one C++ call arrive back to back: torch flushes the call's buffered
-# warnings together when it returns, 3.7-6 µs apart on the H200 host once Python has
-# specialised the warning path (11-20 µs the first few times).  Two separate calls of
-# a syncing op on the same line are an op dispatch, a device round trip and the
-# warning path apart: >= 18.6 µs for `.item()` in a loop.  Same line, same
-# instruction, no Python frame in between, and closer than this: the same call.
-# The first installation warms the warning path up and raises the gap to 2.5x its
-# measured round trip on slower hosts (see WarningTap.install).
-SAME_CALL_GAP_NS = 10_000
-_calibrating = False
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STEPPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -278,7 +268,6 @@ class SyncTracker:
         self._last_key: tuple[Any, int] | None = None
         self._last_child: Any = None
         self._last_site: _Site | None = None
-        self._last_ns = 0
         self._mute = 0
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
@@ -309,7 +298,6 @@ class SyncTracker:
         """A host-device wait, made by the code running in frame ``origin``."""
         if self._mute:
             return
-        now = time.perf_counter_ns()
         self.waits += 1
         user = origin
         child = None
@@ -319,13 +307,10 @@ class SyncTracker:
         if user is None:  # torch's own code with no caller outside it
             user, child = origin, None
         key = (user, user.f_lasti)
-        if key == self._last_key and (
-            child is not None and child is self._last_child
-            or child is None and self._last_child is None and now - self._last_ns < SAME_CALL_GAP_NS
-        ):
-            # Another wait of the same call: print(t)'s formatting, repeat_interleave's two.
+        if child is not None and child is self._last_child and key == self._last_key:
+            # Another wait inside the same call of torch's Python code (print(t)'s formatting):
+            # the frame it runs in is the same object, held since the last wait.
             self._sites[self._last_site][1] += 1  # type: ignore[index]
-            self._last_ns = time.perf_counter_ns()
             return
         kind, text = classify(user)
         if kind is None and origin is not user:
@@ -344,7 +329,6 @@ class SyncTracker:
         self._last_key, self._last_child, self._last_site = key, child, site
         if self.budget_armed and self.count > self.max_syncs:  # type: ignore[operator]
             self._over_budget(site, counts[0], user)
-        self._last_ns = time.perf_counter_ns()
 
     def _over_budget(self, site: _Site, site_count: int, frame: Any) -> None:
         where, kind, text = site
@@ -449,8 +433,6 @@ class WarningTap:
         warnings.filters.insert(0, self._filter)
         _filters_mutated()
         warnings.showwarning = self._hook
-        if not _warmed:
-            _warm_up()
         return self.uninstall
 
     def uninstall(self) -> None:
@@ -465,8 +447,6 @@ class WarningTap:
 
     def _show(self, message: Any, category: Any, filename: Any, lineno: Any, file: Any = None,
               line: Any = None) -> None:
-        if _calibrating and str(message) == _CALIBRATION:
-            return
         if _trackers and category is UserWarning and str(message).startswith(SYNC_MESSAGE):
             origin = sys._getframe(1)
             while origin is not None and (
@@ -480,32 +460,6 @@ class WarningTap:
                 return
         previous = self._previous or warnings._showwarning_orig  # type: ignore[attr-defined]
         previous(message, category, filename, lineno, file, line)
-
-
-_CALIBRATION = f"{SYNC_MESSAGE} (stepprof calibration)"
-_warmed = False
-
-
-def _warm_up() -> None:
-    """Run the warning path until Python has specialised it, and time it.
-
-    The first executions of a code path are several times slower than later ones
-    (the adaptive interpreter specialises after a few runs), which would split the
-    first burst of waits of one C++ call.  32 dummy warnings, once per process, cost
-    about 0.2 ms; the median of the last 16 sets a floor for the same-call gap.
-    """
-    global _warmed, _calibrating, SAME_CALL_GAP_NS
-    _warmed = _calibrating = True
-    times = []
-    try:
-        for _ in range(32):
-            t0 = time.perf_counter_ns()
-            warnings.warn(_CALIBRATION, UserWarning, stacklevel=1)
-            times.append(time.perf_counter_ns() - t0)
-    finally:
-        _calibrating = False
-    round_trip = sorted(times[16:])[8]
-    SAME_CALL_GAP_NS = max(SAME_CALL_GAP_NS, int(2.5 * round_trip))
 
 
 def _filters_mutated() -> None:
