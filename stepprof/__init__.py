@@ -3,14 +3,16 @@
 Wrap a step with :func:`profile_step` (or decorate it with :func:`measure`)
 inside a :class:`Profiler`; each step's GPU time (CUDA events, read back
 lazily, no added synchronisation), wall time and peak memory go to a
-JSON-lines log that :func:`read` streams back.
+JSON-lines log that :func:`read` streams back.  :func:`sweep` measures
+samples/s and peak memory over batch sizes and recommends one.
 """
 
 from ._api import configure, measure, profile_step
 from ._errors import ConfigError, StepprofError, UsageError
 from ._log import SCHEMA_VERSION, read
 from ._profiler import Profiler
-from ._records import Percentiles, Summary
+from ._records import Percentiles, Summary, SweepPoint, SweepResult
+from ._sweep import sweep
 
 __version__ = "0.1.0"
 
@@ -21,9 +23,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "StepprofError",
     "Summary",
+    "SweepPoint",
+    "SweepResult",
     "UsageError",
     "configure",
     "measure",
     "profile_step",
     "read",
+    "sweep",
 ]

@@ -13,3 +13,7 @@ class ConfigError(StepprofError, ValueError):
 
 class UsageError(StepprofError, TypeError):
     """An API was called in a way it does not support (wrong nesting, missing brackets)."""
+
+
+class MissingExtraError(StepprofError, ImportError):
+    """An optional dependency is not installed; the message gives the install command."""

@@ -26,6 +26,11 @@ def test_all_is_exactly_the_public_surface():
     modules = {n for n in public if type(getattr(stepprof, n)).__name__ == "module"}
     assert sorted(stepprof.__all__) == stepprof.__all__
     assert set(stepprof.__all__) == public - modules
+    assert stepprof.__all__ == [
+        "ConfigError", "Percentiles", "Profiler", "SCHEMA_VERSION", "StepprofError", "Summary",
+        "SweepPoint", "SweepResult", "UsageError", "configure", "measure", "profile_step", "read",
+        "sweep",
+    ]
 
 
 def test_the_readme_example_runs_on_cpu(log):
