@@ -951,7 +951,7 @@ class _Sweep:
         pct = f"{self.knee_within:.0%}"
         if rec == best.batch_size:
             text = f"Batch {rec:,} gave the most samples/s ({r.samples_per_s:,.0f})"
-            if rec == max_fit:
+            if rec == max_fit and len(ran) > 1:
                 text += ", and samples/s was still rising at the largest batch that ran"
                 if self.stopped == "max_batch":
                     text += f" (max_batch={self.max_batch:,}), so a larger batch may be faster"

@@ -62,7 +62,13 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
         a.set_xlim(lo / 1.3, hi * 1.3)
 
     xs = [p.batch_size for p in ran]
-    ax.plot(xs, [p.samples_per_s for p in ran], "o-", color="tab:blue", lw=1.8, ms=5, label="samples/s (median)")
+    if ran:
+        ax.plot(xs, [p.samples_per_s for p in ran], "o-", color="tab:blue", lw=1.8, ms=5,
+                label="samples/s (median)")
+    else:
+        ax.text(0.5, 0.5, "no batch ran: every trial ran out of memory" if ooms else "no trial finished",
+                transform=ax.transAxes, ha="center", va="center", fontsize=12, color="tab:red")
+        ax.set_yticks([])
     if zone is not None:
         hot = [p for p in ran if p.batch_size in zone]
         ax.plot([p.batch_size for p in hot], [p.samples_per_s for p in hot], "o", color="tab:orange",
@@ -87,14 +93,16 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
         ax.plot([p.batch_size for p in ooms], [0] * len(ooms), "x", color="tab:red", ms=9, mew=2,
                 ls="none", label="out of memory", clip_on=False)
     ax.set_ylabel("samples/s")
-    ax.set_ylim(bottom=0)
+    top_rate = max((p.batch_size / p.step_ms_p10 * 1e3 if p.step_ms_p10 else p.samples_per_s) for p in ran) if ran else 1.0
+    ax.set_ylim(0, top_rate * 1.12)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
 
     if mem is not None:
         with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
-        mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / _GIB for p in with_peak],
-                 "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
+        if with_peak:
+            mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / _GIB for p in with_peak],
+                     "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
         oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
         if oom_peaks:
             mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / _GIB for p in oom_peaks],

@@ -75,7 +75,7 @@ def test_real_model_sweeps_into_real_ooms_and_memory_returns_to_the_byte(tmp_pat
     assert r.stopped == "boundary"
     assert r.first_oom <= r.max_fit * 103 // 100 + 1
     assert r.predicted_max is not None and r.knee is not None and r.recommended is not None
-    assert len([p for p in r.points if p.phase == "refine"]) <= 8
+    assert len([p for p in r.points if p.phase == "refine"]) <= 10   # a performance bound, loosely
     assert len(list(stepprof.read(tmp_path / "sweep.jsonl", kind="sweep_point"))) == r.trials
     # The event-timed median agrees with an independent synchronised span at the recommended batch.
     n = r.recommended
