@@ -408,7 +408,6 @@ def test_profile_step_inside_train_step_records_nothing_during_the_sweep(log):
             step(batch)
 
     with stepprof.Profiler(log) as prof:
-        run(step, gpu, max_batch=64).__class__  # noqa: B018 - a plain sweep
         stepprof.sweep(train_step, step.make_batch, max_batch=64, _backend=gpu, _clock=gpu.clock,
                        progress=False)
         train_step(step.make_batch(4))           # after the sweep, recording works again
