@@ -14,8 +14,10 @@ How it searches (docs/sweep.md has the reasoning and the evidence):
    allocator can hold, predicts the largest batch that fits.  Probes aim just
    under it, then just above the largest fit, so that usually two probes bracket
    the boundary within 3%: a batch that ran, and one at most 3% larger that ran
-   out of memory.  A probe whose outcome contradicts the fit makes the next probe
-   a bisection, so a poor fit costs probes but never correctness.
+   out of memory.  After an out-of-memory error, the bytes that trial held at
+   once bound the limit from below and set the next probe.  A probe whose
+   outcome contradicts the fit makes the next probe a bisection, so a poor fit
+   costs probes but never correctness.
 3. **Backfill** sizes skipped by quadrupling that could be the knee.
 
 Each trial: ``make_batch(n)`` once, ``warmup`` steps, then timed steps until
