@@ -50,9 +50,12 @@ __all__ = [
     "AllocatorFigures",
     "Backend",
     "CudaBackend",
+    "CudaSweepBackend",
     "HostBackend",
+    "HostSweepBackend",
     "memory_backend",
     "select_backend",
+    "select_sweep_backend",
 ]
 
 #: How sync points are detected: torch's sync-debug warnings (plus wrappers for the
@@ -523,3 +526,87 @@ def memory_backend(device: torch.device | None = None) -> Backend:
     if not 0 <= index < torch.cuda.device_count():
         return HostBackend(f"there is no CUDA device {index} ({torch.cuda.device_count()} visible)")
     return CudaBackend(index, nvtx=False)
+
+
+
+# -- what the batch-size sweep needs besides the recorder's calls ----------------
+#
+# The sweep (``stepprof._sweep``) times whole trials with the same marks, and also
+# reads the allocator's event counters, the bytes allocated now, what the device
+# can still give, and frees the cache after an out-of-memory error.
+
+
+class CudaSweepBackend(CudaBackend):
+    """:class:`CudaBackend` plus the allocator reads and the cache release of the sweep."""
+
+    def __init__(self, device_index: int) -> None:
+        super().__init__(device_index, nvtx=False)
+        self._empty_cache = torch._C._cuda_emptyCache
+
+    def allocator_counters(self) -> tuple[int, int] | None:
+        """(``num_alloc_retries``, ``num_device_alloc``) so far, from one raw-stats read.
+
+        ``num_alloc_retries`` counts cudaMalloc calls that failed and were retried
+        after freeing the cache; ``num_device_alloc`` counts cudaMalloc (and cuMemMap)
+        calls.  Neither synchronises.  ``num_device_alloc`` is missing before torch 2.1:
+        it reads as 0 there.
+        """
+        stats = self._memory_stats(self.index)
+        return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of live tensors now (``torch.cuda.memory_allocated()``, without flattening)."""
+        return int(self._memory_stats(self.index)["allocated_bytes"]["all"]["current"])
+
+    def empty_cache(self) -> None:
+        """Return the allocator's unused cached blocks to the driver (synchronises)."""
+        self._empty_cache()
+
+    def capacity_bytes(self) -> int:
+        """What torch's allocator could hold on this device now: free + its own reserved.
+
+        ``mem_get_info`` gives the device's free bytes (other processes and the CUDA
+        context already taken out); bytes this process has reserved are usable too.
+        A per-process memory fraction, when set, caps the figure.
+        """
+        free, total = torch.cuda.mem_get_info(self.index)
+        reserved = int(self._memory_stats(self.index)["reserved_bytes"]["all"]["current"])
+        capacity = int(free) + reserved
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if get_fraction is not None:
+            try:
+                fraction = float(get_fraction(self.index))
+            except (RuntimeError, TypeError, ValueError):  # pragma: no cover - old torch
+                fraction = 1.0
+            if 0 < fraction < 1:
+                capacity = min(capacity, int(fraction * total))
+        return capacity
+
+
+class HostSweepBackend(HostBackend):
+    """No device: the sweep times with the host clock and has no memory figures."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.memory_reason = f"{reason}; torch's CPU allocator keeps no peak or retry counters"
+
+    def allocator_counters(self) -> None:
+        return None
+
+    def allocated_bytes(self) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        pass
+
+    def capacity_bytes(self) -> None:
+        return None
+
+
+def select_sweep_backend(device: Any = None) -> CudaSweepBackend | HostSweepBackend:
+    """The sweep's backend: CUDA when asked for, or (``device=None``) when the process
+    has already initialised CUDA (the model is on the GPU); otherwise the host."""
+    chosen = select_backend(device, nvtx=False)
+    if isinstance(chosen, CudaBackend):
+        return CudaSweepBackend(chosen.index)
+    return HostSweepBackend(chosen.gpu_reason or "CUDA is not available")

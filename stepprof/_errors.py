@@ -28,3 +28,7 @@ class SyncBudgetExceeded(StepprofError, RuntimeError):
         self.where = where
         self.kind = kind
         self.count = count
+
+
+class MissingExtraError(StepprofError, ImportError):
+    """An optional dependency is not installed; the message gives the install command."""

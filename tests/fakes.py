@@ -297,3 +297,130 @@ class FakeNvml:
         pid = os.getpid() if self.pid_visible else 4_000_000 + os.getpid()
         procs = [SimpleNamespace(pid=pid, usedGpuMemory=mine)]
         return procs + [SimpleNamespace(pid=p, usedGpuMemory=GiB) for p in self.other_pids]
+
+
+# -- the batch-size sweep ------------------------------------------------------------
+
+
+class FakeSweepGpu(FakeGpu):
+    """FakeGpu plus what the sweep reads: allocator counters, live bytes, capacity."""
+
+    index = 0
+
+    def __init__(self, *, capacity: int, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.capacity = capacity
+        self.retries = 0
+        self.device_allocs = 0
+        self.empty_cache_calls = 0
+
+    def allocator_counters(self) -> tuple[int, int]:
+        return self.retries, self.device_allocs
+
+    def allocated_bytes(self) -> int:
+        return self.allocated
+
+    def empty_cache(self) -> None:
+        self.empty_cache_calls += 1
+        self.reserved = self.allocated
+
+    def capacity_bytes(self) -> int:
+        return self.capacity
+
+
+class Held:
+    """Fake device memory owned by a Python object: it is freed when the object dies."""
+
+    def __init__(self, gpu: FakeGpu, nbytes: int) -> None:
+        gpu.alloc(nbytes)
+        self.gpu = gpu
+        self.nbytes = nbytes
+
+    def __del__(self) -> None:
+        self.gpu.free(self.nbytes)
+
+
+class SyntheticStep:
+    """A training step with a known curve, on a fake device and clock.
+
+    Step time is ``fixed_ms + per_sample_ms * n`` (so samples/s climbs and
+    flattens), times ``thrash_factor`` from ``thrash_from`` on, where each step
+    also makes the allocator retry; times seeded noise of +-``noise``.  Peak
+    memory is ``base_bytes + per_sample_bytes * n``; a step whose peak exceeds
+    ``usable`` raises ``torch.OutOfMemoryError`` with half its activations
+    still referenced from its frame, as a real step would.
+    """
+
+    def __init__(
+        self,
+        gpu: FakeGpu,
+        *,
+        fixed_ms: float = 2.0,
+        per_sample_ms: float = 0.01,
+        base_bytes: int = 10**9,
+        per_sample_bytes: int = 10**7,
+        usable: int = 39 * 10**9,
+        noise: float = 0.01,
+        thrash_from: int | None = None,
+        thrash_factor: float = 1.0,
+        leak_on_oom: bool = False,
+        layers: int = 8,
+        seed: int = 0,
+    ) -> None:
+        self.gpu = gpu
+        self.layers = layers
+        self.fixed_ms = fixed_ms
+        self.per_sample_ms = per_sample_ms
+        self.per_sample_bytes = per_sample_bytes
+        self.usable = usable
+        self.noise = noise
+        self.thrash_from = thrash_from
+        self.thrash_factor = thrash_factor
+        self.leak_on_oom = leak_on_oom
+        self.leaked: list[Held] = []
+        self.rng = random.Random(seed)
+        self.weights = Held(gpu, base_bytes)
+        self.base_bytes = base_bytes
+        self.calls: list[int] = []
+
+    @property
+    def true_max(self) -> int:
+        """The largest batch that fits."""
+        return (self.usable - self.base_bytes) // self.per_sample_bytes
+
+    def ms(self, n: int) -> float:
+        """The noiseless step time at batch ``n``."""
+        ms = self.fixed_ms + self.per_sample_ms * n
+        if self.thrash_from is not None and n >= self.thrash_from:
+            ms *= self.thrash_factor
+        return ms
+
+    def make_batch(self, n: int):
+        import torch
+
+        return torch.empty(n, 1)
+
+    def __call__(self, batch) -> None:
+        import torch
+
+        n = int(batch.shape[0])
+        self.calls.append(n)
+        need = self.per_sample_bytes * n
+        # Activations arrive layer by layer: the step fails at the first layer that does
+        # not fit, with the earlier layers' activations referenced from this frame.
+        layers: list[Held] = []
+        for i in range(self.layers):
+            size = need // self.layers + (need % self.layers if i == 0 else 0)
+            if self.gpu.allocated + size > self.usable:
+                if self.leak_on_oom:
+                    self.leaked.extend(layers)
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate {size / 2**20:.2f} MiB."
+                )
+            layers.append(Held(self.gpu, size))
+        if self.thrash_from is not None and n >= self.thrash_from:
+            self.gpu.retries += 2
+            self.gpu.device_allocs += 2
+        self.gpu.launch(self.ms(n) * (1 + self.rng.uniform(-self.noise, self.noise)))
+        self.gpu.wait_idle()
+        del layers

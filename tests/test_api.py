@@ -28,8 +28,8 @@ def test_all_is_exactly_the_public_surface():
     assert set(stepprof.__all__) == public - modules
     assert stepprof.__all__ == [
         "ConfigError", "MemoryReport", "Percentiles", "Profiler", "SCHEMA_VERSION", "StepprofError",
-        "Summary", "SyncBudgetExceeded", "UsageError", "configure", "measure", "memory_report",
-        "profile_step", "read",
+        "Summary", "SweepPoint", "SweepResult", "SyncBudgetExceeded", "UsageError", "configure",
+        "measure", "memory_report", "profile_step", "read", "sweep",
     ]
 
 

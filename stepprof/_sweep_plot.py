@@ -1,0 +1,133 @@
+"""``SweepResult.plot``: samples/s and peak memory against batch size, in one PNG.
+
+matplotlib is imported here only, through the object API (no pyplot, so no global
+figure state and no GUI backend is touched).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ._errors import MissingExtraError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._records import SweepResult
+
+_GIB = 2**30
+
+
+def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
+    """Draw ``result`` to a PNG at ``path`` and return the path."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError as e:
+        raise MissingExtraError(
+            "SweepResult.plot() needs matplotlib, which is not installed. "
+            "Install it with: pip install 'stepprof[plot]'  (or: pip install matplotlib)"
+        ) from e
+
+    ran = [p for p in result.points if not p.oom and p.samples_per_s is not None]
+    ooms = [p for p in result.points if p.oom]
+    has_memory = any(p.peak_allocated_bytes is not None for p in result.points)
+    fig = Figure(figsize=(10, 7.5 if has_memory else 4.8), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    if has_memory:
+        ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    else:
+        ax, mem = fig.subplots(1, 1), None
+    title = f"stepprof.sweep on {result.device}"
+    if result.recommended is not None:
+        title += f": recommended batch {result.recommended:,}"
+    fig.suptitle(title, fontsize=13)
+
+    sizes = [p.batch_size for p in result.points]
+    lo, hi = (min(sizes), max(sizes)) if sizes else (1, 2)
+    zone = result.thrash_zone
+    axes = [a for a in (ax, mem) if a is not None]
+    for a in axes:
+        a.set_xscale("log", base=2)
+        a.grid(True, which="major", alpha=0.3)
+        if zone is not None:
+            a.axvspan(zone.start / 1.08, zone[-1] * 1.08, color="tab:orange", alpha=0.25,
+                      label=f"thrash zone {zone.start:,}-{zone[-1]:,}" if a is ax else None)
+        if result.max_fit is not None:
+            a.axvline(result.max_fit, color="tab:gray", ls="--", lw=1.2,
+                      label=f"max_fit {result.max_fit:,}" if a is ax else None)
+        if result.first_oom is not None:
+            a.axvline(result.first_oom, color="tab:red", ls=":", lw=1.2,
+                      label=f"first OOM {result.first_oom:,}" if a is ax else None)
+        a.set_xlim(lo / 1.3, hi * 1.3)
+
+    xs = [p.batch_size for p in ran]
+    if ran:
+        ax.plot(xs, [p.samples_per_s for p in ran], "o-", color="tab:blue", lw=1.8, ms=5,
+                label="samples/s (median)")
+    else:
+        ax.text(0.5, 0.5, "no batch ran: every trial ran out of memory" if ooms else "no trial finished",
+                transform=ax.transAxes, ha="center", va="center", fontsize=12, color="tab:red")
+        ax.set_yticks([])
+    if zone is not None:
+        hot = [p for p in ran if p.batch_size in zone]
+        ax.plot([p.batch_size for p in hot], [p.samples_per_s for p in hot], "o", color="tab:orange",
+                ms=8, ls="none", label="in the thrash zone")
+    errs = [p for p in ran if p.step_ms_p10 and p.step_ms_p90]
+    if errs:  # p10-p90 of the step time, as a rate
+        ax.vlines([p.batch_size for p in errs], [p.batch_size / p.step_ms_p90 * 1e3 for p in errs],
+                  [p.batch_size / p.step_ms_p10 * 1e3 for p in errs], color="tab:blue", alpha=0.5, lw=3)
+    if ran:
+        best = max(p.samples_per_s for p in ran)  # type: ignore[type-var]
+        ax.axhline((1 - result.knee_within) * best, color="tab:green", lw=0.8, alpha=0.6,
+                   label=f"{1 - result.knee_within:.0%} of the best samples/s")
+    marks = [(result.knee, "knee", "tab:green", "*"), (result.recommended, "recommended", "black", "D")]
+    if result.knee == result.recommended:
+        marks = [(result.knee, "knee = recommended", "tab:green", "*")]
+    for n, label, color, marker in marks:
+        p = result.point(n) if n is not None else None
+        if p is not None and p.samples_per_s is not None:
+            ax.plot([n], [p.samples_per_s], marker, color=color, ms=14 if marker == "*" else 8,
+                    mfc="none" if marker == "D" else color, mew=2, ls="none", label=f"{label} {n:,}")
+    if ooms:
+        ax.plot([p.batch_size for p in ooms], [0] * len(ooms), "x", color="tab:red", ms=9, mew=2,
+                ls="none", label="out of memory", clip_on=False)
+    ax.set_ylabel("samples/s")
+    top_rate = max((p.batch_size / p.step_ms_p10 * 1e3 if p.step_ms_p10 else p.samples_per_s) for p in ran) if ran else 1.0
+    ax.set_ylim(0, top_rate * 1.12)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+
+    if mem is not None:
+        with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
+        if with_peak:
+            mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / _GIB for p in with_peak],
+                     "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
+        oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
+        if oom_peaks:
+            mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / _GIB for p in oom_peaks],
+                     "x", color="tab:red", ms=8, mew=2, ls="none", label="held when out of memory")
+        if result.fit_bytes_per_sample and result.fit_base_bytes is not None:
+            top = max(hi, result.predicted_max or hi)
+            line_x = [lo * (top / lo) ** (i / 100) for i in range(101)]  # straight in n, curved on log x
+            mem.plot(line_x, [(result.fit_base_bytes + result.fit_bytes_per_sample * x) / _GIB for x in line_x],
+                     "--", color="tab:purple", lw=1, alpha=0.6,
+                     label=f"fit: {result.fit_base_bytes / _GIB:.2f} GiB + "
+                           f"{result.fit_bytes_per_sample / 2**20:.2f} MiB x batch")
+        if result.capacity_bytes is not None:
+            mem.axhline(result.capacity_bytes / _GIB, color="tab:red", lw=1, alpha=0.7,
+                        label=f"usable by the allocator: {result.capacity_bytes / _GIB:.1f} GiB")
+        if result.predicted_max is not None:
+            mem.axvline(result.predicted_max, color="tab:purple", ls="-.", lw=1,
+                        label=f"predicted_max {result.predicted_max:,}")
+            mem.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
+            ax.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
+        mem.set_ylabel("peak memory (GiB)")
+        mem.set_ylim(bottom=0)
+        mem.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    bottom = mem if mem is not None else ax
+    bottom.set_xlabel("batch size (log scale)")
+    bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    out = os.fspath(path)
+    fig.savefig(out)
+    return out
