@@ -26,7 +26,7 @@ synchronises once and writes whatever is still pending.
 Memory records (:mod:`stepprof._memory`) cost one integer comparison per step
 at step exit.  At the step that is due one (the first after warm-up, then
 every ``memory_every`` steps) the training thread reads the allocator,
-``cudaMemGetInfo`` and NVML (about 65 µs); the collector thread reconciles the
+``cudaMemGetInfo`` and NVML (about 100 µs on the H200); the collector thread reconciles the
 readings and writes the ``kind: "memory"`` record right after that step's.
 """
 
@@ -123,7 +123,7 @@ def check_warmup(warmup: Any, argument: str = "warmup") -> int:
     return warmup
 
 
-#: Default of ``Profiler(memory_every=...)``: a memory record costs about 65 µs of
+#: Default of ``Profiler(memory_every=...)``: a memory record costs about 100 µs of
 #: the training thread's time, so every 1000 steps it adds under 0.1 µs per step,
 #: and a run of 100k steps logs 100 of them.
 MEMORY_EVERY = 1000
