@@ -273,6 +273,7 @@ class SyncTracker:
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
         self._sites = {}
         self._open = phases
+        self._last_key = self._last_child = None  # a step that failed may not have ended
         self.count = self.waits = self.other_threads = 0
         self.max_syncs = max_syncs
         self.on_sync = on_sync
