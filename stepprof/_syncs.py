@@ -61,9 +61,9 @@ ON_SYNC = ("count", "warn", "raise")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STEPPROF_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_WARNINGS_FILES = frozenset(
-    f for f in (warnings.__file__, getattr(sys.modules.get("_py_warnings"), "__file__", None)) if f
-)
+#: Frames under these paths are torch's or stepprof's own: the walk to the user's line
+#: skips them (one ``str.startswith`` per frame).
+_INTERNAL_PREFIXES: tuple[str, ...] = (_TORCH_DIR, _STEPPROF_DIR)
 
 # The last name of the callee -> kind.  "to" and "copy_" are decided by their arguments.
 _CALLEE_KIND = {
@@ -138,9 +138,6 @@ def check_on_sync(on_sync: Any) -> str:
 # -- naming a sync point -------------------------------------------------------
 
 _where_cache: dict[str, str] = {}
-# Keyed by id(code): hashing a code object hashes its bytecode and constants (µs for
-# a long function).  The value holds the code object, so the id cannot be reused.
-_site_cache: dict[tuple[int, int], tuple[Any, str | None, str]] = {}
 
 
 def _display_path(filename: str) -> str:
@@ -201,14 +198,11 @@ def classify(frame: Any) -> tuple[str | None, str]:
     """(kind or None, source text) of what ``frame`` is executing now.
 
     Reads the instruction at ``frame.f_lasti`` and its source positions
-    (Python 3.11+); on older versions, the whole line.  Cached per code object
-    and offset, so a sync point costs a dictionary lookup after its first time.
+    (Python 3.11+); on older versions, the whole line.  The tracker caches the
+    result per code object and offset (``_sites_by_code``), so a sync point costs
+    a dictionary lookup after its first time.
     """
     code = frame.f_code
-    key = (id(code), frame.f_lasti)
-    hit = _site_cache.get(key)
-    if hit is not None and hit[0] is code:
-        return hit[1], hit[2]
     kind: str | None = None
     text: str | None = None
     ins = None
@@ -233,19 +227,23 @@ def classify(frame: Any) -> tuple[str | None, str]:
             kind = _CALLEE_KIND.get(m.group(1))
             if kind:
                 break
-    if len(_site_cache) > 50_000:
-        _site_cache.clear()
-    text = " ".join(text.split())[:200]
-    _site_cache[key] = (code, kind, text)
-    return kind, text
+    return kind, " ".join(text.split())[:200]
 
 
-def _is_internal(filename: str) -> bool:
-    return (
-        filename.startswith(_TORCH_DIR)
-        or filename.startswith(_STEPPROF_DIR)
-        or filename in _WARNINGS_FILES
-    )
+# (id(code), f_lasti, hint) -> (code, site).  Keyed by id: hashing a code object hashes
+# its bytecode and constants, which cost ~6 µs a sync on a long function.  The value
+# holds the code object, so the id cannot be reused while the entry exists.
+_sites_by_code: dict[tuple[int, int, str | None], tuple[Any, _Site]] = {}
+
+
+def _name_site(user: Any, origin: Any, hint: str | None) -> _Site:
+    """(where, kind, code) of a wait that ``user`` made (through ``origin``, torch's frame)."""
+    kind, text = classify(user)
+    if kind is None and origin is not user:
+        kind = classify(origin)[0]  # what torch's own code was doing (`.item()` in a helper)
+    if hint is not None:
+        kind = hint  # the mechanism knows device and event waits exactly
+    return f"{_display_path(user.f_code.co_filename)}:{user.f_lineno}", kind or "other", text
 
 
 # -- the tracker -------------------------------------------------------------
@@ -257,6 +255,7 @@ class SyncTracker:
     def __init__(self, mechanism: str) -> None:
         self.mechanism = mechanism
         self._sites: dict[_Site, list[int]] = {}
+        self._by_key: dict[tuple[int, int, str | None], tuple[Any, _Site, list[int]]] = {}
         self._open: list[Any] = []  # the open phases, each with a ``syncs`` count
         self.count = 0
         self.waits = 0
@@ -265,15 +264,17 @@ class SyncTracker:
         self.on_sync = "count"
         self.budget_armed = False
         self._warned: set[_Site] = set()
-        self._last_key: tuple[Any, int] | None = None
+        self._last_user: Any = None
+        self._last_lasti = -1
         self._last_child: Any = None
-        self._last_site: _Site | None = None
+        self._last_counts: list[int] = [0, 0]
         self._mute = 0
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
         self._sites = {}
+        self._by_key = {}
         self._open = phases
-        self._last_key = self._last_child = None  # a step that failed may not have ended
+        self._last_user = self._last_child = None  # a step that failed may not have ended
         self.count = self.waits = self.other_threads = 0
         self.max_syncs = max_syncs
         self.on_sync = on_sync
@@ -281,7 +282,8 @@ class SyncTracker:
 
     def end(self) -> dict[str, Any]:
         """The step's ``syncs`` field; forgets the frames it held."""
-        self._last_key = self._last_child = None
+        self._last_user = self._last_child = None
+        self._by_key = {}
         self._open = []
         sites = [
             {"where": w, "kind": k, "code": c, "count": n, "waits": waits}
@@ -296,38 +298,53 @@ class SyncTracker:
         }
 
     def record(self, hint: str | None, origin: Any) -> None:
-        """A host-device wait, made by the code running in frame ``origin``."""
+        """A host-device wait, made by the code running in frame ``origin``.
+
+        This runs at every sync, so it is kept lean: one prefix test per frame on
+        the way out, one cached lookup for the site.
+        """
         if self._mute:
             return
         self.waits += 1
         user = origin
         child = None
-        while user is not None and _is_internal(user.f_code.co_filename):
+        internal = _INTERNAL_PREFIXES
+        while user.f_code.co_filename.startswith(internal):
             child = user
             user = user.f_back
-        if user is None:  # torch's own code with no caller outside it
-            user, child = origin, None
-        key = (user, user.f_lasti)
-        if child is not None and child is self._last_child and key == self._last_key:
+            if user is None:  # torch's own code with no caller outside it
+                user, child = origin, None
+                break
+        lasti = user.f_lasti
+        if child is not None and child is self._last_child and user is self._last_user and (
+            lasti == self._last_lasti
+        ):
             # Another wait inside the same call of torch's Python code (print(t)'s formatting):
             # the frame it runs in is the same object, held since the last wait.
-            self._sites[self._last_site][1] += 1  # type: ignore[index]
+            self._last_counts[1] += 1
             return
-        kind, text = classify(user)
-        if kind is None and origin is not user:
-            kind = classify(origin)[0]  # what torch's own code was doing (`.item()` in a helper)
-        if hint is not None:
-            kind = hint  # the mechanism knows device and event waits exactly
-        site = (f"{_display_path(user.f_code.co_filename)}:{user.f_lineno}", kind or "other", text)
-        counts = self._sites.get(site)
-        if counts is None:
-            counts = self._sites[site] = [0, 0]
+        code = user.f_code
+        key = (id(code), lasti, hint)
+        entry = self._by_key.get(key)  # this step's counts of this code location
+        if entry is None or entry[0] is not code:
+            hit = _sites_by_code.get(key)
+            if hit is None or hit[0] is not code:
+                if len(_sites_by_code) > 50_000:
+                    _sites_by_code.clear()
+                hit = _sites_by_code[key] = (code, _name_site(user, origin, hint))
+            counts = self._sites.get(hit[1])  # two locations can make one site
+            if counts is None:
+                counts = self._sites[hit[1]] = [0, 0]
+            entry = self._by_key[key] = (code, hit[1], counts)
+        site, counts = entry[1], entry[2]
         counts[0] += 1
         counts[1] += 1
         self.count += 1
         for ph in self._open:
             ph.syncs += 1
-        self._last_key, self._last_child, self._last_site = key, child, site
+        self._last_user, self._last_lasti, self._last_child, self._last_counts = (
+            user, lasti, child, counts
+        )
         if self.budget_armed and self.count > self.max_syncs:  # type: ignore[operator]
             self._over_budget(site, counts[0], user)
 
@@ -354,7 +371,7 @@ class SyncTracker:
 
 # -- the hub: one process-wide installation, per-thread trackers ----------------
 
-_lock = threading.RLock()
+_lock = threading.Lock()
 _trackers: dict[int, SyncTracker] = {}
 _uninstall: list[Callable[[], None]] = []
 
@@ -414,13 +431,17 @@ def tap(forward: bool) -> WarningTap:
 
 
 class WarningTap:
-    """Turns torch's sync-debug warnings into :func:`dispatch` calls.
+    """Turns torch's sync-debug warnings into counts.
 
     Installs a front "always" filter for :data:`SYNC_MESSAGE` only (the default
-    filter would show each location once) and a ``showwarning`` hook that
-    consumes that message and passes every other warning to the previous hook.
-    With ``forward=True`` (the user had turned sync-debug warnings on
-    themselves) the sync warnings are passed on too, after counting.
+    filter would show each location once, and a user's "error" filter would raise)
+    and replaces ``warnings._showwarnmsg``, which Python's C warning code calls with
+    each warning it shows: the sync message is counted, and every other warning goes
+    to the original, which calls ``showwarning`` (yours, or pytest's) as before.
+    Hooking there rather than ``showwarning`` saves a Python frame per sync, and the
+    frame that issued the warning is the hook's caller.  With ``forward=True`` (the
+    user had turned sync-debug warnings on themselves) the sync warnings are passed
+    on too, after counting.
     """
 
     def __init__(self, forward: bool = False) -> None:
@@ -430,10 +451,10 @@ class WarningTap:
         self._hook = self._show  # one bound method, so that uninstall can recognise it
 
     def install(self) -> Callable[[], None]:
-        self._previous = warnings.showwarning
+        self._previous = warnings._showwarnmsg  # type: ignore[attr-defined]
         warnings.filters.insert(0, self._filter)
-        _filters_mutated()
-        warnings.showwarning = self._hook
+        _filters_mutated()  # registries of "already shown" locations must not hide a sync
+        warnings._showwarnmsg = self._hook  # type: ignore[attr-defined]
         return self.uninstall
 
     def uninstall(self) -> None:
@@ -441,26 +462,23 @@ class WarningTap:
             warnings.filters.remove(self._filter)
         except ValueError:
             pass  # the user reset the filters meanwhile
-        _filters_mutated()
-        if warnings.showwarning is self._hook:
-            warnings.showwarning = self._previous
-        # Else someone hooked showwarning after us: leave theirs; ours passes all through now.
+        # No _filters_mutated(): an "always" filter never marks a location as shown.
+        if warnings._showwarnmsg is self._hook:  # type: ignore[attr-defined]
+            warnings._showwarnmsg = self._previous  # type: ignore[attr-defined]
+        # Else someone replaced it after us: leave theirs; ours passes all through now.
 
-    def _show(self, message: Any, category: Any, filename: Any, lineno: Any, file: Any = None,
-              line: Any = None) -> None:
-        if _trackers and category is UserWarning and str(message).startswith(SYNC_MESSAGE):
-            origin = sys._getframe(1)
-            while origin is not None and (
-                origin.f_code.co_filename in _WARNINGS_FILES
-                or origin.f_code.co_filename.startswith(_STEPPROF_DIR)
-            ):
-                origin = origin.f_back
-            if origin is not None:
-                dispatch(None, origin)
+    def _show(self, msg: Any) -> None:
+        if _trackers and msg.category is UserWarning and str(msg.message).startswith(SYNC_MESSAGE):
+            origin = sys._getframe(1)  # called from C: the frame that issued the warning
+            tracker = _trackers.get(threading.get_ident())
+            if tracker is not None:
+                tracker.record(None, origin)
+            else:
+                for t in list(_trackers.values()):
+                    t.other_threads += 1
             if not self.forward:
                 return
-        previous = self._previous or warnings._showwarning_orig  # type: ignore[attr-defined]
-        previous(message, category, filename, lineno, file, line)
+        self._previous(msg)
 
 
 def _filters_mutated() -> None:

@@ -23,9 +23,8 @@ HERE = os.path.relpath(__file__)
 
 @pytest.fixture(autouse=True)
 def fake_torch_is_internal(monkeypatch):
-    real = _syncs._is_internal
     monkeypatch.setattr(
-        _syncs, "_is_internal", lambda f: real(f) or f == fake_torch.__file__
+        _syncs, "_INTERNAL_PREFIXES", (*_syncs._INTERNAL_PREFIXES, fake_torch.__file__)
     )
 
 
@@ -352,8 +351,38 @@ def test_uninstall_leaves_a_showwarning_hook_installed_after_ours():
 
 def test_classify_falls_back_to_the_line_without_positions(monkeypatch):
     monkeypatch.setattr(_syncs.dis, "get_instructions", lambda code: iter(()))
-    _syncs._site_cache.clear()
     frame = sys._getframe()
     kind, text = _syncs.classify(frame)  # this line has no call that syncs
     assert kind is None and "classify" in text
-    _syncs._site_cache.clear()
+
+
+def test_warn_route_wraps_what_is_there_and_restores_it(monkeypatch):
+    """The "warn" route's wrappers: made once, but a function the user replaced is wrapped anew."""
+    import torch
+
+    from stepprof import _cuda
+
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    monkeypatch.setattr(_cuda, "_warn_route", None)
+    tracker = _syncs.SyncTracker("warn")
+    for replaced in (False, True):
+        if replaced:
+            def users_sync(device=None):
+                pass
+
+            monkeypatch.setattr(torch.cuda, "synchronize", users_sync)
+        before = torch.cuda.synchronize
+        tracker.begin([], None, "count", True)
+        _syncs.attach(tracker, _cuda._install_warn_route)
+        try:
+            assert torch.cuda.synchronize is not before
+            torch.cuda.synchronize()  # device-wrapped
+        finally:
+            _syncs.detach()
+        rec = tracker.end()
+        assert torch.cuda.synchronize is before
+        assert [(s["where"], s["kind"]) for s in rec["sites"]] == [
+            (line_of("device-wrapped"), "device_synchronize")
+        ]

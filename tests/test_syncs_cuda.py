@@ -140,7 +140,7 @@ def test_global_state_is_restored_after_a_step_that_raised(log):
     s = torch.ones(8, device="cuda").sum()
     before = (
         torch.cuda.get_sync_debug_mode(), list(warnings.filters), warnings.showwarning,
-        torch.cuda.synchronize, torch.cuda.Event.synchronize,
+        warnings._showwarnmsg, torch.cuda.synchronize, torch.cuda.Event.synchronize,
     )
     with stepprof.Profiler(log) as prof:
         with pytest.raises(ValueError, match="planted"):
@@ -149,7 +149,7 @@ def test_global_state_is_restored_after_a_step_that_raised(log):
                 raise ValueError("planted")
     after = (
         torch.cuda.get_sync_debug_mode(), list(warnings.filters), warnings.showwarning,
-        torch.cuda.synchronize, torch.cuda.Event.synchronize,
+        warnings._showwarnmsg, torch.cuda.synchronize, torch.cuda.Event.synchronize,
     )
     assert after == before
     assert one_step(log)["syncs"]["count"] == 1
