@@ -775,6 +775,13 @@ class _Sweep:
         t_in = clock()
         unavailable: dict[str, str] = {}
         b.synchronize()
+        # Each trial starts from a clean allocator, as a training run at this batch size would:
+        # blocks cached by earlier, smaller trials fragment the pool and can make a batch run
+        # out of memory that fits from a clean start (bench/sweep.py on the H200: batch 279 of
+        # the transformer ran out after ten trials; 283 fits clean).  No gc.collect() here: the
+        # previous trial's batch is already released (an OOM's clean-up collects), and a full
+        # collection costs tens of ms with torch loaded.
+        self._read(b.empty_cache, "empty_cache")
         base = self._read(b.allocated_bytes, "allocated_bytes")
         self._read(b.reset_peak, "peak_allocated_bytes")
         marks: list[Any] = []
