@@ -258,7 +258,6 @@ class SyncTracker:
         self._by_key: dict[tuple[int, int, str | None], tuple[Any, _Site, list[int]]] = {}
         self._open: list[Any] = []  # the open phases, each with a ``syncs`` count
         self.count = 0
-        self.waits = 0
         self.other_threads = 0
         self.max_syncs: int | None = None
         self.on_sync = "count"
@@ -275,7 +274,7 @@ class SyncTracker:
         self._by_key = {}
         self._open = phases
         self._last_user = self._last_child = None  # a step that failed may not have ended
-        self.count = self.waits = self.other_threads = 0
+        self.count = self.other_threads = 0
         self.max_syncs = max_syncs
         self.on_sync = on_sync
         self.budget_armed = armed and max_syncs is not None
@@ -283,15 +282,18 @@ class SyncTracker:
     def end(self) -> dict[str, Any]:
         """The step's ``syncs`` field; forgets the frames it held."""
         self._last_user = self._last_child = None
-        self._by_key = {}
         self._open = []
+        if not self._sites:  # the common case, a sync-free step: no sorting, no list
+            return {"count": 0, "waits": 0, "sites": [], "other_threads": self.other_threads,
+                    "mechanism": self.mechanism}
+        self._by_key = {}
         sites = [
             {"where": w, "kind": k, "code": c, "count": n, "waits": waits}
             for (w, k, c), (n, waits) in sorted(self._sites.items(), key=lambda kv: -kv[1][0])
         ]
         return {
             "count": self.count,
-            "waits": self.waits,
+            "waits": sum(w for _, w in self._sites.values()),
             "sites": sites,
             "other_threads": self.other_threads,
             "mechanism": self.mechanism,
@@ -305,11 +307,9 @@ class SyncTracker:
         """
         if self._mute:
             return
-        self.waits += 1
         user = origin
         child = None
-        internal = _INTERNAL_PREFIXES
-        while user.f_code.co_filename.startswith(internal):
+        while user.f_code.co_filename.startswith(_INTERNAL_PREFIXES):
             child = user
             user = user.f_back
             if user is None:  # torch's own code with no caller outside it
@@ -324,29 +324,36 @@ class SyncTracker:
             self._last_counts[1] += 1
             return
         code = user.f_code
-        key = (id(code), lasti, hint)
-        entry = self._by_key.get(key)  # this step's counts of this code location
+        entry = self._by_key.get((id(code), lasti, hint))  # this step's counts of this location
         if entry is None or entry[0] is not code:
-            hit = _sites_by_code.get(key)
-            if hit is None or hit[0] is not code:
-                if len(_sites_by_code) > 50_000:
-                    _sites_by_code.clear()
-                hit = _sites_by_code[key] = (code, _name_site(user, origin, hint))
-            counts = self._sites.get(hit[1])  # two locations can make one site
-            if counts is None:
-                counts = self._sites[hit[1]] = [0, 0]
-            entry = self._by_key[key] = (code, hit[1], counts)
-        site, counts = entry[1], entry[2]
+            entry = self._new_location(code, lasti, hint, user, origin)
+        counts = entry[2]
         counts[0] += 1
         counts[1] += 1
         self.count += 1
-        for ph in self._open:
-            ph.syncs += 1
-        self._last_user, self._last_lasti, self._last_child, self._last_counts = (
-            user, lasti, child, counts
-        )
+        if self._open:
+            for ph in self._open:
+                ph.syncs += 1
+        if child is not None:  # only a call through torch's Python code can wait again
+            self._last_user, self._last_lasti, self._last_child, self._last_counts = (
+                user, lasti, child, counts
+            )
         if self.budget_armed and self.count > self.max_syncs:  # type: ignore[operator]
-            self._over_budget(site, counts[0], user)
+            self._over_budget(entry[1], counts[0], user)
+
+    def _new_location(self, code: Any, lasti: int, hint: str | None, user: Any, origin: Any) -> Any:
+        """This step's first wait at a code location: name its site (cached across steps)."""
+        key = (id(code), lasti, hint)
+        hit = _sites_by_code.get(key)
+        if hit is None or hit[0] is not code:
+            if len(_sites_by_code) > 50_000:
+                _sites_by_code.clear()
+            hit = _sites_by_code[key] = (code, _name_site(user, origin, hint))
+        counts = self._sites.get(hit[1])  # two locations can make one site
+        if counts is None:
+            counts = self._sites[hit[1]] = [0, 0]
+        entry = self._by_key[key] = (code, hit[1], counts)
+        return entry
 
     def _over_budget(self, site: _Site, site_count: int, frame: Any) -> None:
         where, kind, text = site
