@@ -5,7 +5,7 @@ MLP, batch 64, AdamW) inside the README's phased loop:
 
   1. sync tracking off vs on ("warn", the default), interleaved rounds, with an
      A/A control (off vs off again);
-  2. the added cost per sync: steps of 50 ``.item()`` calls and of none, off vs
+  2. the added cost per sync: steps of 50 ``.item()`` calls and of none (40 steps a round), off vs
      "warn"; (added with 50 - added with none) / 50, so that the per-step cost of
      installing the tracking is not counted per sync;
   3. the opt-in "trace" mechanism.  Activating torch's GPU trace cannot be undone
@@ -123,7 +123,7 @@ def main() -> int:
 
     ps = {v: prof("s-" + v, syncs=v.split("-")[0]) for v in ("off-0", "warn-0", "off-50", "warn-50")}
     per_sync = interleave(
-        {v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()}, args.rounds, 10, "off-0"
+        {v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()}, args.rounds, 40, "off-0"
     )
     counted = ps["warn-50"].close().syncs_per_step_median
     for p in ps.values():
