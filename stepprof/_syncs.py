@@ -379,18 +379,26 @@ class SyncTracker:
 # -- the hub: one process-wide installation, per-thread trackers ----------------
 
 _lock = threading.Lock()
-_trackers: dict[int, SyncTracker] = {}
+# Thread id -> the trackers of the steps open on it, innermost last (two profilers can
+# each have a step open on one thread: the inner step gets the waits).
+_trackers: dict[int, list[SyncTracker]] = {}
 _uninstall: list[Callable[[], None]] = []
 
 
 def dispatch(hint: str | None, origin: Any) -> None:
     """Called by a mechanism for every host-device wait it sees, on the waiting thread."""
-    tracker = _trackers.get(threading.get_ident())
-    if tracker is not None:
-        tracker.record(hint, origin)
+    open_here = _trackers.get(threading.get_ident())
+    if open_here:
+        open_here[-1].record(hint, origin)
         return
-    for t in list(_trackers.values()):  # a wait on a thread with no open step
-        t.other_threads += 1
+    _count_elsewhere()
+
+
+def _count_elsewhere() -> None:
+    """A wait on a thread with no open step: every open step counts it in ``other_threads``."""
+    for stack in list(_trackers.values()):
+        for t in stack:
+            t.other_threads += 1
 
 
 def attach(tracker: SyncTracker, install: Callable[[], list[Callable[[], None]]]) -> None:
@@ -401,13 +409,19 @@ def attach(tracker: SyncTracker, install: Callable[[], list[Callable[[], None]]]
     with _lock:
         if not _trackers:
             _uninstall[:] = install()
-        _trackers[threading.get_ident()] = tracker
+        _trackers.setdefault(threading.get_ident(), []).append(tracker)
 
 
 def detach() -> None:
+    """Stop routing this thread's waits to its innermost tracker; the last detach uninstalls."""
     with _lock:
-        _trackers.pop(threading.get_ident(), None)
-        if not _trackers:
+        tid = threading.get_ident()
+        stack = _trackers.get(tid)
+        if stack:
+            stack.pop()
+        if not stack:
+            _trackers.pop(tid, None)
+        if not _trackers and _uninstall:
             undo, _uninstall[:] = list(_uninstall), []
             errors = []
             for u in reversed(undo):
@@ -476,13 +490,11 @@ class WarningTap:
 
     def _show(self, msg: Any) -> None:
         if _trackers and msg.category is UserWarning and str(msg.message).startswith(SYNC_MESSAGE):
-            origin = sys._getframe(1)  # called from C: the frame that issued the warning
-            tracker = _trackers.get(threading.get_ident())
-            if tracker is not None:
-                tracker.record(None, origin)
+            open_here = _trackers.get(threading.get_ident())
+            if open_here:  # sys._getframe(1): called from C, the frame that issued the warning
+                open_here[-1].record(None, sys._getframe(1))
             else:
-                for t in list(_trackers.values()):
-                    t.other_threads += 1
+                _count_elsewhere()
             if not self.forward:
                 return
         self._previous(msg)

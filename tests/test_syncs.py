@@ -386,3 +386,21 @@ def test_warn_route_wraps_what_is_there_and_restores_it(monkeypatch):
         assert [(s["where"], s["kind"]) for s in rec["sites"]] == [
             (line_of("device-wrapped"), "device_synchronize")
         ]
+
+
+def test_two_profilers_with_steps_open_on_one_thread(log, gpu, tmp_path):
+    """The inner step gets the waits; the outer one keeps counting once the inner closes."""
+    t = FakeTensor(gpu)
+    other = str(tmp_path / "inner.jsonl")
+    outer, inner = make(log, gpu), make(other, gpu)
+    with outer.step():
+        t.item()
+        with inner.step():
+            t.item()
+            t.item()
+        t.item()
+    outer.close()
+    inner.close()
+    assert steps(log)[0]["syncs"]["count"] == 2
+    assert steps(other)[0]["syncs"]["count"] == 2
+    assert not _syncs.installed() and gpu.installs == gpu.uninstalls == 1
