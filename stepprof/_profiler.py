@@ -738,9 +738,14 @@ class Profiler:
             if phases:
                 unavailable["phases.syncs"] = unavailable["syncs"]
         if s.counters is None:
-            unavailable["allocator"] = b.memory_reason or (
-                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
-            )
+            if b.memory_reason is not None:
+                unavailable["allocator"] = (
+                    f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
+                )
+            else:
+                unavailable["allocator"] = (
+                    "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
+                )
         if isinstance(b, HostBackend):
             record["host_rss_bytes"] = s.rss
             if s.rss is None:
