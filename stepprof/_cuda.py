@@ -664,7 +664,9 @@ def _timed_ms(fn: Callable[[], Any], *, target_ms: float, runs: int) -> float:
     return _median(per_call)
 
 
-def calibrate(index: int = 0, *, runs: int = 5, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def calibrate(
+    index: int = 0, *, runs: int = 5, progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Measure this GPU's achieved dense matmul TFLOP/s (bf16, tf32, fp32), copy GB/s and
     the host µs of one small operation.  Takes a few seconds; restores torch's settings.
 
@@ -709,7 +711,7 @@ def calibrate(index: int = 0, *, runs: int = 5, progress: Callable[[str], None] 
             nbytes = 2**30
             src = torch.randn(nbytes // 4, device=dev, generator=gen)
             dst = torch.empty_like(src)
-            ms = _timed_ms(lambda: dst.copy_(src), target_ms=40, runs=runs)
+            ms = _timed_ms(lambda src=src, dst=dst: dst.copy_(src), target_ms=40, runs=runs)
             copy_gbps = 2 * nbytes / (ms * 1e-3) / 1e9
             del src, dst
             say("host cost of one operation")
@@ -765,7 +767,8 @@ def allocator_facts() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - old torch
         backend = None
     if backend is None:
-        backend = "cudaMallocAsync" if raw and "backend:cudamallocasync" in raw.replace(" ", "").lower() else "native"
+        compact = (raw or "").replace(" ", "").lower()
+        backend = "cudaMallocAsync" if "backend:cudamallocasync" in compact else "native"
     expandable = bool(raw) and "expandable_segments:true" in raw.replace(" ", "").lower()
     return {
         "PYTORCH_CUDA_ALLOC_CONF": conf,

@@ -714,7 +714,8 @@ class Profiler:
         """The step's FLOPs are known: find the calibration and prepare the flops record."""
         b = self._backend
         index = getattr(b, "index", None)
-        name = device_name(index) if isinstance(index, int) and b is not None and b.memory_reason is None else None
+        on_cuda = b is not None and b.memory_reason is None
+        name = device_name(index) if isinstance(index, int) and on_cuda else None
         calibration = None
         if b is not None and b.memory_reason is None and name is None:
             why = "the GPU's model name could not be read, so its calibration cannot be found"
@@ -878,7 +879,8 @@ class Profiler:
         if self._flops_mode is not None:
             self._add_flops(s, record, unavailable, max(wall_ms, gpu_ms or 0.0))
         self._write(record)
-        if self._flops_record is not None and (self._flops is None or s.index >= (self._flops.get("step") or 0)):
+        f = self._flops
+        if self._flops_record is not None and (f is None or s.index >= (f.get("step") or 0)):
             flops_record, self._flops_record = self._flops_record, None
             self._write(flops_record)
         self._peak_seen = max(self._peak_seen, s.peak)
@@ -913,11 +915,14 @@ class Profiler:
         else:
             self._reasons.setdefault("syncs_per_step_median", unavailable["syncs"])
 
-    def _add_flops(self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float) -> None:
+    def _add_flops(
+        self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float
+    ) -> None:
         f = self._flops
         counted = f is not None and f.get("step") == s.index
         if f is None or (f.get("step") is not None and s.index < f["step"]):
-            why = self._flops_reason if f is None else f"FLOPs were counted at step {f['step']}, after this one"
+            why = (self._flops_reason if f is None
+                   else f"FLOPs were counted at step {f['step']}, after this one")
             record["flops"] = record["tflops_per_s"] = record["mfu"] = None
             unavailable["flops"] = unavailable["tflops_per_s"] = unavailable["mfu"] = why
             return

@@ -62,21 +62,22 @@ def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | No
             f"step's FLOPs, or flops_per_step=N if you know them"
         )
     if flops_per_step is not None:
-        if isinstance(flops_per_step, bool) or not isinstance(flops_per_step, (int, float)) or not (
-            math.isfinite(flops_per_step) and flops_per_step > 0
+        if (
+            isinstance(flops_per_step, bool)
+            or not isinstance(flops_per_step, (int, float))
+            or not (math.isfinite(flops_per_step) and flops_per_step > 0)
         ):
             raise ConfigError(
                 f"'flops_per_step' must be a positive number of FLOPs (got {flops_per_step!r}); "
                 f"e.g. flops_per_step=6 * n_params * tokens_per_step"
             )
         if flops is not None:
-            raise ConfigError(
-                "pass either flops='auto' (count them) or flops_per_step=N (given), not both"
-            )
+            raise ConfigError("pass either flops='auto' (count them) or flops_per_step=N (given), not both")
     return flops, None if flops_per_step is None else float(flops_per_step)
 
 
 # -- counting -----------------------------------------------------------------------
+
 
 def _dtype_key(dtype: Any, conv: bool) -> str:
     import torch
@@ -137,8 +138,13 @@ class FlopCount:
             )
         # The counter's module hooks make torch warn at each torch.compile'd module
         # call; the warning would point at the user's line about hooks they never set.
-        self._filter = ("ignore", re.compile(r"Using `torch.compile\(module\)` when there are global hooks"),
-                        UserWarning, None, 0)
+        self._filter = (
+            "ignore",
+            re.compile(r"Using `torch.compile\(module\)` when there are global hooks"),
+            UserWarning,
+            None,
+            0,
+        )
         warnings.filters.insert(0, self._filter)
         try:
             mode = _Counting(display=False)
@@ -148,8 +154,9 @@ class FlopCount:
             raise
         self._mode = mode
 
-    def _tally(self, mode: Any, packet: Any, out: Any, args: Any, kwargs: Any, before: int,
-               aliasing: dict[Any, bool]) -> None:
+    def _tally(
+        self, mode: Any, packet: Any, out: Any, args: Any, kwargs: Any, before: int, aliasing: dict[Any, bool]
+    ) -> None:
         import torch
         from torch.utils._pytree import tree_leaves
 
@@ -206,14 +213,13 @@ def _is_view(packet: Any) -> bool:
     try:
         overload = getattr(packet, packet.overloads()[0])
         returns = overload._schema.returns
-        return bool(returns) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in returns
-        )
+        return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
     except Exception:  # noqa: BLE001 - unknown: count it
         return False
 
 
 # -- the calibration cache -----------------------------------------------------------
+
 
 def cache_dir() -> str:
     """stepprof's cache directory: ``$STEPPROF_CACHE_DIR``, else ``$XDG_CACHE_HOME/stepprof``,
@@ -241,8 +247,9 @@ def save_calibration(record: dict[str, Any]) -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
-        f.write(orjson.dumps({"calibration_version": CALIBRATION_VERSION, **record},
-                             option=orjson.OPT_INDENT_2))
+        f.write(
+            orjson.dumps({"calibration_version": CALIBRATION_VERSION, **record}, option=orjson.OPT_INDENT_2)
+        )
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
 
@@ -254,20 +261,30 @@ def load_calibration(device_name: str) -> tuple[dict[str, Any] | None, str | Non
         with open(path, "rb") as f:
             record = orjson.loads(f.read())
     except FileNotFoundError:
-        return None, (f"{device_name} has no calibration in {os.path.dirname(path)}: "
-                      f"run `stepprof calibrate` once on this machine")
+        return None, (
+            f"{device_name} has no calibration in {os.path.dirname(path)}: "
+            f"run `stepprof calibrate` once on this machine"
+        )
     except (OSError, orjson.JSONDecodeError) as e:
         return None, f"the calibration file {path!r} cannot be read ({e}): run `stepprof calibrate` again"
-    if not isinstance(record, dict) or record.get("calibration_version") != CALIBRATION_VERSION or not (
-        isinstance(record.get("matmul_tflops"), dict)
+    if (
+        not isinstance(record, dict)
+        or record.get("calibration_version") != CALIBRATION_VERSION
+        or not (isinstance(record.get("matmul_tflops"), dict))
     ):
-        return None, f"the calibration file {path!r} is from another stepprof version: run `stepprof calibrate` again"
+        return (
+            None,
+            f"the calibration file {path!r} is from another stepprof version: run `stepprof calibrate` again",
+        )
     return record, None
 
 
 # -- MFU and the roofline ------------------------------------------------------------
 
-def ideal_ms(flops_by_dtype: dict[str, Any], calibration: dict[str, Any] | None) -> tuple[float | None, str | None]:
+
+def ideal_ms(
+    flops_by_dtype: dict[str, Any], calibration: dict[str, Any] | None
+) -> tuple[float | None, str | None]:
     """Time the FLOPs need at the calibrated matmul rate of their dtypes, in ms; or (None, why)."""
     if calibration is None:
         return None, "no calibration"
@@ -278,8 +295,10 @@ def ideal_ms(flops_by_dtype: dict[str, Any], calibration: dict[str, Any] | None)
             continue
         peak = peaks.get(_PEAK_OF.get(key, ""))
         if not isinstance(peak, (int, float)) or peak <= 0:
-            return None, (f"the step does {key} matmuls, and stepprof calibrate measures only "
-                          f"{', '.join(CALIBRATED_DTYPES)} (fp16 at the bf16 rate)")
+            return None, (
+                f"the step does {key} matmuls, and stepprof calibrate measures only "
+                f"{', '.join(CALIBRATED_DTYPES)} (fp16 at the bf16 rate)"
+            )
         total += n / (peak * 1e12) * 1e3
     return total, None
 
@@ -308,8 +327,14 @@ def roofline(
     bounds = {"compute": compute_ms, "memory": memory_ms, "host": host_ms}
     known = {k: v for k, v in bounds.items() if v is not None}
     out: dict[str, Any] = {
-        "class": None, "compute_ms": compute_ms, "memory_ms": memory_ms, "host_ms": host_ms,
-        "step_ms": step_ms, "explained": None, "arithmetic_intensity": None, "ridge": None,
+        "class": None,
+        "compute_ms": compute_ms,
+        "memory_ms": memory_ms,
+        "host_ms": host_ms,
+        "step_ms": step_ms,
+        "explained": None,
+        "arithmetic_intensity": None,
+        "ridge": None,
         "reason": why,
     }
     total_flops = sum(v for v in flops_by_dtype.values() if isinstance(v, (int, float)))
@@ -324,4 +349,3 @@ def roofline(
         out["explained"] = known[cls] / step_ms if step_ms > 0 else None
         out["reason"] = None
     return out
-
