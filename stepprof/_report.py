@@ -15,6 +15,7 @@ reported on its own.  Several logs are reported one after the other; the layout
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import os
@@ -51,7 +52,7 @@ class Dist:
     """
 
     EXACT = 32768
-    __slots__ = ("buf", "levels", "n", "lo", "hi", "_flip")
+    __slots__ = ("buf", "levels", "n", "lo", "hi", "_flip", "_cache")
 
     def __init__(self) -> None:
         self.buf: list[float] = []
@@ -60,6 +61,7 @@ class Dist:
         self.lo = math.inf
         self.hi = -math.inf
         self._flip = 0
+        self._cache: tuple[int, list[float], list[int]] | None = None
 
     def add(self, x: float) -> None:
         self.buf.append(x)
@@ -99,27 +101,30 @@ class Dist:
     def exact(self) -> bool:
         return not self.levels
 
-    def _weighted(self) -> list[tuple[float, int]]:
-        items = [(x, 1) for x in self.buf]
-        for i, level in enumerate(self.levels):
-            items.extend((x, 2**i) for x in level)
-        items.sort()
-        return items
+    def _sorted(self) -> tuple[list[float], list[int]]:
+        """The values, sorted, and the cumulative weight up to each (cached until the next add)."""
+        key = self.count + 1_000_003 * len(self.levels)
+        if self._cache is None or self._cache[0] != key:
+            items = [(x, 1) for x in self.buf]
+            for i, level in enumerate(self.levels):
+                items.extend((x, 2**i) for x in level)
+            items.sort()
+            xs = [x for x, _ in items]
+            cum, seen = [], 0
+            for _, w in items:
+                seen += w
+                cum.append(seen)
+            self._cache = (key, xs, cum)
+        return self._cache[1], self._cache[2]
 
     def quantile(self, q: float) -> float | None:
         if self.count == 0:
             return None
         if self.exact:
-            return quantile(sorted(self.buf), q)
-        items = self._weighted()
-        total = sum(w for _, w in items)
-        target = q * (total - 1)
-        seen = 0
-        for x, w in items:
-            seen += w
-            if seen > target:
-                return x
-        return items[-1][0]  # pragma: no cover - q == 1 rounding
+            return quantile(self._sorted()[0], q)
+        xs, cum = self._sorted()
+        i = bisect.bisect_right(cum, q * (cum[-1] - 1))
+        return xs[min(i, len(xs) - 1)]
 
     def max(self) -> float | None:
         if self.count == 0:
@@ -127,9 +132,11 @@ class Dist:
         return max(self.hi, max(self.buf)) if self.buf else self.hi
 
     def count_above(self, t: float) -> int:
-        if self.exact:
-            return sum(1 for x in self.buf if x > t)
-        return sum(w for x, w in self._weighted() if x > t)
+        xs, cum = self._sorted()
+        if not xs:
+            return 0
+        i = bisect.bisect_right(xs, t)
+        return cum[-1] - (cum[i - 1] if i else 0)
 
     def percentiles(self) -> dict[str, float] | None:
         if self.count == 0:
@@ -214,6 +221,8 @@ class _Run:
     # -- the per-record work: kept lean, it runs a million times --------------------
 
     def add_step(self, r: dict[str, Any]) -> None:
+        # Numbers are taken as orjson gives them: int or float (JSON has no NaN or
+        # infinity); anything else (a str, a bool, null) is treated as missing.
         get = r.get
         self.steps += 1
         idx = get("step")
@@ -221,87 +230,111 @@ class _Run:
             if self.first_step is None:
                 self.first_step = idx
             self.last_step = idx
+        else:
+            idx = -1
         dev = get("device")
-        if type(dev) is str:
-            self.devices[dev] = self.devices.get(dev, 0) + 1
+        devices = self.devices
+        if dev in devices:
+            devices[dev] += 1
+        elif type(dev) is str and len(devices) < _CAP:
+            devices[dev] = 1
         name = get("name")
-        if type(name) is str and (name in self.names or len(self.names) < _CAP):
-            self.names[name] = self.names.get(name, 0) + 1
+        names = self.names
+        if name in names:
+            names[name] += 1
+        elif type(name) is str and len(names) < _CAP:
+            names[name] = 1
         if get("warmup") is True:
             self.warmup += 1
             return
         if get("error") is not None:
             self.errors += 1
             return
-        wall = _num(get("wall_ms"))
-        if wall is None:
+        wall = get("wall_ms")
+        t = type(wall)
+        if t is not float and t is not int:
             self.malformed += 1
             return
         self.measured += 1
-        if self.first_measured is None and type(idx) is int:
+        if self.first_measured is None and idx >= 0:
             self.first_measured = idx
         if get("flops_counted") is True:
-            self.flops_counted_step = idx if type(idx) is int else None
+            self.flops_counted_step = idx if idx >= 0 else None
             return  # its times include FlopCounterMode's cost
         self.wall.buf.append(wall)
-        gpu = _num(get("gpu_ms"))
+        gpu = get("gpu_ms")
+        t = type(gpu)
         span = wall
-        if gpu is not None:
+        if t is float or t is int:
             self.gpu.buf.append(gpu)
             if gpu > wall:
                 span = gpu
         self.span.buf.append(span)
-        busy = _num(get("gpu_busy"))
-        if busy is not None:
-            self.busy.buf.append(busy)
+        x = get("gpu_busy")
+        t = type(x)
+        if t is float or t is int:
+            self.busy.buf.append(x)
         bs = get("batch_size")
         if type(bs) is int:
-            if bs in self.batch_sizes or len(self.batch_sizes) < _CAP:
-                self.batch_sizes[bs] = self.batch_sizes.get(bs, 0) + 1
-            sps = _num(get("samples_per_s"))
-            if sps is not None:
-                self.sps.buf.append(sps)
-        peak = _num(get("peak_allocated_bytes"))
-        if peak is not None and (self.peak is None or peak > self.peak):
-            self.peak = peak
-        res = _num(get("reserved_bytes"))
-        if res is not None:
-            self.reserved_last = res
-            if self.reserved is None or res > self.reserved:
-                self.reserved = res
-        ovh = _num(get("overhead_us"))
-        if ovh is not None:
-            self.overhead.buf.append(ovh)
+            sizes = self.batch_sizes
+            if bs in sizes:
+                sizes[bs] += 1
+            elif len(sizes) < _CAP:
+                sizes[bs] = 1
+            x = get("samples_per_s")
+            t = type(x)
+            if t is float or t is int:
+                self.sps.buf.append(x)
+        x = get("peak_allocated_bytes")
+        t = type(x)
+        if (t is int or t is float) and (self.peak is None or x > self.peak):
+            self.peak = x
+        x = get("reserved_bytes")
+        t = type(x)
+        if t is int or t is float:
+            self.reserved_last = x
+            if self.reserved is None or x > self.reserved:
+                self.reserved = x
+        x = get("overhead_us")
+        t = type(x)
+        if t is float or t is int:
+            self.overhead.buf.append(x)
         allocs = retries = 0
         alloc = get("allocator")
         if type(alloc) is dict:
             self.alloc_steps += 1
             totals = self.alloc
             for k, v in alloc.items():
-                if k in totals and type(v) is int:
+                if type(v) is int and k in totals:
                     totals[k] += v
-            allocs = alloc.get("num_device_alloc") or 0
-            retries = alloc.get("num_alloc_retries") or 0
-            if type(allocs) is int and allocs > 0:
+            allocs = alloc.get("num_device_alloc")
+            retries = alloc.get("num_alloc_retries")
+            if type(allocs) is not int:
+                allocs = 0
+            elif allocs > 0:
                 self.steps_with_device_alloc += 1
+            if type(retries) is not int:
+                retries = 0
         syncs = get("syncs")
         if type(syncs) is dict:
             self._add_syncs(syncs)
         phases = get("phases")
-        if type(phases) is dict and phases:
+        if phases and type(phases) is dict:
             self._add_phases(phases)
         if "tflops_per_s" in r:
-            t = _num(get("tflops_per_s"))
-            if t is not None:
-                self.tflops.buf.append(t)
-            m = _num(get("mfu"))
-            if m is not None:
-                self.mfu.buf.append(m)
+            x = get("tflops_per_s")
+            t = type(x)
+            if t is float or t is int:
+                self.tflops.buf.append(x)
+            x = get("mfu")
+            t = type(x)
+            if t is float or t is int:
+                self.mfu.buf.append(x)
         spikes = self.spikes
         if len(spikes) < _SPIKES_KEPT:
-            heapq.heappush(spikes, (span, idx if type(idx) is int else -1, allocs, retries))
+            heapq.heappush(spikes, (span, idx, allocs, retries))
         elif span > spikes[0][0]:
-            heapq.heapreplace(spikes, (span, idx if type(idx) is int else -1, allocs, retries))
+            heapq.heapreplace(spikes, (span, idx, allocs, retries))
         unavailable = get("unavailable")
         if unavailable and type(unavailable) is dict and len(self.unavailable) < _CAP:
             for k, v in unavailable.items():
@@ -321,12 +354,12 @@ class _Run:
         if type(count) is not int:
             return
         self.sync_steps += 1
-        self.syncs.buf.append(float(count))
+        self.syncs.buf.append(count)
         mech = syncs.get("mechanism")
-        if type(mech) is str:
+        if mech is not None and type(mech) is str:
             self.sync_mechanism = mech
         other = syncs.get("other_threads")
-        if type(other) is int:
+        if other and type(other) is int:
             self.other_threads += other
         sites = syncs.get("sites")
         if not sites or type(sites) is not list:
@@ -335,11 +368,14 @@ class _Run:
         for site in sites:
             if type(site) is not dict:
                 continue
-            key = (str(site.get("where")), str(site.get("kind")))
             n = site.get("count")
             if type(n) is not int:
                 continue
-            entry = table.get(key)
+            key = (site.get("where"), site.get("kind"))
+            entry = table.get(key) if type(key[0]) is str and type(key[1]) is str else None
+            if entry is None:
+                key = (str(key[0]), str(key[1]))
+                entry = table.get(key)
             if entry is None:
                 if len(table) >= _CAP:
                     self.sites_dropped += n
@@ -352,28 +388,32 @@ class _Run:
     def _add_phases(self, phases: dict[str, Any]) -> None:
         table = self.phases
         for name, ph in phases.items():
-            if type(ph) is not dict:
-                continue
             agg = table.get(name)
             if agg is None:
                 if len(table) >= _CAP:
                     continue
                 agg = table[name] = _Phase()
+            if type(ph) is not dict:
+                continue
             agg.steps += 1
-            w = _num(ph.get("wall_ms"))
-            if w is not None:
-                agg.wall.buf.append(w)
-            g = _num(ph.get("gpu_ms"))
-            if g is not None:
-                agg.gpu.buf.append(g)
-            p = _num(ph.get("peak_allocated_bytes"))
-            if p is not None and (agg.peak is None or p > agg.peak):
-                agg.peak = p
-            s = ph.get("syncs")
-            if type(s) is int:
-                agg.syncs += s
-            c = ph.get("count")
-            agg.count += c if type(c) is int else 1
+            get = ph.get
+            x = get("wall_ms")
+            t = type(x)
+            if t is float or t is int:
+                agg.wall.buf.append(x)
+            x = get("gpu_ms")
+            t = type(x)
+            if t is float or t is int:
+                agg.gpu.buf.append(x)
+            x = get("peak_allocated_bytes")
+            t = type(x)
+            if (t is int or t is float) and (agg.peak is None or x > agg.peak):
+                agg.peak = x
+            x = get("syncs")
+            if x and type(x) is int:
+                agg.syncs += x
+            x = get("count")
+            agg.count += x if type(x) is int else 1
 
     def add_memory(self, r: dict[str, Any]) -> None:
         self.memory_records += 1
@@ -758,7 +798,10 @@ def _diagnose(
                 )
                 remedy.append("move periodic work out of profile_step, or measure it as its own step name")
             if any(s["device_allocs"] or s["alloc_retries"] for s in sp["late"]):
-                remedy.append("some spikes called cudaMalloc or retried an allocation: see fragmentation")
+                remedy.append(
+                    "some spikes called cudaMalloc or retried an allocation: the allocator grew there; "
+                    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and steady shapes avoid it"
+                )
             remedy.append(
                 "recompiles: run with TORCH_LOGS=recompiles; mark varying dims with "
                 "torch._dynamo.mark_dynamic or pad shapes to a few sizes"
