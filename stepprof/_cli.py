@@ -1,33 +1,171 @@
-"""Command line: ``stepprof demo`` (more subcommands arrive with later features)."""
+"""Command line: ``stepprof demo | report | plot | env | calibrate``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stepprof", description="Honest numbers about a PyTorch training step.")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepprof", description="Honest numbers about a PyTorch training step."
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small embedded model under stepprof and print the summary")
     demo.add_argument("--steps", type=int, default=60, help="steps to train (default 60)")
-    demo.add_argument("--warmup", type=int, default=5, help="warm-up steps left out of the summary (default 5)")
+    demo.add_argument(
+        "--warmup", type=int, default=5, help="warm-up steps left out of the summary (default 5)"
+    )
     demo.add_argument("--log", default="stepprof-demo.jsonl", help="JSON-lines log to append to")
     demo.add_argument("--device", default=None, help="'cuda', 'cpu', ... (default: CUDA if present)")
+    report = sub.add_parser(
+        "report", help="figures and diagnoses (with evidence and remedies) of one or more logs"
+    )
+    report.add_argument("logs", nargs="+", metavar="LOG", help="stepprof JSON-lines log(s)")
+    report.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    plot = sub.add_parser("plot", help="draw a step log (times and memory per step) or a sweep log to a PNG")
+    plot.add_argument("log", metavar="LOG")
+    plot.add_argument("-o", "--output", required=True, help="PNG to write")
+    plot.add_argument(
+        "--run", type=int, default=0, help="which run of a log with several (1-based; default: last)"
+    )
+    plot.add_argument("--sweep", action="store_true", help="draw the log's sweep, not its steps")
+    env = sub.add_parser("env", help="GPU, driver, CUDA, torch, allocator, NVML, calibration, sync detection")
+    env.add_argument("--json", action="store_true", help="print as one JSON object")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure this GPU's matmul peak and copy bandwidth (a few seconds), "
+        "cached for MFU and the roofline",
+    )
+    cal.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    cal.add_argument("--json", action="store_true", help="print as one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command == "demo":
-        from ._demo import run_demo
-        from ._errors import StepprofError
+    from ._errors import StepprofError
 
-        if args.steps < 1:
-            parser.error(f"--steps must be >= 1 (got {args.steps})")
-        try:
-            run_demo(steps=args.steps, warmup=args.warmup, log=args.log, device=args.device)
-        except StepprofError as e:
-            print(f"stepprof: {e}", file=sys.stderr)
-            return 2
+    try:
+        return _COMMANDS[args.command](parser, args)
+    except StepprofError as e:
+        print(f"stepprof: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(
+            f"stepprof: {e.strerror or e}: {e.filename!r}" if e.filename else f"stepprof: {e}",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _dumps(obj: Any) -> str:
+    import orjson
+
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1 (got {args.steps})")
+    run_demo(steps=args.steps, warmup=args.warmup, log=args.log, device=args.device)
+    return 0
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._report import build_report, render
+
+    report = build_report(args.logs)
+    if args.json:
+        print(_dumps(report))
+    else:
+        _print(render(report))
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._plot import plot_log
+
+    if args.run < 0:
+        parser.error(f"--run must be >= 1 (got {args.run})")
+    out = plot_log(args.log, args.output, run=args.run - 1 if args.run else -1, sweep=args.sweep)
+    print(f"stepprof: wrote {out}")
+    return 0
+
+
+def _env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._env import environment, render_env
+
+    env = environment()
+    if args.json:
+        print(_dumps(env))
+    else:
+        _print(render_env(env))
+    return 0
+
+
+def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from ._errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("calibrate measures a CUDA GPU, and CUDA is not available here")
+    if not 0 <= args.device < torch.cuda.device_count():
+        raise ConfigError(f"'--device' must be 0..{torch.cuda.device_count() - 1} (got {args.device})")
+    from ._cuda import calibrate
+    from ._roofline import save_calibration
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"  measuring {msg} ...", file=sys.stderr, flush=True)
+
+    record = calibrate(args.device, progress=say)
+    path = save_calibration(record)
+    if args.json:
+        print(_dumps({**record, "path": path}))
         return 0
-    return 2  # pragma: no cover - argparse rejects unknown commands
+    t = record["matmul_tflops"]
+    print(f"stepprof calibrate: {record['device_name']} (cuda:{args.device})")
+    for k in ("bf16", "tf32", "fp32"):
+        print(f"  dense matmul {k}: {t[k]:8,.1f} TFLOP/s  (n={record['matmul_n'][k]})")
+    print(f"  copy bandwidth:  {record['copy_gbps']:8,.0f} GB/s (read + write)")
+    print(f"  host cost of one op: {record['launch_us']:.1f} µs")
+    print(f"  ridge (bf16): {t['bf16'] * 1e3 / record['copy_gbps']:.0f} FLOP/byte")
+    print(f"saved to {path}")
+    return 0
+
+
+def _print(text: str) -> None:
+    """Print, with rich's colours when it is installed and stdout is a terminal."""
+    if sys.stdout.isatty():
+        try:
+            from rich.console import Console
+            from rich.markup import escape
+        except ImportError:
+            print(text, end="")
+            return
+        console = Console(highlight=False)
+        for line in text.splitlines():
+            style = (
+                "bold"
+                if line.startswith(("==", "--"))
+                else "bold yellow"
+                if line.lstrip().startswith("* ")
+                else "green"
+                if "remedy:" in line
+                else None
+            )
+            console.print(escape(line), style=style)
+        return
+    print(text, end="")
+
+
+_COMMANDS = {"demo": _demo, "report": _report, "plot": _plot, "env": _env, "calibrate": _calibrate}

@@ -11,7 +11,7 @@ import orjson
 
 from ._errors import ConfigError
 
-__all__ = ["SCHEMA_VERSION", "JsonlWriter", "read"]
+__all__ = ["SCHEMA_VERSION", "JsonlWriter", "ScanStats", "read", "scan"]
 
 #: Version of the record schema; every line carries it as ``schema_version``.
 SCHEMA_VERSION = 1
@@ -64,6 +64,38 @@ class JsonlWriter:
                 pass
 
 
+class ScanStats:
+    """What :func:`scan` met: lines read, and lines skipped because they are not JSON objects."""
+
+    __slots__ = ("lines", "skipped")
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.skipped = 0
+
+
+def scan(path: str | os.PathLike[str], stats: ScanStats) -> Iterator[dict[str, Any]]:
+    """Stream the JSON objects of a log, counting the lines that are not one into ``stats``.
+
+    Blank lines are ignored; a torn line, bytes that are not UTF-8, or a JSON value that
+    is not an object (``[1]``, ``3``) is skipped and counted, never raised.
+    """
+    loads, error = orjson.loads, orjson.JSONDecodeError
+    with open(path, "rb") as f:
+        for line in f:
+            stats.lines += 1
+            try:
+                record = loads(line)
+            except error:
+                if line.strip():
+                    stats.skipped += 1
+                continue
+            if type(record) is dict:
+                yield record
+            else:
+                stats.skipped += 1
+
+
 def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[dict[str, Any]]:
     """Stream the records of a stepprof log as dicts, in file order.
 
@@ -83,24 +115,14 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
         >>> [r["kind"] for r in stepprof.read(log)]
         ['step', 'summary']
     """
-    skipped = 0
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                skipped += 1
-                continue
-            if not isinstance(record, dict):
-                skipped += 1
-                continue
-            if kind is None or record.get("kind") == kind:
-                yield record
-    if skipped:
+    stats = ScanStats()
+    for record in scan(path, stats):
+        if kind is None or record.get("kind") == kind:
+            yield record
+    if stats.skipped:
         warnings.warn(
-            f"stepprof.read: skipped {skipped} line(s) of {os.fspath(path)!r} that are not JSON objects",
+            f"stepprof.read: skipped {stats.skipped} line(s) of {os.fspath(path)!r} "
+            f"that are not JSON objects",
             RuntimeWarning,
             stacklevel=2,
         )

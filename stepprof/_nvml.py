@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["NvmlReading", "read", "shutdown"]
+__all__ = ["NvmlReading", "read", "shutdown", "status"]
 
 
 @attrs.frozen
@@ -305,6 +305,28 @@ def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
     return NvmlReading(
         process, device_used, process_why, device_why, device_uuid=nvml_uuid, notes=tuple(notes)
     )
+
+
+def status() -> dict[str, Any]:
+    """For ``stepprof env``: the NVML package, whether NVML starts, and the driver version."""
+    try:
+        dist = importlib.metadata.version("nvidia-ml-py")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    m, why = _load()
+    driver = None
+    if m is not None:
+        value, err = _query(m, "nvmlSystemGetDriverVersion")
+        driver = value.decode() if isinstance(value, bytes) else value
+        if err is not None:
+            why = err
+    return {
+        "package": f"nvidia-ml-py {dist}" if dist else "nvidia-ml-py is not installed",
+        "deprecated_pynvml": _deprecated_distribution(),
+        "status": "ok" if m is not None else why,
+        "note": _package_note,
+        "driver": driver,
+    }
 
 
 def shutdown() -> None:

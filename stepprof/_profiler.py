@@ -49,6 +49,7 @@ from ._cuda import (
     SYNC_MECHANISMS,
     Backend,
     HostBackend,
+    device_name,
     memory_backend,
     select_backend,
 )
@@ -56,6 +57,7 @@ from ._errors import ConfigError, StepprofError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
+from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
 from ._syncs import SyncTracker, check_max_syncs, check_on_sync
 
 __all__ = ["Profiler"]
@@ -219,6 +221,13 @@ class Profiler:
         memory_every: write a ``kind: "memory"`` record (see :func:`stepprof.memory_report`)
             every this many steps after the one that follows warm-up; 0 writes only
             that one and the one at close.  CUDA only.
+        flops: ``"auto"`` counts the FLOPs of one step, the first past warm-up, with
+            ``torch.utils.flop_counter.FlopCounterMode`` (that step runs eagerly and
+            slower; see docs/report.md), and writes a ``kind: "flops"`` record.  None
+            (the default) counts nothing and costs nothing.
+        flops_per_step: the FLOPs of one step, if you know them (instead of ``"auto"``).
+            Either way the step records then carry ``flops``, ``tflops_per_s`` and
+            ``mfu`` (the latter from ``stepprof calibrate``'s figures, else None).
 
     Example:
         >>> import stepprof, torch
@@ -241,6 +250,8 @@ class Profiler:
         max_syncs: int | None = None,
         on_sync: str = "count",
         memory_every: int = MEMORY_EVERY,
+        flops: str | None = None,
+        flops_per_step: float | None = None,
         _backend: Backend | None = None,
         _clock: _Clock | None = None,
         _collect_every_s: float | None = COLLECT_EVERY_S,
@@ -308,6 +319,28 @@ class Profiler:
         self._peak_seen = -1
         if _backend is not None and _backend.memory_reason is None:
             _memory.observe(_backend)
+        # FLOPs: off (None), counted once ("auto") or given.  Counting swaps the two
+        # step boundaries for counting ones on this instance only, until the count is
+        # done, so a profiler without flops runs exactly the code it ran before.
+        self._flops_mode, given = check_flops(flops, flops_per_step)
+        if given is not None:
+            self._flops_mode = "given"
+        self._flops: dict[str, Any] | None = None  # set once known: see _set_flops
+        self._flops_reason = "not counted yet: FLOPs are counted in the first step past warm-up"
+        self._flops_record: dict[str, Any] | None = None
+        self._flop_count: FlopCount | None = None
+        self._flop_attempts = 0
+        self._flop_index = -1
+        self._ideal_ms: float | None = None
+        self._mfu_reason: str | None = None
+        self._tflops: list[float] = []
+        self._mfu: list[float] = []
+        if given is not None:
+            self._set_flops({"source": "given", "flops_per_step": given, "flops_by_dtype": None,
+                             "ops": None, "op_bytes": None, "step": None, "notes": []}, None)
+        elif self._flops_mode == "auto":
+            self._begin_step = self._begin_counting_step  # type: ignore[method-assign]
+            self._end_step = self._end_counting_step  # type: ignore[method-assign]
         _open_profilers.add(self)
 
     # -- public -------------------------------------------------------------
@@ -610,6 +643,104 @@ class Profiler:
             )
             self._collector.start()
 
+    # -- counting FLOPs (flops="auto"): these replace _begin_step/_end_step on the
+    # instance until the count is done, then the class's own run again.
+
+    def _begin_counting_step(
+        self, name: str, batch_size: int | None, budget: tuple[int | None, str | None]
+    ) -> _Step:
+        index = self._next_index
+        if index >= self.warmup and self._flop_count is None:
+            fc = FlopCount()
+            try:
+                fc.start()
+            except Exception as e:  # noqa: BLE001 - no count, never a broken step
+                self._give_up_counting(f"FlopCounterMode could not start: {type(e).__name__}: {e}")
+            else:
+                self._flop_count = fc
+                self._flop_index = index
+        return Profiler._begin_step(self, name, batch_size, budget)
+
+    def _end_counting_step(self, step: _Step, exc: BaseException | None) -> None:
+        # Stop counting before the step's end is taken, so that its record (built on the
+        # collector thread) already has the count.  The counted step's times include the
+        # counter's cost either way; its record says flops_counted.
+        if self._flop_count is not None and step.index == self._flop_index:
+            try:
+                self._finish_count(step, exc)
+            except Exception as e:  # noqa: BLE001 - no count, never a broken step
+                self._give_up_counting(f"{type(e).__name__}: {e}")
+        Profiler._end_step(self, step, exc)
+
+    def _finish_count(self, step: _Step, exc: BaseException | None) -> None:
+        fc, self._flop_count = self._flop_count, None
+        assert fc is not None
+        try:
+            fc.stop()
+        except Exception as e:  # noqa: BLE001 - a user's mode left on top of ours, say
+            self._give_up_counting(f"FlopCounterMode could not be left cleanly: {type(e).__name__}: {e}")
+            return
+        if exc is not None:
+            self._flop_attempts += 1
+            if self._flop_attempts >= 3:
+                self._give_up_counting("the step raised in each of 3 attempts to count its FLOPs")
+            return  # count again at the next step
+        del self._begin_step, self._end_step  # back to the class's boundaries
+        notes = list(fc.notes)
+        if fc.flops == 0:
+            notes.append("the counted step did no operation that FlopCounterMode counts "
+                         "(matmuls, convolutions, attention)")
+        detail = {"source": "auto", "flops_per_step": fc.flops, "flops_by_dtype": dict(fc.flops_by_dtype),
+                  "ops": fc.ops, "op_bytes": fc.op_bytes, "step": step.index, "notes": notes}
+        self._set_flops(detail, step)
+
+    def _give_up_counting(self, reason: str) -> None:
+        self._flops_reason = f"FLOPs were not counted: {reason}"
+        self.__dict__.pop("_begin_step", None)
+        self.__dict__.pop("_end_step", None)
+        self._flops_record = {"kind": "flops", "source": "auto", "step": None, "flops_per_step": None,
+                              "unavailable": {"flops_per_step": self._flops_reason}}
+
+    def _stop_counting(self, reason: str) -> None:
+        fc, self._flop_count = self._flop_count, None
+        try:
+            if fc is not None:
+                fc.stop()
+        except Exception:  # noqa: BLE001 - recording already failed; the reason says so
+            pass
+        self._give_up_counting(reason)
+
+    def _set_flops(self, detail: dict[str, Any], step: _Step | None) -> None:
+        """The step's FLOPs are known: find the calibration and prepare the flops record."""
+        b = self._backend
+        index = getattr(b, "index", None)
+        on_cuda = b is not None and b.memory_reason is None
+        name = device_name(index) if isinstance(index, int) and on_cuda else None
+        calibration = None
+        if b is not None and b.memory_reason is None and name is None:
+            why = "the GPU's model name could not be read, so its calibration cannot be found"
+        elif name is None:
+            why = ("no calibration for the CPU: stepprof calibrate measures CUDA GPUs"
+                   if b is not None else "no step has run, so the device is unknown")
+        else:
+            calibration, why = load_calibration(name)
+        ideal = None
+        by_dtype = detail.get("flops_by_dtype")
+        if calibration is not None:
+            if by_dtype is None:
+                why = ("MFU needs the FLOPs' dtypes: with flops_per_step they are unknown; "
+                       "use flops='auto' to count them")
+            else:
+                ideal, why = ideal_ms(by_dtype, calibration)
+        self._ideal_ms = ideal
+        self._mfu_reason = why
+        self._flops = detail
+        self._flops_record = {
+            "kind": "flops", **detail, "device": b.device if b is not None else "none",
+            "device_name": name, "ideal_ms": ideal, "calibration": calibration,
+            "unavailable": {} if ideal is not None else {"ideal_ms": why},
+        }
+
     def _collect_loop(self) -> None:
         """The collector thread: every ``_collect_every_s``, write completed steps."""
         assert self._collect_every_s is not None
@@ -750,7 +881,13 @@ class Profiler:
             record["host_rss_bytes"] = s.rss
             if s.rss is None:
                 unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+        if self._flops_mode is not None:
+            self._add_flops(s, record, unavailable, max(wall_ms, gpu_ms or 0.0))
         self._write(record)
+        f = self._flops
+        if self._flops_record is not None and (f is None or s.index >= (f.get("step") or 0)):
+            flops_record, self._flops_record = self._flops_record, None
+            self._write(flops_record)
         self._peak_seen = max(self._peak_seen, s.peak)
         if self._memory_snaps:
             self._write_memory(s.index)
@@ -782,6 +919,34 @@ class Profiler:
             self._sync_counts.append(s.syncs["count"])
         else:
             self._reasons.setdefault("syncs_per_step_median", unavailable["syncs"])
+
+    def _add_flops(
+        self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float
+    ) -> None:
+        f = self._flops
+        counted = f is not None and f.get("step") == s.index
+        if f is None or (f.get("step") is not None and s.index < f["step"]):
+            why = (self._flops_reason if f is None
+                   else f"FLOPs were counted at step {f['step']}, after this one")
+            record["flops"] = record["tflops_per_s"] = record["mfu"] = None
+            unavailable["flops"] = unavailable["tflops_per_s"] = unavailable["mfu"] = why
+            return
+        flops = f["flops_per_step"]
+        record["flops"] = flops
+        record["tflops_per_s"] = tflops = flops / (span_ms * 1e-3) / 1e12 if span_ms > 0 else None
+        if tflops is None:
+            unavailable["tflops_per_s"] = "step took no measurable time"
+        ideal = self._ideal_ms
+        record["mfu"] = mfu = ideal / span_ms if ideal is not None and span_ms > 0 else None
+        if mfu is None:
+            unavailable["mfu"] = self._mfu_reason or "step took no measurable time"
+        if counted:
+            record["flops_counted"] = True  # its times include FlopCounterMode's own cost
+        elif not s.warmup and s.error is None:
+            if tflops is not None:
+                self._tflops.append(tflops)
+            if mfu is not None:
+                self._mfu.append(mfu)
 
     # -- memory records ----------------------------------------------------------
 
@@ -878,6 +1043,20 @@ class Profiler:
         ovh = Percentiles.of(self._ovh)
         syncs = Percentiles.of(self._sync_counts)
         mechanism = getattr(self._backend, "sync_mechanism", None)
+        tflops, mfu = Percentiles.of(self._tflops), Percentiles.of(self._mfu)
+        if self._flops_mode is None:
+            reasons["tflops_per_s_median"] = reasons["mfu_median"] = (
+                "FLOPs were not requested: pass Profiler(flops='auto') or flops_per_step=N"
+            )
+        else:
+            if not tflops:
+                reasons["tflops_per_s_median"] = (
+                    self._flops_reason if self._flops is None else "no measured step after the counted one"
+                )
+            if not mfu:
+                reasons["mfu_median"] = (
+                    reasons["tflops_per_s_median"] if not tflops else self._mfu_reason or "not computed"
+                )
         if not self._sync_counts and "syncs_per_step_median" in reasons:
             reasons["sync_mechanism"] = reasons["syncs_per_step_median"]
         figures = {
@@ -886,6 +1065,7 @@ class Profiler:
             "peak_allocated_bytes_max": self._peak_max,
             "syncs_per_step_median": self._sync_counts,
             "sync_mechanism": self._sync_counts,
+            "tflops_per_s_median": self._tflops, "mfu_median": self._mfu,
         }
         # A reason is kept only for a figure that is null: some steps may lack a
         # figure (no batch_size once) while the others still give the median.
@@ -905,6 +1085,8 @@ class Profiler:
             log=self.log,
             syncs_per_step_median=syncs.median if syncs else None,
             sync_mechanism=mechanism if self._sync_counts else None,
+            tflops_per_s_median=tflops.median if tflops else None,
+            mfu_median=mfu.median if mfu else None,
             unavailable=reasons,
         )
 
@@ -917,6 +1099,8 @@ class Profiler:
     def _fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""
         self._unwatch()
+        if self._flop_count is not None:
+            self._stop_counting(f"recording stopped during the counted step: {type(exc).__name__}: {exc}")
         if self._broken is None:
             self._broken = f"stepprof stopped recording after an internal error: {type(exc).__name__}: {exc}"
             warnings.warn(self._broken, RuntimeWarning, stacklevel=3)

@@ -76,6 +76,8 @@ class Summary:
     log: str | None
     syncs_per_step_median: float | None = None
     sync_mechanism: str | None = None
+    tflops_per_s_median: float | None = None
+    mfu_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:
@@ -99,6 +101,10 @@ class Summary:
             parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
         if self.syncs_per_step_median:
             parts.append(f"{self.syncs_per_step_median:g} syncs/step")
+        if self.tflops_per_s_median is not None:
+            parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
+        if self.mfu_median is not None:
+            parts.append(f"MFU {self.mfu_median:.0%}")
         if self.overhead_us_median is not None:
             parts.append(f"stepprof {self.overhead_us_median:.0f} µs/step")
         return "stepprof: " + ", ".join(parts)

@@ -1,0 +1,130 @@
+"""How fast ``stepprof report`` streams a large log, and whether its memory stays bounded.
+
+Writes step logs of 100k and 1M lines (realistic records: three phases, a sync site,
+allocator deltas, FLOPs; memory records every 1000 steps), then reports each in a
+fresh process (``python -m stepprof report --json``) and reads its wall time and
+peak RSS.  The issue's bar: 1M lines in under 5 s, with memory that does not grow
+with the log.
+
+    python bench/report.py [--lines 1000000] [--out bench/results/report.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import orjson  # noqa: E402
+
+from tests import logfixtures as fx  # noqa: E402
+
+
+def write_log(path: str, lines: int, seed: int = 0) -> int:
+    rng = random.Random(seed)
+    base = fx.step_record(0, warmup=False, wall=7.0, gpu=7.0, flops=True)
+    written = 0
+    with open(path, "wb") as f:
+        buf = []
+        for i in range(lines):
+            if i and i % 1000 == 0:
+                buf.append(orjson.dumps(fx.memory_record(i, "periodic")))
+            else:
+                r = dict(base)
+                gpu = 7.0 * (1 + rng.gauss(0, 0.02)) * (5 if rng.random() < 1e-4 else 1)
+                r["step"] = i
+                r["warmup"] = i < 3
+                r["wall_ms"] = gpu * 1.001 + 0.02
+                r["gpu_ms"] = gpu
+                r["gpu_busy"] = gpu / r["wall_ms"]
+                r["samples_per_s"] = 4096 / (r["wall_ms"] / 1e3)
+                buf.append(orjson.dumps(r))
+            written += 1
+            if len(buf) >= 10_000:
+                f.write(b"\n".join(buf) + b"\n")
+                buf = []
+        if buf:
+            f.write(b"\n".join(buf) + b"\n")
+    return written
+
+
+def report_in_child(path: str) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepprof", "report", "--json", path], cwd=ROOT, capture_output=True
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr.decode())
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    rep = json.loads(proc.stdout)
+    run = rep["logs"][0]["runs"][0]
+    return {
+        "wall_s": wall,
+        "peak_rss_mib": peak_kib / 1024,
+        "rss_grew": peak_kib > before,
+        "measured_steps": run["measured_steps"],
+        "approximate": run["approximate_quantiles"],
+    }
+
+
+def baseline_in_child() -> float:
+    """Peak RSS of a child that imports stepprof and torch and reports nothing."""
+    subprocess.run([sys.executable, "-c", "import stepprof._report, stepprof._cli"], cwd=ROOT, check=True)
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lines", type=int, default=1_000_000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    base = baseline_in_child()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for lines in sorted({args.lines // 10, args.lines}):
+            path = os.path.join(tmp, f"log-{lines}.jsonl")
+            t0 = time.perf_counter()
+            write_log(path, lines)
+            gen_s = time.perf_counter() - t0
+            res = report_in_child(path)
+            res.update(lines=lines, mib=os.path.getsize(path) / 2**20, generate_s=gen_s)
+            rows.append(res)
+    print(
+        f"baseline (import only) peak RSS {base:.0f} MiB   [{platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}]"
+    )
+    print(f"{'lines':>10} {'log MiB':>8} {'report s':>9} {'lines/s':>11} {'peak RSS MiB':>13} {'approx':>7}")
+    for r in rows:
+        print(
+            f"{r['lines']:>10,} {r['mib']:>8.0f} {r['wall_s']:>9.2f} {r['lines'] / r['wall_s']:>11,.0f} "
+            f"{r['peak_rss_mib']:>13.0f} {str(r['approximate']):>7}"
+        )
+    out = {
+        "bench": "report",
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "baseline_peak_rss_mib": base,
+        "rows": rows,
+        "note": "peak RSS is ru_maxrss of the child; it is monotonic across children, so only the "
+        "largest run's figure is exact and the others are upper bounds",
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

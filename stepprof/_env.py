@@ -1,0 +1,151 @@
+"""``stepprof env``: what stepprof will find on this machine, in one look."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import Any
+
+import torch
+
+from . import _cuda, _nvml
+from ._roofline import cache_dir, calibration_path, load_calibration
+
+__all__ = ["environment", "render_env"]
+
+
+def environment() -> dict[str, Any]:
+    """GPU, driver, CUDA, torch, the allocator, NVML, calibration and the sync mechanism.
+
+    It initialises CUDA (to name the GPUs) when CUDA is available.
+    """
+    from . import __version__
+
+    gpus: list[dict[str, Any]] = []
+    cuda_reason = None
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            try:
+                facts = _cuda.device_facts(i)
+            except Exception as e:  # noqa: BLE001 - report, never crash
+                gpus.append({"index": i, "error": f"{type(e).__name__}: {e}"})
+                continue
+            calibration, why = load_calibration(facts["name"])
+            facts["index"] = i
+            facts["calibration"] = (
+                {
+                    "path": calibration_path(facts["name"]),
+                    **{
+                        k: calibration.get(k)
+                        for k in ("matmul_tflops", "copy_gbps", "launch_us", "torch", "measured_unix_s")
+                    },
+                }
+                if calibration is not None
+                else {"path": None, "missing": why}
+            )
+            gpus.append(facts)
+    else:
+        cuda_reason = "CUDA is not available" + (
+            " (this torch is a CPU build)" if torch.version.cuda is None else " (no GPU or driver is visible)"
+        )
+    nvml = (
+        _nvml.status()
+        if torch.cuda.is_available()
+        else {**_nvml.status(), "note": "NVML is only read for CUDA runs"}
+    )
+    sync_api = hasattr(torch._C, "_cuda_set_sync_debug_mode")
+    return {
+        "stepprof": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "driver": nvml.get("driver"),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_reason": cuda_reason,
+        "gpus": gpus,
+        "allocator": _cuda.allocator_facts(),
+        "nvml": nvml,
+        "calibration_dir": cache_dir(),
+        "syncs": {
+            "default": "warn",
+            "mechanisms": list(_cuda.SYNC_MECHANISMS),
+            "used": (
+                "warn: torch's sync-debug warnings plus wrappers for torch.cuda.synchronize and "
+                "Event.synchronize"
+                if sync_api and torch.cuda.is_available()
+                else "none: syncs are counted on CUDA only"
+            ),
+            "trace": (
+                "syncs='trace' is checked at the first step (private GPU-trace API) and falls back to 'warn'"
+            ),
+        },
+        "environment": {
+            k: os.environ.get(k)
+            for k in ("STEPPROF_LOG", "STEPPROF_WARMUP", "STEPPROF_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
+        },
+    }
+
+
+def render_env(env: dict[str, Any]) -> str:
+    rows: list[tuple[str, str]] = [
+        ("stepprof", env["stepprof"]),
+        ("python", f"{env['python']} on {env['platform']}"),
+        ("torch", env["torch"]),
+        ("CUDA runtime", env["cuda_runtime"] or "none (CPU build)"),
+        ("cuDNN", str(env["cudnn"]) if env["cudnn"] else "n/a"),
+        ("driver", env["driver"] or "n/a"),
+    ]
+    if not env["gpus"]:
+        rows.append(("GPU", env["cuda_reason"] or "none"))
+    for g in env["gpus"]:
+        if "error" in g:
+            rows.append((f"GPU {g['index']}", g["error"]))
+            continue
+        rows.append(
+            (
+                f"GPU {g['index']}",
+                f"{g['name']} (sm {g['capability']}, "
+                f"{g['total_memory_bytes'] / 2**30:.0f} GiB, {g['multiprocessors']} SMs)",
+            )
+        )
+        c = g["calibration"]
+        if c.get("path"):
+            t = c.get("matmul_tflops") or {}
+            rows.append(
+                (
+                    "  calibration",
+                    ", ".join(f"{k} {v:,.0f} TFLOP/s" for k, v in t.items())
+                    + f", copy {c.get('copy_gbps') or 0:,.0f} GB/s, {c.get('launch_us') or 0:.1f} µs/op"
+                    + f" ({c['path']})",
+                )
+            )
+        else:
+            rows.append(("  calibration", c.get("missing") or "none"))
+    a = env["allocator"]
+    rows += [
+        ("PYTORCH_CUDA_ALLOC_CONF", a["PYTORCH_CUDA_ALLOC_CONF"] or "(unset)"),
+        ("allocator backend", a["backend"]),
+        ("expandable segments", "on" if a["expandable_segments"] else "off"),
+        (
+            "NVML package",
+            env["nvml"]["package"]
+            + (
+                f"; deprecated pynvml {env['nvml']['deprecated_pynvml']} is also installed"
+                if env["nvml"].get("deprecated_pynvml")
+                else ""
+            ),
+        ),
+        (
+            "NVML status",
+            str(env["nvml"]["status"]) + (f" ({env['nvml']['note']})" if env["nvml"].get("note") else ""),
+        ),
+        ("calibration cache", env["calibration_dir"]),
+        ("sync detection", env["syncs"]["used"]),
+        ("", env["syncs"]["trace"]),
+    ]
+    rows += [(k, v) for k, v in env["environment"].items() if v is not None]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + "\n"

@@ -1,0 +1,293 @@
+"""``stepprof plot``: a step log's times and memory over steps, or a sweep log's curve.
+
+matplotlib is imported here only, through the object API (no pyplot): no global
+figure state, no GUI backend.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from typing import Any
+
+from ._errors import ConfigError, MissingExtraError
+from ._log import ScanStats, scan
+
+__all__ = ["plot_log"]
+
+_GIB = 2**30
+_MAX_POINTS = 4000  # beyond this many steps, each plotted point is a bin: median line, min-max band
+
+
+def _matplotlib() -> tuple[Any, Any, Any]:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError as e:
+        raise MissingExtraError(
+            "stepprof plot needs matplotlib, which is not installed. "
+            "Install it with: pip install 'stepprof[plot]'"
+        ) from e
+    return Figure, FigureCanvasAgg, FuncFormatter
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.step = array("d")
+        self.wall = array("d")
+        self.gpu = array("d")
+        self.peak = array("d")
+        self.reserved = array("d")
+        self.rss = array("d")
+        self.warm_until: float | None = None
+        self.device: str | None = None
+        self.memory: list[tuple[float, float | None, float | None]] = []  # (step, nvml, total)
+        self.flops_step: float | None = None
+
+
+def _f(x: Any) -> float:
+    return float(x) if type(x) in (int, float) else float("nan")
+
+
+def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
+    stats = ScanStats()
+    runs: list[_Series] = []
+    cur: _Series | None = None
+    closed = False
+    sweep_records: list[dict[str, Any]] = []
+    last = -1
+    for r in scan(path, stats):
+        kind = r.get("kind")
+        if kind == "step":
+            idx = r.get("step")
+            if type(idx) is not int:
+                continue
+            if cur is None or closed or idx <= last:
+                cur = _Series()
+                runs.append(cur)
+                closed = False
+            last = idx
+            cur.step.append(idx)
+            cur.wall.append(_f(r.get("wall_ms")))
+            cur.gpu.append(_f(r.get("gpu_ms")))
+            cur.peak.append(_f(r.get("peak_allocated_bytes")))
+            cur.reserved.append(_f(r.get("reserved_bytes")))
+            cur.rss.append(_f(r.get("host_rss_bytes")))
+            if r.get("warmup") is True:
+                cur.warm_until = idx
+            if type(r.get("device")) is str:
+                cur.device = r["device"]
+            if r.get("flops_counted") is True:
+                cur.flops_step = idx
+        elif kind == "memory" and cur is not None and not closed:
+            step = r.get("step")
+            cur.memory.append(
+                (
+                    float(step) if type(step) is int else float(last),
+                    _f(r.get("nvml_process_bytes")),
+                    _f(r.get("total_bytes")),
+                )
+            )
+        elif kind == "summary":
+            closed = True
+        elif kind in ("sweep_point", "sweep_result"):
+            sweep_records.append(r)
+    return runs, sweep_records, stats
+
+
+def _binned(xs: array, ys: array) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(x, median, min, max) per bin; one bin per step below _MAX_POINTS steps."""
+    n = len(xs)
+    if n <= _MAX_POINTS:
+        ys_l = list(ys)
+        return list(xs), ys_l, ys_l, ys_l
+    size = -(-n // _MAX_POINTS)
+    bx, med, lo, hi = [], [], [], []
+    for i in range(0, n, size):
+        chunk = sorted(y for y in ys[i : i + size] if y == y)
+        if not chunk:
+            continue
+        bx.append(xs[i + (min(size, n - i) - 1) // 2])
+        med.append(chunk[len(chunk) // 2])
+        lo.append(chunk[0])
+        hi.append(chunk[-1])
+    return bx, med, lo, hi
+
+
+def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
+    """Draw the log at ``path`` to a PNG at ``out``; return ``out``.
+
+    A log with steps draws its run ``run`` (default the last); ``sweep=True``, or a
+    log with only sweep records, draws the last sweep's curve.
+    """
+    Figure, Canvas, Fmt = _matplotlib()
+    runs, sweep_records, stats = _read(path)
+    if sweep or not runs:
+        if not sweep_records:
+            raise ConfigError(
+                f"{path!r} has no step or sweep records to plot"
+                + (f" ({stats.skipped} unreadable lines)" if stats.skipped else "")
+            )
+        return _plot_sweep(path, sweep_records, out)
+    if not -len(runs) <= run < len(runs):
+        raise ConfigError(f"'--run' must be between 1 and {len(runs)} for {path!r} (got {run + 1})")
+    s = runs[run]
+    has_gpu = any(g == g for g in s.gpu)
+    has_mem = any(p == p for p in s.peak)
+    fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
+    Canvas(fig)
+    ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+    title = f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}"
+    if len(runs) > 1:
+        title += f" (run {run % len(runs) + 1} of {len(runs)})"
+    fig.suptitle(title, fontsize=13)
+    binned = len(s.step) > _MAX_POINTS
+    for series, color, label in (
+        (s.wall, "tab:blue", "wall ms (host)"),
+        (s.gpu, "tab:orange", "GPU ms (CUDA events)"),
+    ):
+        if series is s.gpu and not has_gpu:
+            continue
+        x, med, lo, hi = _binned(s.step, series)
+        ax.plot(x, med, "-", color=color, lw=1.2, label=label + (" (bin median)" if binned else ""))
+        if binned:
+            ax.fill_between(
+                x, lo, hi, color=color, alpha=0.2, lw=0, label=f"{label.split(' (')[0]}: min-max per bin"
+            )
+    measured = sorted(
+        w
+        for i, w in zip(s.step, s.wall, strict=True)
+        if (s.warm_until is None or i > s.warm_until) and w == w
+    )
+    if measured:
+        m = measured[len(measured) // 2]
+        ax.axhline(
+            m, color="tab:blue", ls="--", lw=0.8, alpha=0.7, label=f"median wall {m:.2f} ms (after warm-up)"
+        )
+        top = measured[int(0.99 * (len(measured) - 1))]
+        peak_all = max((w for w in s.wall if w == w), default=m)
+        ceiling = None
+        if peak_all > 4 * top:  # a few huge steps would flatten the rest: clip, and say so
+            ceiling = top * 1.6
+            ax.set_ylim(0, ceiling)
+            ax.text(
+                0.01,
+                0.90,
+                f"y axis clipped at {ceiling:,.1f} ms: the slowest step took {peak_all:,.1f} ms",
+                transform=ax.transAxes,
+                ha="left",
+                va="top",
+                fontsize=9,
+                color="tab:red",
+            )
+        else:
+            ax.set_ylim(bottom=0)
+        spikes = [
+            (i, w)
+            for i, w in zip(s.step, s.wall, strict=True)
+            if w == w and w > 3 * m and (s.warm_until is None or i > s.warm_until)
+        ]
+        if spikes:  # drawn one by one: a bin's median hides them, the clip would cut them
+            ys = [min(w, ceiling * 0.97) if ceiling else w for _, w in spikes]
+            ax.plot(
+                [i for i, _ in spikes],
+                ys,
+                "v",
+                color="tab:red",
+                ms=7,
+                ls="none",
+                clip_on=False,
+                label=f"spikes after warm-up: {len(spikes):,} step(s) > 3x median",
+            )
+    for a in (ax, mem):
+        if s.warm_until is not None:
+            a.axvspan(
+                s.step[0] - 0.5,
+                s.warm_until + 0.5,
+                color="gray",
+                alpha=0.2,
+                label="warm-up (left out of the figures)" if a is ax else None,
+            )
+        if s.flops_step is not None:
+            a.axvline(
+                s.flops_step,
+                color="tab:green",
+                ls=":",
+                lw=1,
+                label="FLOPs counted (slower step)" if a is ax else None,
+            )
+        a.grid(True, alpha=0.3)
+    ax.set_ylabel("ms per step")
+    ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
+    if has_mem:
+        for series, color, label in (
+            (s.peak, "tab:purple", "peak allocated"),
+            (s.reserved, "tab:gray", "reserved"),
+        ):
+            x, med, _, hi = _binned(s.step, series)
+            mem.plot(
+                x,
+                [v / _GIB for v in (hi if binned else med)],
+                "-",
+                color=color,
+                lw=1.4,
+                label=f"{label} (GiB)",
+            )
+        nv = [(st, n) for st, n, _ in s.memory if n == n]
+        if nv:
+            mem.plot(
+                [p[0] for p in nv],
+                [p[1] / _GIB for p in nv],
+                "D",
+                color="tab:red",
+                ms=5,
+                label="nvidia-smi for this process (memory records)",
+            )
+        totals = [t for _, _, t in s.memory if t == t]
+        if totals:
+            mem.text(
+                0.01, 0.04, f"GPU total {totals[-1] / _GIB:.0f} GiB", transform=mem.transAxes, fontsize=9
+            )
+        mem.set_ylabel("GiB")
+        highest = max(
+            [v / _GIB for v in list(s.peak) + list(s.reserved) if v == v] + [p[1] / _GIB for p in nv]
+        )
+        mem.set_ylim(0, highest * 1.15)
+    elif any(r == r for r in s.rss):
+        x, med, _, _ = _binned(s.step, s.rss)
+        mem.plot(
+            x, [v / _GIB for v in med], "-", color="tab:brown", lw=1.4, label="host RSS (GiB, whole process)"
+        )
+        mem.set_ylabel("GiB")
+        mem.set_ylim(bottom=0)
+    else:
+        mem.text(0.5, 0.5, "no memory figures in this log", transform=mem.transAxes, ha="center", va="center")
+        mem.set_yticks([])
+    if mem.get_legend_handles_labels()[0]:
+        mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
+    mem.set_xlabel("step")
+    mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
+    fig.savefig(out)
+    return out
+
+
+def _plot_sweep(path: str, records: list[dict[str, Any]], out: str) -> str:
+    from ._report import _sweep
+
+    points: list[dict[str, Any]] = []
+    built = None
+    for r in records:
+        if r.get("kind") == "sweep_point":
+            points.append(r)
+        else:
+            built = _sweep(points, r)
+            points = []
+    if points:
+        built = _sweep(points, None)
+    obj = built.get("_object") if built else None
+    if obj is None:
+        raise ConfigError(f"the last sweep in {path!r} has no readable sweep_result record to plot")
+    from ._sweep_plot import plot_sweep
+
+    return plot_sweep(obj, out)

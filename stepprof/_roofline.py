@@ -1,0 +1,351 @@
+"""FLOPs of a step, the calibration cache, MFU and the roofline class.
+
+- **Counting.**  :class:`FlopCount` runs ``torch.utils.flop_counter.FlopCounterMode``
+  around *one* step (the profiler picks the first step past warm-up) and also
+  tallies, per operation, the dtype of the FLOPs, the non-view operations
+  dispatched (about the kernel launches of an eager step) and the bytes their
+  inputs and outputs occupy (what an eager step reads and writes at most).  It
+  sets ``torch.compiler.set_stance("force_eager")`` for that step: dynamo never
+  compiles under a dispatch mode and, in torch releases before mid-2026,
+  remembered the skip for good, so counting inside a compiled step would leave
+  the user's model uncompiled.  Forcing eager for one step leaves dynamo's
+  caches as they were.
+- **Calibration.**  ``stepprof calibrate`` measures the GPU's achieved dense
+  matmul rate (bf16, tf32, fp32), its copy bandwidth and the host cost of one
+  small operation (:func:`stepprof._cuda.calibrate`), and :func:`save_calibration`
+  caches them per GPU model under the user's cache directory.
+- **MFU** is the time the step's FLOPs need at the *calibrated* rate of their
+  dtype, over the step's time.  A datasheet table is never used: its peaks are
+  not reachable, and tools that use them report MFU above 100% or flatter the
+  step.  Without a calibration MFU is None with the reason.
+- **The roofline class** compares three lower bounds on the step's time, each
+  from a calibrated figure: FLOPs at the matmul rate (compute), bytes at the copy
+  bandwidth (memory) and operations at the host's per-operation cost (host).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "CALIBRATED_DTYPES",
+    "FlopCount",
+    "cache_dir",
+    "calibration_path",
+    "check_flops",
+    "ideal_ms",
+    "load_calibration",
+    "roofline",
+    "save_calibration",
+]
+
+#: The dtypes whose matmul rate ``stepprof calibrate`` measures.
+CALIBRATED_DTYPES = ("bf16", "tf32", "fp32")
+#: fp16 runs on the same tensor cores at the bf16 rate on Ampere and Hopper.
+_PEAK_OF = {"bf16": "bf16", "fp16": "bf16", "tf32": "tf32", "fp32": "fp32"}
+CALIBRATION_VERSION = 1
+
+
+def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | None]:
+    """Validate ``Profiler(flops=..., flops_per_step=...)``."""
+    from ._errors import ConfigError
+
+    if flops not in ("auto", None):
+        raise ConfigError(
+            f"'flops' must be 'auto' or None (got {flops!r}); pass flops='auto' to count one "
+            f"step's FLOPs, or flops_per_step=N if you know them"
+        )
+    if flops_per_step is not None:
+        if (
+            isinstance(flops_per_step, bool)
+            or not isinstance(flops_per_step, (int, float))
+            or not (math.isfinite(flops_per_step) and flops_per_step > 0)
+        ):
+            raise ConfigError(
+                f"'flops_per_step' must be a positive number of FLOPs (got {flops_per_step!r}); "
+                f"e.g. flops_per_step=6 * n_params * tokens_per_step"
+            )
+        if flops is not None:
+            raise ConfigError("pass either flops='auto' (count them) or flops_per_step=N (given), not both")
+    return flops, None if flops_per_step is None else float(flops_per_step)
+
+
+# -- counting -----------------------------------------------------------------------
+
+
+def _dtype_key(dtype: Any, conv: bool) -> str:
+    import torch
+
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.float32:
+        if conv:
+            return "tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
+        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if dtype == torch.float64:
+        return "fp64"
+    if "float8" in str(dtype):
+        return "fp8"
+    return str(dtype).replace("torch.", "")
+
+
+class FlopCount:
+    """Counts one step: FLOPs by dtype, non-view operations and their bytes.
+
+    :meth:`start` and :meth:`stop` must run on the same thread (the step's).
+    Neither synchronises: the counter reads shapes and dtypes only.
+    """
+
+    def __init__(self) -> None:
+        self.flops_by_dtype: dict[str, int] = {}
+        self.ops = 0
+        self.op_bytes = 0
+        self.notes: list[str] = []
+        self._mode: Any = None
+        self._stance: Any = None
+        self._filter: Any = None
+
+    def start(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = self
+        aliasing: dict[Any, bool] = {}
+
+        class _Counting(FlopCounterMode):
+            def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+                before = sum(self.flop_counts["Global"].values())
+                result = super()._count_flops(func_packet, out, args, kwargs)
+                counter._tally(self, func_packet, out, args, kwargs, before, aliasing)
+                return result
+
+        import torch
+
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            self._stance = set_stance("force_eager")
+        else:  # pragma: no cover - torch < 2.6
+            self.notes.append(
+                "this torch has no torch.compiler.set_stance: a compiled function called in the "
+                "counted step was skipped by dynamo under the counter"
+            )
+        # The counter's module hooks make torch warn at each torch.compile'd module
+        # call; the warning would point at the user's line about hooks they never set.
+        self._filter = (
+            "ignore",
+            re.compile(r"Using `torch.compile\(module\)` when there are global hooks"),
+            UserWarning,
+            None,
+            0,
+        )
+        warnings.filters.insert(0, self._filter)
+        try:
+            mode = _Counting(display=False)
+            mode.__enter__()
+        except BaseException:
+            self._restore_stance()
+            raise
+        self._mode = mode
+
+    def _tally(
+        self, mode: Any, packet: Any, out: Any, args: Any, kwargs: Any, before: int, aliasing: dict[Any, bool]
+    ) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        view = aliasing.get(packet)
+        if view is None:
+            view = aliasing[packet] = _is_view(packet)
+        if view:
+            return
+        self.ops += 1
+        nbytes = 0
+        first = None
+        for t in tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor):
+                if first is None:
+                    first = t
+                try:
+                    nbytes += t.numel() * t.element_size()
+                except Exception:  # noqa: BLE001 - a tensor subclass without storage
+                    pass
+        self.op_bytes += nbytes
+        added = sum(mode.flop_counts["Global"].values()) - before
+        if added and first is not None:
+            key = _dtype_key(first.dtype, "conv" in str(packet))
+            self.flops_by_dtype[key] = self.flops_by_dtype.get(key, 0) + added
+
+    def stop(self) -> None:
+        mode, self._mode = self._mode, None
+        try:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+        finally:
+            self._restore_stance()
+
+    def _restore_stance(self) -> None:
+        try:
+            warnings.filters.remove(self._filter)
+        except ValueError:
+            pass  # the user reset the filters meanwhile
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            stance.__exit__(None, None, None)
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    @property
+    def flops(self) -> int:
+        return sum(self.flops_by_dtype.values())
+
+
+def _is_view(packet: Any) -> bool:
+    """Whether an operator only makes views (no kernel, no bytes moved)."""
+    try:
+        overload = getattr(packet, packet.overloads()[0])
+        returns = overload._schema.returns
+        return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    except Exception:  # noqa: BLE001 - unknown: count it
+        return False
+
+
+# -- the calibration cache -----------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """stepprof's cache directory: ``$STEPPROF_CACHE_DIR``, else ``$XDG_CACHE_HOME/stepprof``,
+    else ``~/.cache/stepprof`` (``%LOCALAPPDATA%\\stepprof`` on Windows)."""
+    explicit = os.environ.get("STEPPROF_CACHE_DIR")
+    if explicit:
+        return explicit
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "stepprof")
+    if os.name == "nt" and os.environ.get("LOCALAPPDATA"):  # pragma: no cover - Windows
+        return os.path.join(os.environ["LOCALAPPDATA"], "stepprof")
+    return os.path.join(os.path.expanduser("~"), ".cache", "stepprof")
+
+
+def calibration_path(device_name: str) -> str:
+    """Where the calibration of a GPU model is cached."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "unknown"
+    return os.path.join(cache_dir(), f"calibration-{slug}.json")
+
+
+def save_calibration(record: dict[str, Any]) -> str:
+    """Write a calibration (as :func:`stepprof._cuda.calibrate` returns it) to the cache."""
+    path = calibration_path(record["device_name"])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(
+            orjson.dumps({"calibration_version": CALIBRATION_VERSION, **record}, option=orjson.OPT_INDENT_2)
+        )
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_calibration(device_name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the cached calibration of this GPU model, None) or (None, why there is none)."""
+    path = calibration_path(device_name)
+    try:
+        with open(path, "rb") as f:
+            record = orjson.loads(f.read())
+    except FileNotFoundError:
+        return None, (
+            f"{device_name} has no calibration in {os.path.dirname(path)}: "
+            f"run `stepprof calibrate` once on this machine"
+        )
+    except (OSError, orjson.JSONDecodeError) as e:
+        return None, f"the calibration file {path!r} cannot be read ({e}): run `stepprof calibrate` again"
+    if (
+        not isinstance(record, dict)
+        or record.get("calibration_version") != CALIBRATION_VERSION
+        or not (isinstance(record.get("matmul_tflops"), dict))
+    ):
+        return (
+            None,
+            f"the calibration file {path!r} is from another stepprof version: run `stepprof calibrate` again",
+        )
+    return record, None
+
+
+# -- MFU and the roofline ------------------------------------------------------------
+
+
+def ideal_ms(
+    flops_by_dtype: dict[str, Any], calibration: dict[str, Any] | None
+) -> tuple[float | None, str | None]:
+    """Time the FLOPs need at the calibrated matmul rate of their dtypes, in ms; or (None, why)."""
+    if calibration is None:
+        return None, "no calibration"
+    peaks = calibration.get("matmul_tflops") or {}
+    total = 0.0
+    for key, n in flops_by_dtype.items():
+        if not n:
+            continue
+        peak = peaks.get(_PEAK_OF.get(key, ""))
+        if not isinstance(peak, (int, float)) or peak <= 0:
+            return None, (
+                f"the step does {key} matmuls, and stepprof calibrate measures only "
+                f"{', '.join(CALIBRATED_DTYPES)} (fp16 at the bf16 rate)"
+            )
+        total += n / (peak * 1e12) * 1e3
+    return total, None
+
+
+def roofline(
+    *,
+    step_ms: float,
+    flops_by_dtype: dict[str, Any],
+    op_bytes: float | None,
+    ops: int | None,
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """The step's class and the three lower bounds on its time (ms) behind it.
+
+    ``compute_ms``: FLOPs at the calibrated matmul rates; ``memory_ms``: the
+    operations' bytes at the calibrated copy bandwidth (an upper bound for fused
+    or compiled kernels, which move less); ``host_ms``: operations times the
+    calibrated host cost of one small operation.  The class is the largest bound;
+    ``explained`` is that bound over the measured step time.
+    """
+    compute_ms, why = ideal_ms(flops_by_dtype, calibration)
+    bw = calibration.get("copy_gbps")
+    launch = calibration.get("launch_us")
+    memory_ms = op_bytes / (bw * 1e9) * 1e3 if op_bytes is not None and bw else None
+    host_ms = ops * launch / 1e3 if ops is not None and launch else None
+    bounds = {"compute": compute_ms, "memory": memory_ms, "host": host_ms}
+    known = {k: v for k, v in bounds.items() if v is not None}
+    out: dict[str, Any] = {
+        "class": None,
+        "compute_ms": compute_ms,
+        "memory_ms": memory_ms,
+        "host_ms": host_ms,
+        "step_ms": step_ms,
+        "explained": None,
+        "arithmetic_intensity": None,
+        "ridge": None,
+        "reason": why,
+    }
+    total_flops = sum(v for v in flops_by_dtype.values() if isinstance(v, (int, float)))
+    if op_bytes:
+        out["arithmetic_intensity"] = total_flops / op_bytes
+    peak = (calibration.get("matmul_tflops") or {}).get("bf16")
+    if peak and bw:
+        out["ridge"] = peak * 1e12 / (bw * 1e9)
+    if known:
+        cls = max(known, key=lambda k: known[k])
+        out["class"] = f"{cls}-bound"
+        out["explained"] = known[cls] / step_ms if step_ms > 0 else None
+        out["reason"] = None
+    return out

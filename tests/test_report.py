@@ -1,0 +1,503 @@
+"""stepprof report / plot / env / calibrate on CPU, and Profiler(flops=...)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import orjson
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import stepprof
+from stepprof import _cli, _profiler
+from stepprof._log import ScanStats, scan
+from stepprof._report import Dist, build_report, render
+from stepprof._roofline import save_calibration
+
+from . import logfixtures as fx
+from .conftest import make
+
+
+def cli(capsys, *argv):
+    rc = _cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def h200_log(tmp_path):
+    return fx.write(str(tmp_path / "h200.jsonl"), fx.training_log())
+
+
+# -- report: figures and diagnoses ------------------------------------------------------
+
+
+def test_report_of_a_realistic_log_gives_figures_and_diagnoses(capsys, h200_log):
+    rc, out, err = cli(capsys, "report", h200_log)
+    assert rc == 0 and err == ""
+    assert "200 steps (3 warm-up, 0 failed, 197 measured)" in out
+    assert "wall ms" in out and "GPU ms" in out and "samples/s" in out
+    assert "nvidia-smi (NVML)         3.91 GiB" in out
+    assert "train.py:42  item  loss.item()" in out
+    rep = build_report([h200_log])
+    run = rep["logs"][0]["runs"][0]
+    kinds = [d["kind"] for d in run["diagnoses"]]
+    assert kinds == ["sync-heavy", "memory-headroom", "spikes", "roofline"]
+    sync = run["diagnoses"][0]
+    assert any("train.py:42" in e for e in sync["evidence"])
+    spikes = run["diagnoses"][2]
+    assert [s["step"] for s in run["spikes"]["early"]] == [5]
+    assert [s["step"] for s in run["spikes"]["late"]] == [120]
+    assert any("warmup" in r for r in spikes["remedy"])
+    roof = run["roofline"]
+    assert roof["class"] == "compute-bound"
+    # MFU from the calibration, not a datasheet: FLOPs at 720 TFLOP/s over the median step.
+    assert roof["mfu"] == pytest.approx(fx.FLOPS / 720e12 * 1e3 / run["figures"]["step_ms"]["median"])
+    assert 0 < run["figures"]["mfu_median"] < 1
+    assert run["not_diagnosed"]["host-bound"].startswith("ruled out")
+    # The counted step (slower under FlopCounterMode) is left out of the figures.
+    assert run["flops_counted_step"] == 3
+    assert run["measured_steps"] == 197 and len(build_report([h200_log])["logs"]) == 1
+    phases = {p["name"]: p for p in run["phases"]}
+    assert phases["optimizer"]["peak_allocated_bytes_max"] == int(2.6 * fx.GIB)
+    assert phases["optimizer"]["syncs_per_step"] == 1
+
+
+def test_json_round_trips(capsys, h200_log):
+    rc, out, _ = cli(capsys, "report", "--json", h200_log)
+    assert rc == 0
+    assert json.loads(out) == json.loads(orjson.dumps(build_report([h200_log])))
+    # and the text is rendered from the same dict
+    assert render(json.loads(out)) == render(build_report([h200_log]))
+
+
+def test_host_bound_from_low_gpu_busy(tmp_path):
+    recs = [fx.step_record(i, warmup=i < 2, wall=2.4, gpu=1.2, syncs=True) for i in range(50)]
+    for r in recs:
+        r["syncs"]["count"] = 0
+        r["syncs"]["sites"] = []
+    run = build_report([fx.write(str(tmp_path / "h.jsonl"), recs)])["logs"][0]["runs"][0]
+    host = [d for d in run["diagnoses"] if d["kind"] == "host-bound"]
+    assert host and "gpu_busy 0.50" in host[0]["evidence"][0]
+    assert any("reduce-overhead" in r for r in host[0]["remedy"])
+    assert "sync-heavy" not in [d["kind"] for d in run["diagnoses"]]
+
+
+def test_older_schema_log_without_later_fields(tmp_path):
+    """A log from before syncs, allocator and flops existed (and lines without schema_version)."""
+    recs = [
+        fx.step_record(i, warmup=i < 2, wall=7.0, gpu=7.1, syncs=False, schema=None if i % 2 else 1)
+        for i in range(20)
+    ]
+    recs.append({"schema_version": 1, "kind": "summary", "steps": 20})
+    path = fx.write(str(tmp_path / "old.jsonl"), recs)
+    rep = build_report([path])
+    run = rep["logs"][0]["runs"][0]
+    assert run["measured_steps"] == 18 and run["syncs"] is None and run["allocator"] is None
+    assert "older stepprof" in run["unavailable"]["syncs_per_step"]
+    assert "sync-heavy" in run["not_diagnosed"] and "roofline" in run["not_diagnosed"]
+    assert "flops='auto'" in run["not_diagnosed"]["roofline"]
+    assert "syncs/step" in render(rep)
+
+
+def test_newer_schema_is_read_with_a_note(tmp_path):
+    recs = [
+        dict(fx.step_record(i, warmup=False, wall=5.0, gpu=5.0), schema_version=2, new_field=[1])
+        for i in range(5)
+    ]
+    rep = build_report([fx.write(str(tmp_path / "new.jsonl"), recs)])
+    assert rep["logs"][0]["newer_schema"] == 2
+    assert "newer stepprof (schema 2)" in render(rep)
+
+
+def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
+    log = str(tmp_path / "cpu.jsonl")
+    with stepprof.Profiler(log, warmup=1) as prof:
+        for _ in range(4):
+            with prof.step(batch_size=8):
+                torch.ones(8, 8).sum()
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0
+    assert "GPU ms                    n/a  (CUDA is not available)" in out
+    run = build_report([log])["logs"][0]["runs"][0]
+    assert run["figures"]["gpu_ms"] is None and run["figures"]["wall_ms"] is not None
+    assert run["memory"]["peak_allocated_bytes_max"] is None
+    assert set(run["not_diagnosed"]) >= {"host-bound", "sync-heavy", "memory-headroom", "roofline"}
+
+
+def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
+    path = fx.write(
+        str(tmp_path / "torn.jsonl"),
+        fx.training_log(steps=30),
+        [b"\xff\xfe garbage\n", b"[1, 2]\n", b"\n", b'{"schema_version": 1, "kind": "st'],
+    )
+    rc, out, _ = cli(capsys, "report", path)
+    assert rc == 0
+    assert "skipped 3 line(s)" in out
+    assert build_report([path])["logs"][0]["skipped_lines"] == 3
+
+
+def test_several_runs_in_one_log_and_several_logs(tmp_path, capsys):
+    log = str(tmp_path / "two.jsonl")
+    for _ in range(2):
+        with stepprof.Profiler(log) as prof:
+            for _ in range(3):
+                with prof.step():
+                    pass
+    other = fx.write(str(tmp_path / "h.jsonl"), fx.training_log(steps=20))
+    rep = build_report([log, other])
+    assert [len(x["runs"]) for x in rep["logs"]] == [2, 1]
+    rc, out, _ = cli(capsys, "report", log, other)
+    assert rc == 0 and "-- run 2" in out and out.count("== ") == 2
+
+
+def test_sweep_log_prints_the_table_and_recommendation(tmp_path, capsys):
+    log = str(tmp_path / "sweep.jsonl")
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train_step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    result = stepprof.sweep(
+        train_step,
+        lambda n: torch.randn(n, 16),
+        max_batch=16,
+        restore=(model, opt),
+        progress=False,
+        min_time_s=0,
+        log=log,
+    )
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0
+    assert f"recommended {result.recommended:,}" in out
+    assert str(result).splitlines()[1] in out  # the table header
+    sw = build_report([log])["logs"][0]["sweeps"][0]
+    assert sw["result"]["recommended"] == result.recommended
+    assert [p["batch_size"] for p in sw["points"]] == [p.batch_size for p in result.points]
+
+
+def test_missing_log_is_a_clear_error(capsys, tmp_path):
+    rc, out, err = cli(capsys, "report", str(tmp_path / "nope.jsonl"))
+    assert rc == 2 and "No such file" in err and "Traceback" not in err
+
+
+# -- the reader and the quantiles -----------------------------------------------------
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=40),
+            st.from_regex(
+                rb'\{"kind": "(step|memory|summary|flops|sweep_point)"[^\n]{0,30}\}', fullmatch=True
+            ),
+        ),
+        max_size=30,
+    )
+)
+def test_reader_never_raises_on_any_bytes(tmp_path, lines):
+    path = tmp_path / "fuzz.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
+    stats = ScanStats()
+    records = list(scan(path, stats))
+    assert all(isinstance(r, dict) for r in records)
+    assert len(records) + stats.skipped <= stats.lines
+    build_report([str(path)])  # never raises either
+
+
+_json_value = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "kind": st.sampled_from(
+                    ["step", "memory", "summary", "flops", "sweep_point", "sweep_result", "x"]
+                )
+            },
+            optional={
+                k: _json_value
+                for k in (
+                    "step",
+                    "wall_ms",
+                    "gpu_ms",
+                    "warmup",
+                    "syncs",
+                    "phases",
+                    "allocator",
+                    "batch_size",
+                    "peak_allocated_bytes",
+                    "flops_by_dtype",
+                    "calibration",
+                    "unavailable",
+                    "error",
+                    "thrash_zone",
+                    "notes",
+                    "tflops_per_s",
+                )
+            },
+        ),
+        max_size=12,
+    )
+)
+def test_report_survives_records_with_any_field_types(tmp_path, records):
+    path = tmp_path / "typed.jsonl"
+    path.write_bytes(
+        b"".join(orjson.dumps(r, option=orjson.OPT_NON_STR_KEYS) + b"\n" for r in records if _dumpable(r))
+    )
+    rep = build_report([str(path)])
+    render(rep)
+    orjson.dumps(rep, option=orjson.OPT_NON_STR_KEYS)
+
+
+def _dumpable(r):
+    try:
+        orjson.dumps(r)
+        return True
+    except TypeError:
+        return False
+
+
+def test_dist_is_exact_below_its_buffer_and_close_beyond():
+    rng = random.Random(1)
+    xs = [rng.lognormvariate(0, 1) for _ in range(1000)]
+    d = Dist()
+    for x in xs:
+        d.add(x)
+    d.settle()
+    assert d.exact
+    assert d.quantile(0.5) == stepprof.Percentiles.of(xs).median
+    big = [rng.random() for _ in range(300_000)]
+    d = Dist()
+    for i, x in enumerate(big):
+        d.add(x)
+        if i % 4096 == 0:
+            d.settle()
+    d.settle()
+    assert not d.exact and d.count == len(big)
+    s = sorted(big)
+    for q in (0.1, 0.5, 0.9):
+        v = d.quantile(q)
+        rank = sum(1 for x in s if x <= v) / len(s)
+        assert abs(rank - q) < 0.002
+    assert d.max() == max(big)
+    assert abs(d.count_above(0.9) - sum(1 for x in big if x > 0.9)) < 0.002 * len(big)
+    # bounded: what it holds does not grow with the stream
+    assert len(d.buf) + sum(len(level) for level in d.levels) < 4 * Dist.EXACT
+
+
+# -- plot ---------------------------------------------------------------------------
+
+
+def test_plot_without_matplotlib_prints_a_one_line_hint(monkeypatch, capsys, h200_log, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", str(tmp_path / "x.png"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "pip install 'stepprof[plot]'" in err
+
+
+def test_plot_step_and_sweep_logs(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_png = str(tmp_path / "steps.png")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_png)
+    assert rc == 0, err
+    with open(out_png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    big = fx.write(str(tmp_path / "big.jsonl"), fx.training_log(steps=9000, spikes=(50, 4000, 8000)))
+    assert cli(capsys, "plot", big, "-o", str(tmp_path / "big.png"))[0] == 0
+    log = str(tmp_path / "sweep.jsonl")
+    model = torch.nn.Linear(16, 4)
+    stepprof.sweep(
+        lambda x: model(x).sum().backward(),
+        lambda n: torch.randn(n, 16),
+        max_batch=16,
+        restore=(model,),
+        progress=False,
+        min_time_s=0,
+        log=log,
+    )
+    assert cli(capsys, "plot", log, "-o", str(tmp_path / "sweep.png"))[0] == 0
+    assert os.path.getsize(tmp_path / "sweep.png") > 10_000
+
+
+# -- env and calibrate on a CPU -------------------------------------------------------
+
+
+def test_env_prints_and_json(capsys):
+    rc, out, _ = cli(capsys, "env")
+    assert rc == 0
+    for key in (
+        "torch",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "expandable segments",
+        "NVML status",
+        "sync detection",
+        "calibration cache",
+    ):
+        assert key in out
+    rc, out, _ = cli(capsys, "env", "--json")
+    env = json.loads(out)
+    assert env["torch"] == torch.__version__ and env["syncs"]["default"] == "warn"
+
+
+def test_env_reads_the_allocator_config(monkeypatch, capsys):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    env = json.loads(cli(capsys, "env", "--json")[1])
+    assert env["allocator"]["expandable_segments"] is True
+
+
+def test_calibrate_without_cuda_is_a_clear_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present")
+    rc, out, err = cli(capsys, "calibrate")
+    assert rc == 2 and "CUDA is not available" in err and "Traceback" not in err
+
+
+def test_module_entry_point_runs_report(h200_log):
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepprof", "report", "--json", h200_log],
+        capture_output=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["logs"][0]["runs"][0]["measured_steps"] == 197
+
+
+# -- Profiler(flops=...) ------------------------------------------------------------
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+EXPECTED = 2 * 32 * 64 * 128 * 2 + 2 * 32 * 128 * 8 * 3  # fwd+weight grads of both, input grad of the second
+
+
+def test_flops_auto_counts_one_step_on_the_cpu(log):
+    model, opt = _mlp()
+    with stepprof.Profiler(log, warmup=2, flops="auto") as prof:
+        for _ in range(5):
+            with prof.step(batch_size=32):
+                model(torch.randn(32, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        assert "_begin_step" not in prof.__dict__  # the class's boundaries again after the count
+    recs = list(stepprof.read(log))
+    flops = [r for r in recs if r["kind"] == "flops"]
+    assert len(flops) == 1 and flops[0]["flops_per_step"] == EXPECTED
+    assert flops[0]["flops_by_dtype"] == {"fp32": EXPECTED} and flops[0]["step"] == 2 and flops[0]["ops"] > 0
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert [r["flops"] for r in steps] == [None, None, EXPECTED, EXPECTED, EXPECTED]
+    assert [r.get("flops_counted") for r in steps] == [None, None, True, None, None]
+    assert all(r["mfu"] is None and "CPU" in r["unavailable"]["mfu"] for r in steps[2:])
+    assert steps[3]["tflops_per_s"] == pytest.approx(EXPECTED / (steps[3]["wall_ms"] * 1e-3) / 1e12)
+    assert prof.summary.tflops_per_s_median is not None and prof.summary.mfu_median is None
+    assert recs.index(flops[0]) == recs.index(steps[2]) + 1
+
+
+def test_no_flops_requested_leaves_records_and_boundaries_alone(log):
+    with stepprof.Profiler(log) as prof:
+        assert "_begin_step" not in prof.__dict__ and "_end_step" not in prof.__dict__
+        with prof.step():
+            pass
+    rec = next(stepprof.read(log, kind="step"))
+    assert "flops" not in rec and "mfu" not in rec
+    assert "not requested" in prof.summary.unavailable["mfu_median"]
+
+
+def test_flops_arguments_are_checked():
+    with pytest.raises(stepprof.ConfigError, match="'flops' must be 'auto' or None"):
+        stepprof.Profiler(None, flops="yes")
+    with pytest.raises(stepprof.ConfigError, match="'flops_per_step' must be a positive"):
+        stepprof.Profiler(None, flops_per_step=-1)
+    with pytest.raises(stepprof.ConfigError, match="not both"):
+        stepprof.Profiler(None, flops="auto", flops_per_step=10)
+
+
+def test_mfu_uses_the_cached_calibration(log, gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    save_calibration({k: v for k, v in fx.CALIBRATION.items() if k != "calibration_version"})
+    monkeypatch.setattr(_profiler, "device_name", lambda index: "NVIDIA H200")
+    gpu.index = 0
+    model, opt = _mlp()
+    with make(log, gpu, warmup=1, flops="auto") as prof:
+        for _ in range(4):
+            with prof.step(batch_size=32):
+                gpu.launch(2.0)
+                model(torch.randn(32, 64)).square().mean().backward()
+                gpu.host(1.0)
+    steps = list(stepprof.read(log, kind="step"))
+    ideal = EXPECTED / 52e12 * 1e3  # fp32 matmuls at float32 precision "highest": the fp32 rate
+    for r in steps[2:]:
+        assert r["mfu"] == pytest.approx(ideal / max(r["wall_ms"], r["gpu_ms"]))
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["calibration"]["matmul_tflops"]["fp32"] == 52.0 and flops["ideal_ms"] == pytest.approx(ideal)
+
+
+def test_flops_given_by_the_user(log, gpu, monkeypatch, tmp_path):
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    with make(log, gpu, flops_per_step=1e12) as prof:
+        with prof.step():
+            gpu.launch(5.0)
+            gpu.host(1.0)
+    rec = next(stepprof.read(log, kind="step"))
+    assert rec["flops"] == 1e12 and rec["tflops_per_s"] == pytest.approx(1e12 / 5e-3 / 1e12, rel=0.05)
+    assert rec["mfu"] is None and "calibration" in rec["unavailable"]["mfu"]
+
+
+def test_a_failing_counted_step_is_counted_again(log):
+    model, opt = _mlp()
+    with stepprof.Profiler(log, flops="auto") as prof:
+        with pytest.raises(ValueError):
+            with prof.step():
+                model(torch.randn(32, 64)).sum()
+                raise ValueError("boom")
+        with prof.step():
+            model(torch.randn(32, 64)).square().mean().backward()
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["step"] == 1 and flops["flops_per_step"] == EXPECTED
+
+
+def test_flops_auto_keeps_torch_compile_compiled(log):
+    model, _ = _mlp()
+    compiles, runs = [], []
+
+    def backend(gm, example_inputs):
+        compiles.append(1)
+
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(32, 64)
+    with stepprof.Profiler(log, warmup=1, flops="auto") as prof:
+        for _ in range(4):
+            with prof.step():
+                compiled(x).sum()
+    assert len(compiles) == 1
+    assert len(runs) == 3  # warm-up, then the two steps after the eagerly counted one
+    assert next(stepprof.read(log, kind="flops"))["flops_per_step"] == 2 * 32 * 64 * 128 + 2 * 32 * 128 * 8
