@@ -74,15 +74,28 @@ class ScanStats:
         self.skipped = 0
 
 
-def scan(path: str | os.PathLike[str], stats: ScanStats) -> Iterator[dict[str, Any]]:
+def scan(
+    path: str | os.PathLike[str], stats: ScanStats, start: int = 0, end: int | None = None
+) -> Iterator[dict[str, Any]]:
     """Stream the JSON objects of a log, counting the lines that are not one into ``stats``.
 
     Blank lines are ignored; a torn line, bytes that are not UTF-8, or a JSON value that
     is not an object (``[1]``, ``3``) is skipped and counted, never raised.
+
+    ``start`` and ``end`` (byte offsets) read the lines that *begin* in ``[start, end)``,
+    so that consecutive ranges read every line exactly once.
     """
     loads, error = orjson.loads, orjson.JSONDecodeError
     with open(path, "rb") as f:
+        pos = 0
+        if start > 0:
+            f.seek(start - 1)
+            pos = start if f.read(1) == b"\n" else start + len(f.readline())
         for line in f:
+            if end is not None:
+                if pos >= end:
+                    return
+                pos += len(line)
             stats.lines += 1
             try:
                 record = loads(line)

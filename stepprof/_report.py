@@ -74,6 +74,25 @@ class Dist:
         self._push(0, self.buf)
         self.buf = []
 
+    def merge(self, other: Dist) -> None:
+        """Fold in the values of ``other`` (a later stretch of the same stream)."""
+        self.n += other.n
+        self.lo = min(self.lo, other.lo)
+        self.hi = max(self.hi, other.hi)
+        for level, xs in enumerate(other.levels):
+            if xs:
+                self._push(level, list(xs))
+        self.buf.extend(other.buf)
+        self._cache = None
+        self.settle()
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.buf, self.levels, self.n, self.lo, self.hi, self._flip)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.buf, self.levels, self.n, self.lo, self.hi, self._flip = state
+        self._cache = None
+
     def _account(self, xs: list[float]) -> None:
         self.n += len(xs)
         if xs:
@@ -163,6 +182,32 @@ class _Phase:
         self.count = 0
         self.steps = 0
 
+    def merge(self, other: _Phase) -> None:
+        self.wall.merge(other.wall)
+        self.gpu.merge(other.gpu)
+        self.peak = _max(self.peak, other.peak)
+        self.syncs += other.syncs
+        self.count += other.count
+        self.steps += other.steps
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps = state
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _add_counts(into: dict[Any, int], other: dict[Any, int]) -> None:
+    for k, n in other.items():
+        if k in into:
+            into[k] += n
+        elif len(into) < _CAP:
+            into[k] = n
+
 
 class _Run:
     """One profiling run's aggregates."""
@@ -217,6 +262,66 @@ class _Run:
         self.unavailable: dict[str, str] = {}
         self.malformed = 0
         self.since_settle = 0
+
+    def merge(self, b: _Run) -> None:
+        """Fold in ``b``: the same run, continued in a later stretch of the log."""
+        for f in ("steps", "warmup", "errors", "measured", "alloc_steps", "steps_with_device_alloc",
+                  "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped"):
+            setattr(self, f, getattr(self, f) + getattr(b, f))
+        _add_counts(self.devices, b.devices)
+        _add_counts(self.names, b.names)
+        _add_counts(self.batch_sizes, b.batch_sizes)
+        if b.steps:
+            if self.first_step is None:
+                self.first_step = b.first_step
+            self.last_step = b.last_step
+        if self.first_measured is None:
+            self.first_measured = b.first_measured
+        for mine, theirs in zip(self.dists, b.dists):
+            mine.merge(theirs)
+        self.peak = _max(self.peak, b.peak)
+        self.reserved = _max(self.reserved, b.reserved)
+        if b.reserved_last is not None:
+            self.reserved_last = b.reserved_last
+        if b.rss is not None:
+            self.rss = b.rss
+        for k, v in b.alloc.items():
+            self.alloc[k] += v
+        for key, (n, code, steps) in b.sites.items():
+            entry = self.sites.get(key)
+            if entry is None:
+                if len(self.sites) >= _CAP:
+                    self.sites_dropped += n
+                    continue
+                entry = self.sites[key] = [0, code, 0]
+            entry[0] += n
+            entry[2] += steps
+            if entry[1] is None:
+                entry[1] = code
+        if b.sync_mechanism is not None:
+            self.sync_mechanism = b.sync_mechanism
+        for name, ph in b.phases.items():
+            mine = self.phases.get(name)
+            if mine is None:
+                if len(self.phases) < _CAP:
+                    self.phases[name] = ph
+                continue
+            mine.merge(ph)
+        self.spikes = heapq.nlargest(_SPIKES_KEPT, self.spikes + b.spikes)
+        heapq.heapify(self.spikes)
+        if self.memory_first is None:
+            self.memory_first = b.memory_first
+        if b.memory_last is not None:
+            self.memory_last = b.memory_last
+        if b.flops is not None:
+            self.flops = b.flops
+        if b.flops_counted_step is not None:
+            self.flops_counted_step = b.flops_counted_step
+        if b.summary is not None:
+            self.summary = b.summary
+        for k, v in b.unavailable.items():
+            if k not in self.unavailable and len(self.unavailable) < _CAP:
+                self.unavailable[k] = v
 
     # -- the per-record work: kept lean, it runs a million times --------------------
 
@@ -1033,70 +1138,161 @@ def _sweep(points: list[dict[str, Any]], result: dict[str, Any] | None) -> dict[
 # -- the pass over the logs --------------------------------------------------------
 
 
-def report_log(path: str) -> dict[str, Any]:
-    """Stream one log into its report section."""
-    stats = ScanStats()
-    runs: list[_Run] = []
+class _Segment:
+    """The aggregates of one stretch of a log: its runs, in order, and what else it held.
+
+    A whole log is one segment.  A large log is read as several byte ranges in
+    parallel, one segment each, and the segments are stitched in file order
+    (:meth:`stitch`): a run that the previous range left open continues into the
+    next one, as it would have in one pass.
+    """
+
+    def __init__(self) -> None:
+        self.stats = ScanStats()
+        self.runs: list[_Run] = []
+        self.sweep_records: list[dict[str, Any]] = []  # sweep_point/sweep_result, in order
+        self.versions: dict[Any, int] = {}
+        self.kinds: dict[str, int] = {}
+        # The first run was opened only because the range began (not by a summary or an
+        # index restart), so it may continue the previous range's last run.
+        self.first_continues = False
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> _Segment:
+        runs, versions, kinds, sweep_records = self.runs, self.versions, self.kinds, self.sweep_records
+        run: _Run | None = None
+        closed = False
+        for r in scan(path, self.stats, start, end):
+            kind = r.get("kind")
+            v = r.get("schema_version")
+            if v not in versions and len(versions) < 16:
+                versions[v] = 0
+            if v in versions:
+                versions[v] += 1
+            if kind == "step":
+                idx = r.get("step")
+                if run is None or closed or (type(idx) is int and idx <= run.last_step and run.steps):
+                    run = self._new_run(run)
+                    closed = False
+                run.add_step(r)
+            elif kind == "memory":
+                if run is None or closed:
+                    run = self._new_run(run)
+                    closed = False
+                run.add_memory(r)
+            elif kind == "summary":
+                if run is None:
+                    run = self._new_run(run)
+                run.summary = r
+                closed = True
+            elif kind == "flops":
+                if run is None or closed:
+                    run = self._new_run(run)
+                    closed = False
+                run.flops = r
+            elif kind == "sweep_point" or kind == "sweep_result":
+                if len(sweep_records) < 200_000:
+                    sweep_records.append(r)
+            else:
+                key = str(kind)[:40]
+                if key in kinds or len(kinds) < 32:
+                    kinds[key] = kinds.get(key, 0) + 1
+        return self
+
+    def _new_run(self, previous: _Run | None) -> _Run:
+        if previous is None and not self.runs:
+            self.first_continues = True
+        run = _Run(len(self.runs))
+        self.runs.append(run)
+        return run
+
+    def stitch(self, later: _Segment) -> None:
+        """Append the segment that follows this one in the file."""
+        self.stats.lines += later.stats.lines
+        self.stats.skipped += later.stats.skipped
+        for v, n in later.versions.items():
+            if v in self.versions or len(self.versions) < 16:
+                self.versions[v] = self.versions.get(v, 0) + n
+        for k, n in later.kinds.items():
+            if k in self.kinds or len(self.kinds) < 32:
+                self.kinds[k] = self.kinds.get(k, 0) + n
+        self.sweep_records.extend(later.sweep_records[: max(0, 200_000 - len(self.sweep_records))])
+        runs = later.runs
+        if runs and self.runs and later.first_continues:
+            last, first = self.runs[-1], runs[0]
+            restarted = (
+                first.first_step is not None and last.steps and first.first_step <= last.last_step
+            )
+            if last.summary is None and not restarted:
+                last.merge(first)
+                runs = runs[1:]
+        for run in runs:
+            run.index = len(self.runs)
+            self.runs.append(run)
+        if not self.runs:
+            self.first_continues = later.first_continues
+
+
+def _read_range(args: tuple[str, int, int]) -> _Segment:
+    path, start, end = args
+    return _Segment().read(path, start, end)
+
+
+#: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
+PARALLEL_BYTES = 64 * 2**20
+
+
+def _read_log(path: str, workers: int | None = None) -> _Segment:
+    size = os.path.getsize(path)
+    if workers is None:
+        workers = min(16, os.cpu_count() or 1) if size >= PARALLEL_BYTES else 1
+    if workers <= 1 or size == 0:
+        return _Segment().read(path)
+    import multiprocessing
+
+    try:
+        ctx = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up
+    except ValueError:
+        return _Segment().read(path)
+    cuts = [size * k // workers for k in range(workers + 1)]
+    with ctx.Pool(workers) as pool:
+        parts = pool.map(_read_range, [(path, a, b) for a, b in zip(cuts, cuts[1:])])
+    whole = parts[0]
+    for part in parts[1:]:
+        whole.stitch(part)
+    return whole
+
+
+def report_log(path: str, workers: int | None = None) -> dict[str, Any]:
+    """Stream one log into its report section.
+
+    Args:
+        path: the log.
+        workers: processes to read it with; None reads a log of at least
+            :data:`PARALLEL_BYTES` with one process per core (up to 16), else in this one.
+    """
+    seg = _read_log(path, workers)
     sweeps: list[dict[str, Any]] = []
-    run: _Run | None = None
     points: list[dict[str, Any]] = []
-    versions: dict[Any, int] = {}
-    kinds: dict[str, int] = {}
-    closed = False
-    for r in scan(path, stats):
-        kind = r.get("kind")
-        v = r.get("schema_version")
-        if v not in versions and len(versions) < 16:
-            versions[v] = 0
-        if v in versions:
-            versions[v] += 1
-        if kind == "step":
-            idx = r.get("step")
-            if run is None or closed or (type(idx) is int and idx <= run.last_step and run.steps):
-                run = _Run(len(runs))
-                runs.append(run)
-                closed = False
-            run.add_step(r)
-        elif kind == "memory":
-            if run is None or closed:
-                run = _Run(len(runs))
-                runs.append(run)
-                closed = False
-            run.add_memory(r)
-        elif kind == "summary":
-            if run is None:
-                run = _Run(len(runs))
-                runs.append(run)
-            run.summary = r
-            closed = True
-        elif kind == "flops":
-            if run is None or closed:
-                run = _Run(len(runs))
-                runs.append(run)
-                closed = False
-            run.flops = r
-        elif kind == "sweep_point":
+    for r in seg.sweep_records:
+        if r.get("kind") == "sweep_point":
             if len(points) < 10_000:
                 points.append(r)
-        elif kind == "sweep_result":
+        else:
             sweeps.append(_sweep(points, r))
             points = []
-        else:
-            key = str(kind)[:40]
-            if key in kinds or len(kinds) < 32:
-                kinds[key] = kinds.get(key, 0) + 1
     if points:
         sweeps.append(_sweep(points, None))
     objects = [s.pop("_object", None) for s in sweeps]
+    versions = seg.versions
     newer = sorted(v for v in versions if type(v) is int and v > SCHEMA_VERSION)
     return {
         "path": os.fspath(path),
-        "lines": stats.lines,
-        "skipped_lines": stats.skipped,
+        "lines": seg.stats.lines,
+        "skipped_lines": seg.stats.skipped,
         "schema_versions": sorted((v for v in versions if type(v) is int)),
         "newer_schema": newer[-1] if newer else None,
-        "other_kinds": kinds,
-        "runs": [r.result(sweeps) for r in runs if r.steps or r.memory_records or r.flops],
+        "other_kinds": seg.kinds,
+        "runs": [r.result(sweeps) for r in seg.runs if r.steps or r.memory_records or r.flops],
         "sweeps": sweeps,
         "_sweep_objects": objects,
     }

@@ -501,3 +501,57 @@ def test_flops_auto_keeps_torch_compile_compiled(log):
     assert len(compiles) == 1
     assert len(runs) == 3  # warm-up, then the two steps after the eagerly counted one
     assert next(stepprof.read(log, kind="flops"))["flops_per_step"] == 2 * 32 * 64 * 128 + 2 * 32 * 128 * 8
+
+
+def _without_paths(rep):
+    return orjson.loads(orjson.dumps(rep))
+
+
+@pytest.mark.parametrize("workers", [2, 3, 7, 16])
+def test_reading_in_parallel_byte_ranges_gives_the_same_report(tmp_path, workers):
+    """A large log is read as byte ranges in parallel and stitched: the report is the same.
+
+    The log has three runs: one closed by its summary, one a crashed run with no summary
+    whose successor restarts the step index, and a last one; plus a torn line, an unknown
+    kind and a sweep.  Every split point must land somewhere different relative to them.
+    """
+    from stepprof import _report
+
+    records = fx.training_log(steps=150, seed=1)
+    crashed = [r for r in fx.training_log(steps=90, seed=2) if r["kind"] != "summary"]
+    records += crashed + fx.training_log(steps=120, seed=3, spikes=(40,))
+    records.insert(200, {"schema_version": 1, "kind": "from_the_future", "x": 1})
+    records += [
+        {"schema_version": 1, "kind": "sweep_point", "batch_size": 2 ** i, "oom": False,
+         "samples_per_s": 100.0 * 2 ** i, "step_ms": 10.0, "peak_allocated_bytes": 2 ** (20 + i)}
+        for i in range(5)
+    ]
+    log = fx.write(str(tmp_path / "big.jsonl"), records, extra_lines=[b'{"kind": "step", "tor'])
+    one = _report.report_log(log, workers=1)
+    many = _report.report_log(log, workers=workers)
+    for rep in (one, many):
+        rep.pop("_sweep_objects")
+    assert len(one["runs"]) == 3
+    assert one["skipped_lines"] == 1 and one["other_kinds"] == {"from_the_future": 1}
+    assert _without_paths(many) == _without_paths(one)
+
+
+def test_dist_merge_matches_one_stream():
+    from stepprof._report import Dist
+
+    rng = random.Random(0)
+    xs = [rng.lognormvariate(0, 1) for _ in range(3 * Dist.EXACT + 123)]
+    whole, a, b = Dist(), Dist(), Dist()
+    for i, x in enumerate(xs):
+        whole.add(x)
+        (a if i < len(xs) // 3 else b).add(x)
+        if i % 4096 == 0:
+            for d in (whole, a, b):
+                d.settle()
+    a.merge(b)
+    assert a.count == whole.count == len(xs)
+    exact = sorted(xs)
+    for q in (0.1, 0.5, 0.9):
+        true = exact[int(q * (len(xs) - 1))]
+        rank = sum(1 for x in exact if x <= a.quantile(q)) / len(xs)
+        assert abs(rank - q) < 0.002, (q, true, a.quantile(q))
