@@ -9,15 +9,46 @@ PyTorch's memory figures with nvidia-smi's and explains the difference.
 recommends one.
 """
 
-from ._api import configure, measure, memory_report, profile_step
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._log import SCHEMA_VERSION, read
-from ._memory import MemoryReport
-from ._profiler import Profiler
 from ._records import Percentiles, Summary, SweepPoint, SweepResult
-from ._sweep import sweep
+
+if _TYPE_CHECKING:
+    from ._api import configure, measure, memory_report, profile_step
+    from ._memory import MemoryReport
+    from ._profiler import Profiler
+    from ._sweep import sweep
 
 __version__ = "0.1.0"
+
+# The names below need torch, which takes seconds to import; they are loaded at
+# first use, so that `stepprof report` and `stepprof.read` start without it.
+_LAZY = {
+    "MemoryReport": "._memory",
+    "Profiler": "._profiler",
+    "configure": "._api",
+    "measure": "._api",
+    "memory_report": "._api",
+    "profile_step": "._api",
+    "sweep": "._sweep",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stepprof' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "ConfigError",
