@@ -555,3 +555,22 @@ def test_dist_merge_matches_one_stream():
         true = exact[int(q * (len(xs) - 1))]
         rank = sum(1 for x in exact if x <= a.quantile(q)) / len(xs)
         assert abs(rank - q) < 0.002, (q, true, a.quantile(q))
+
+
+def test_import_and_report_do_not_import_torch(tmp_path):
+    """`import stepprof`, `stepprof.read` and `stepprof report` start without torch (seconds)."""
+    log = fx.write(str(tmp_path / "t.jsonl"), fx.training_log(steps=30))
+    code = (
+        "import sys, stepprof\n"
+        "assert 'torch' not in sys.modules, 'import stepprof imported torch'\n"
+        f"assert len(list(stepprof.read({log!r}))) > 30\n"
+        "from stepprof._cli import main\n"
+        f"assert main(['report', {log!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'stepprof report imported torch'\n"
+        "stepprof.profile_step\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
