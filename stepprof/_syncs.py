@@ -19,10 +19,11 @@ on that thread then
 
 The warning route's plumbing is here too (:class:`WarningTap`): torch's
 sync-debug mode "warn" turns each sync into a ``UserWarning``; a front filter
-("always", for that message only) and a ``showwarning`` hook turn it into a
-count, and every other warning goes on to the previous ``showwarning``
-unchanged.  Everything is installed when the first step opens and restored when
-the last one closes, on every exit path.
+("always", for that message only) and a hook in place of
+``warnings._showwarnmsg`` turn it into a count, and every other warning goes on
+to the original, and so to ``showwarning``, unchanged.  Everything is installed
+when the first step opens and restored when the last one closes, on every exit
+path.
 """
 
 from __future__ import annotations
