@@ -1158,7 +1158,7 @@ class _Segment:
         self.first_continues = False
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> _Segment:
-        runs, versions, kinds, sweep_records = self.runs, self.versions, self.kinds, self.sweep_records
+        versions, kinds, sweep_records = self.versions, self.kinds, self.sweep_records
         run: _Run | None = None
         closed = False
         for r in scan(path, self.stats, start, end):
