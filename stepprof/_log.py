@@ -44,9 +44,20 @@ class JsonlWriter:
         self.failed: str | None = None
 
     def write(self, record: dict[str, Any]) -> None:
+        self.write_many((record,))
+
+    def write_many(self, records: Any) -> None:
+        """Append several records, whole lines, in one ``write()`` call where the OS allows.
+
+        The collector thread writes all the steps it harvests at once: each system call
+        drops and retakes the GIL, which the training thread may then have to give up.
+        """
         if self._fd is None:
             return
-        line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+        dumps, option = orjson.dumps, orjson.OPT_APPEND_NEWLINE
+        line = b"".join([dumps(r, option=option) for r in records])
+        if not line:
+            return
         try:
             view = memoryview(line)
             while view:

@@ -301,6 +301,7 @@ class Profiler:
         self._sps: list[float] = []
         self._ovh: list[float] = []
         self._sync_counts: list[float] = []
+        self._batch: list[dict[str, Any]] | None = None  # records of the harvest in progress
         self._peak_max: int | None = None
         self._reasons: dict[str, str] = {}
         self._last_top_mark: Any = None
@@ -770,19 +771,30 @@ class Profiler:
     # -- harvesting ----------------------------------------------------------
 
     def _harvest(self) -> None:
-        """Write every pending step, oldest first, whose events have all completed."""
+        """Write every pending step, oldest first, whose events have all completed.
+
+        The records are written together at the end, in one system call.
+        """
         b = self._backend
         pending = self._pending
-        while pending:
-            s = pending[0]
-            if not b.is_done(s.end_mark):
-                return
-            for total in s.phases.values():
-                for _, end in total.marks:
-                    if not b.is_done(end):  # a phase on another stream, still running
-                        return
-            pending.popleft()
-            self._finalize(s, b)
+        if not pending:
+            return
+        self._batch = []
+        try:
+            while pending:
+                s = pending[0]
+                if not b.is_done(s.end_mark):
+                    return
+                for total in s.phases.values():
+                    for _, end in total.marks:
+                        if not b.is_done(end):  # a phase on another stream, still running
+                            return
+                pending.popleft()
+                self._finalize(s, b)
+        finally:
+            batch, self._batch = self._batch, None
+            if batch and self._writer is not None:
+                self._writer.write_many(batch)
 
     def _elapsed(self, b: Backend, start: Any, end: Any) -> float | None:
         if start is None or end is None:
@@ -1094,7 +1106,10 @@ class Profiler:
         if self._writer is not None:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
-            self._writer.write(record)
+            if self._batch is not None:  # inside _harvest: written with the others
+                self._batch.append(record)
+            else:
+                self._writer.write(record)
 
     def _fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""

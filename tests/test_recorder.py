@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import orjson
 import pytest
 
 import stepprof
@@ -317,3 +318,27 @@ def test_phase_gpu_time_tiles_the_step(log, gpu):
     assert r["phases"]["forward"]["gpu_ms"] == pytest.approx(1.0)
     assert r["phases"]["backward"]["gpu_ms"] == pytest.approx(2.5)
     assert r["gpu_ms"] == pytest.approx(3.5)
+
+
+def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
+    from stepprof import _log
+
+    prof = make(log, gpu, memory_every=0)
+    for _ in range(4):
+        with prof.step():
+            gpu.launch(5.0)          # the device runs behind: the steps stay pending
+    calls = []
+    real_write = _log.os.write
+
+    def counting_write(fd, data):
+        calls.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_log.os, "write", counting_write)
+    gpu.wait_idle()
+    prof._drain()
+    assert len(calls) == 1
+    lines = calls[0].splitlines()
+    assert [orjson.loads(x)["step"] for x in lines if b'"kind":"step"' in x] == [0, 1, 2, 3]
+    assert calls[0].endswith(b"\n")
+    prof.close()
