@@ -117,6 +117,18 @@ class _Step:
         self.counters: tuple[int, ...] | None = None
 
 
+def check_device(device: Any) -> torch.device | None:
+    """``device`` as a ``torch.device`` (None stays None), or a ConfigError naming it."""
+    if device is None:
+        return None
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(
+            f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
+        ) from e
+
+
 def check_warmup(warmup: Any, argument: str = "warmup") -> int:
     if isinstance(warmup, bool) or not isinstance(warmup, int):
         raise ConfigError(f"{argument!r} must be an int >= 0 (got {warmup!r}); pass e.g. {argument}=3")
@@ -257,13 +269,7 @@ class Profiler:
         _collect_every_s: float | None = COLLECT_EVERY_S,
     ) -> None:
         self.warmup = check_warmup(warmup)
-        if device is not None:
-            try:
-                device = torch.device(device)
-            except (RuntimeError, TypeError) as e:
-                raise ConfigError(
-                    f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
-                ) from e
+        device = check_device(device)
         if not isinstance(nvtx, bool):
             raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
         if syncs not in SYNC_MECHANISMS:

@@ -50,6 +50,7 @@ from ._api import pop_active, push_active
 from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
+from ._profiler import check_device
 from ._records import SweepPoint, SweepResult, _fmt_bytes, quantile
 
 __all__ = ["find_knee", "find_thrash_zone", "is_oom", "sweep"]
@@ -456,13 +457,7 @@ def sweep(
     if not (isinstance(progress, bool) or callable(progress)):
         raise ConfigError(f"'progress' must be True, False or a callable taking a line (got {progress!r})")
     objs = _check_restore(restore)
-    if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ConfigError(
-                f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
-            ) from e
+    device = check_device(device)
 
     say: Callable[[str], Any] | None
     if progress is True:
