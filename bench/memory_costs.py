@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -22,17 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from stepprof import _memory, _nvml
 from stepprof._cuda import CudaBackend
 
-
-def per_call_us(fn, n: int = 500, rounds: int = 7) -> dict:
-    for _ in range(50):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / n / 1e3)
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import per_call_us  # noqa: E402
 
 
 def main() -> int:
@@ -66,7 +56,7 @@ def main() -> int:
     results = {"first_nvml_reading_ms": first_ms}
     print(f"{'reading':50s} {'median µs':>10s} {'min':>8s} {'max':>8s}")
     for name, fn in cands.items():
-        r = results[name] = per_call_us(fn)
+        r = results[name] = per_call_us(fn, n=500, warmup=50)
         print(f"{name:50s} {r['median_us']:10.2f} {r['min_us']:8.2f} {r['max_us']:8.2f}")
     print(_memory.build(snap, trigger="periodic", step=0).explanation)
     del x

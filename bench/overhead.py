@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof  # noqa: E402
+from _common import run_info  # noqa: E402 - bench/ is on sys.path when a script in it runs
 
 
 def make_workload(width: int, batch: int, depth: int = 8):
@@ -177,14 +178,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/overhead.py needs CUDA; nothing measured")
         return 0
-    results = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "command": "python bench/overhead.py " + " ".join(sys.argv[1:]),
-        "workloads": {},
-    }
+    results = {**run_info("overhead.py"), "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         chosen = args.workloads.split(",")
         for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):

@@ -11,23 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
-
-
-def per_call_us(fn, n: int = 2000, rounds: int = 7) -> dict:
-    for _ in range(200):
-        fn()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter_ns()
-        for _ in range(n):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / n / 1e3)
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
+from _common import per_call_us  # bench/ is on sys.path when a script in it runs
 
 
 def main() -> int:

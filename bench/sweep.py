@@ -37,6 +37,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof
+from _common import run_info  # bench/ is on sys.path when a script in it runs
 from stepprof._sweep import is_oom
 
 # -- workloads -------------------------------------------------------------------------------
@@ -265,11 +266,7 @@ def main() -> int:
         if gib > 0:
             torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
     results = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (script check)",
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "command": "python bench/sweep.py " + " ".join(sys.argv[1:]),
+        **run_info("sweep.py", None if DEVICE == "cuda" else "cpu (script check)"),
         "memory_gib": gib if gib > 0 else total / 2**30,
         "models": {},
     }

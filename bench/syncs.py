@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import run_info  # noqa: E402
 from overhead import make_workload, phased_step, quantiles  # noqa: E402
 
 
@@ -87,13 +88,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/syncs.py needs CUDA; nothing measured")
         return 0
-    res = {
-        "date": time.strftime("%Y-%m-%d"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "command": "python bench/syncs.py " + " ".join(sys.argv[1:]),
-    }
+    res = run_info("syncs.py")
     fwd, bwd, opt = make_workload(256, 64)
     tmp = tempfile.mkdtemp()
 
