@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import os
 import warnings
 
 import pytest
@@ -90,3 +91,13 @@ def make(log, gpu, **kw) -> stepprof.Profiler:
     """A profiler on the fake device, harvesting inline at step exits (deterministic)."""
     kw.setdefault("_collect_every_s", None)
     return stepprof.Profiler(log, _backend=gpu, _clock=gpu.clock, **kw)
+
+
+def marked_line(path: str, marker: str) -> str:
+    """``file:line`` (relative to the working directory, as sync sites are) of the line in
+    ``path`` that ends with ``# <marker>``."""
+    with open(path) as f:
+        for i, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return f"{os.path.relpath(path)}:{i}"
+    raise AssertionError(f"no line ends with '# {marker}' in {path}")

@@ -3,7 +3,6 @@ the warning route's plumbing, and restoring global state."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import threading
@@ -15,10 +14,9 @@ import stepprof
 from stepprof import _syncs
 
 from . import fake_torch
-from .conftest import make
+from .conftest import make, marked_line
 from .fake_torch import FakeTensor
 
-HERE = os.path.relpath(__file__)
 
 
 @pytest.fixture(autouse=True)
@@ -29,12 +27,7 @@ def fake_torch_is_internal(monkeypatch):
 
 
 def line_of(marker: str) -> str:
-    """``file:line`` of the line in this file that ends with ``# <marker>``."""
-    src, _ = inspect.getsourcelines(sys.modules[__name__])
-    for i, text in enumerate(src):
-        if text.rstrip().endswith(f"# {marker}"):
-            return f"{HERE}:{i + 1}"
-    raise AssertionError(marker)
+    return marked_line(__file__, marker)
 
 
 def steps(log):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import subprocess
@@ -14,19 +13,13 @@ import torch
 
 import stepprof
 
+from .conftest import marked_line
 from .test_cuda import _count_syncs
 
 pytestmark = pytest.mark.cuda
 
-HERE = os.path.relpath(__file__)
-
-
 def line_of(marker: str) -> str:
-    src, _ = inspect.getsourcelines(sys.modules[__name__])
-    for i, text in enumerate(src):
-        if text.rstrip().endswith(f"# {marker}"):
-            return f"{HERE}:{i + 1}"
-    raise AssertionError(marker)
+    return marked_line(__file__, marker)
 
 
 def one_step(log):
