@@ -56,7 +56,9 @@ class FakeGpu:
         self.mark_cost_ns = mark_cost_ns
         self.rng = random.Random(seed)
         self.fail_on: str | None = None
-        self.counters = [0, 0, 0, 0]  # num_alloc_retries, num_sync_all_streams, device alloc/free
+        # The allocator's cumulative counters, in ALLOCATOR_COUNTERS order: num_alloc_retries,
+        # num_sync_all_streams, num_device_alloc, num_device_free (also read by name below).
+        self.counters = [0, 0, 0, 0]
         self.installs = 0
         self.uninstalls = 0
         # Memory for the reconciliation: outside the allocator, and the device.
@@ -65,7 +67,6 @@ class FakeGpu:
         self.others = 0                   # bytes other processes hold on the device
         self.inactive_split = 0
         self.num_ooms = 0
-        self.num_alloc_retries = 0
         self.uuid: str | None = "6f1c2a3b-0000-4000-8000-00000000c0de"
         self.pci_bus_id: str | None = "00000000:65:00.0"
 
@@ -99,6 +100,22 @@ class FakeGpu:
     def wait_idle(self) -> None:
         """Let the host sleep until the device has drained (not a stepprof sync)."""
         self.host_ns = max(self.host_ns, self.gpu_free_at)
+
+    @property
+    def num_alloc_retries(self) -> int:
+        return self.counters[0]
+
+    @num_alloc_retries.setter
+    def num_alloc_retries(self, n: int) -> None:
+        self.counters[0] = n
+
+    @property
+    def num_device_alloc(self) -> int:
+        return self.counters[2]
+
+    @num_device_alloc.setter
+    def num_device_alloc(self, n: int) -> None:
+        self.counters[2] = n
 
     # -- the backend interface -----------------------------------------------
     def _maybe_fail(self, what: str) -> None:
@@ -310,12 +327,10 @@ class FakeSweepGpu(FakeGpu):
     def __init__(self, *, capacity: int, seed: int = 0) -> None:
         super().__init__(seed=seed)
         self.capacity = capacity
-        self.retries = 0
-        self.device_allocs = 0
         self.empty_cache_calls = 0
 
     def allocator_counters(self) -> tuple[int, int]:
-        return self.retries, self.device_allocs
+        return self.num_alloc_retries, self.num_device_alloc
 
     def allocated_bytes(self) -> int:
         return self.allocated
@@ -419,8 +434,8 @@ class SyntheticStep:
                 )
             layers.append(Held(self.gpu, size))
         if self.thrash_from is not None and n >= self.thrash_from:
-            self.gpu.retries += 2
-            self.gpu.device_allocs += 2
+            self.gpu.num_alloc_retries += 2
+            self.gpu.num_device_alloc += 2
         self.gpu.launch(self.ms(n) * (1 + self.rng.uniform(-self.noise, self.noise)))
         self.gpu.wait_idle()
         del layers
