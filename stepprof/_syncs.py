@@ -284,17 +284,18 @@ class SyncTracker:
         """The step's ``syncs`` field; forgets the frames it held."""
         self._last_user = self._last_child = None
         self._open = []
-        if not self._sites:  # the common case, a sync-free step: no sorting, no list
-            return {"count": 0, "waits": 0, "sites": [], "other_threads": self.other_threads,
-                    "mechanism": self.mechanism}
-        self._by_key = {}
-        sites = [
-            {"where": w, "kind": k, "code": c, "count": n, "waits": waits}
-            for (w, k, c), (n, waits) in sorted(self._sites.items(), key=lambda kv: -kv[1][0])
-        ]
+        sites: list[dict[str, Any]] = []
+        waits = 0
+        if self._sites:  # else the common case, a sync-free step: nothing to sort or sum
+            self._by_key = {}
+            sites = [
+                {"where": w, "kind": k, "code": c, "count": n, "waits": nw}
+                for (w, k, c), (n, nw) in sorted(self._sites.items(), key=lambda kv: -kv[1][0])
+            ]
+            waits = sum(s["waits"] for s in sites)
         return {
             "count": self.count,
-            "waits": sum(w for _, w in self._sites.values()),
+            "waits": waits,
             "sites": sites,
             "other_threads": self.other_threads,
             "mechanism": self.mechanism,
