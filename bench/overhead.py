@@ -4,17 +4,23 @@ Two steps (an 8-layer bf16 MLP with AdamW):
   compute-bound: 4096 wide, batch 4096 (about 7 ms on an H200);
   launch-bound:  256 wide, batch 64 (host-bound: launch cost dominates).
 Variants, interleaved in a shuffled order every round:
-  bare      the step as is (and bare-again, the same, as an A/A noise control);
-  step      inside ``prof.step(batch_size=...)``;
-  full      ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
-  profiler  the bare step under torch.profiler (CPU+CUDA activities), trace
-            post-processing excluded and reported apart.
+  bare         the step as is (and bare-again, the same, as an A/A noise control);
+  step         inside ``prof.step(batch_size=...)``;
+  full         ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
+  full-inline  the same, records built on the training thread instead of the collector thread;
+  profiler     the bare step under torch.profiler (CPU+CUDA activities), trace
+               post-processing excluded and reported apart;
+  with --ablate, the full loop with one setting changed (ABLATIONS below).
 Each round times K steps of one variant between two synchronisations (the
 host clock is honest there: the queue is drained at both ends).  The table
 gives the median per-step time and, per variant, the median over rounds of
-its ratio to the bare loop of the same round, with p10-p90 as the spread.
+its ratio to the bare loop of the same round, with a 95% bootstrap interval of
+that median (the run's precision) and p10-p90 (single rounds' spread), and the
+process CPU time it added per step (both threads, less sensitive to the host's
+scheduling noise than wall time).  Many short rounds pin the median down better
+than few long ones: host noise drifts over seconds.
 
-    python bench/overhead.py [--rounds 20] [--steps 30] [--out overhead.json]
+    python bench/overhead.py [--rounds 20] [--steps 30] [--ablate] [--out overhead.json]
 """
 
 from __future__ import annotations
@@ -75,13 +81,32 @@ def quantiles(xs):
     return {"median": statistics.median(s), "p10": q[0], "p90": q[-1]}
 
 
-def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profiler: bool = True) -> dict:
+def median_ci(xs, n_boot: int = 2000, seed: int = 0):
+    """95% bootstrap interval of the median: how precisely this run pins the median down."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
+    return [meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot)]]
+
+
+#: Profiler settings per variant; "-inline" harvests on the training thread at step exits.
+VARIANTS = {
+    "step": {},
+    "full": {},
+    "full-inline": {"_collect_every_s": None},
+}
+#: With --ablate: one feature changed at a time, to attribute the full loop's cost.
+ABLATIONS = {
+    "full-every-phase-peak": {"phase_peaks_every": 1},
+    "full-no-syncs": {"syncs": "off"},
+    "full-no-nvtx": {"nvtx": False},
+}
+
+
+def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profiler: bool = True,
+        ablate: bool = False) -> dict:
     fwd, bwd, opt = make_workload(width, batch)
-    profs = {
-        v: stepprof.Profiler(os.path.join(tmp, f"{name}-{v}.jsonl"),
-                             **({"_collect_every_s": None} if v.endswith("inline") else {}))
-        for v in ("step", "full", "step-inline", "full-inline")
-    }
+    settings = {**VARIANTS, **(ABLATIONS if ablate else {})}
+    profs = {v: stepprof.Profiler(os.path.join(tmp, f"{name}-{v}.jsonl"), **kw) for v, kw in settings.items()}
 
     def bare():
         fwd(); bwd(); opt()
@@ -98,11 +123,9 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
     variants = {
         "bare": bare,
         "bare-again": bare,  # an A/A control: its ratio shows the noise floor of the estimate
-        "step": stepped(profs["step"]),
-        "full": phased(profs["full"]),
-        "step-inline": stepped(profs["step-inline"]),
-        "full-inline": phased(profs["full-inline"]),
     }
+    for v, prof in profs.items():
+        variants[v] = stepped(prof) if v.startswith("step") else phased(prof)
     if profiler:
         variants["profiler"] = bare
     for fn in variants.values():  # warm-up: allocator, cuBLAS handles, Adam state
@@ -111,6 +134,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
     torch.cuda.synchronize()
 
     per_step = {v: [] for v in variants}
+    cpu_per_step = {v: [] for v in variants}
     post_s = []
     rng = random.Random(0)
     for _ in range(rounds):
@@ -123,27 +147,34 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
                 p = torch.profiler.profile(activities=acts)
                 p.__enter__()
             torch.cuda.synchronize()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             for _ in range(k):
                 fn()
             torch.cuda.synchronize()
             t1 = time.perf_counter()
+            c1 = time.process_time()
             if v == "profiler":
                 p.__exit__(None, None, None)
                 t2 = time.perf_counter()
                 p.key_averages()
                 post_s.append(time.perf_counter() - t2)
             per_step[v].append((t1 - t0) / k * 1e6)
+            cpu_per_step[v].append((c1 - c0) / k * 1e6)
     summaries = {v: p.close() for v, p in profs.items()}
 
-    out = {"width": width, "batch": batch, "rounds": rounds, "steps_per_round": k, "variants": {}}
+    out = {"width": width, "batch": batch, "rounds": rounds, "steps_per_round": k,
+           "settings": settings, "variants": {}}
     for v, xs in per_step.items():
         ratios = [x / b for x, b in zip(xs, per_step["bare"])]
         added = [x - b for x, b in zip(xs, per_step["bare"])]
+        cpu_added = [x - b for x, b in zip(cpu_per_step[v], cpu_per_step["bare"])]
         out["variants"][v] = {
             "us_per_step": quantiles(xs),
-            "ratio_to_bare": quantiles(ratios),
+            "ratio_to_bare": {**quantiles(ratios), "median_ci95": median_ci(ratios)},
             "added_us": quantiles(added),
+            "process_cpu_us_per_step": quantiles(cpu_per_step[v]),
+            "process_cpu_added_us": quantiles(cpu_added),
         }
     out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
     out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
@@ -174,6 +205,8 @@ def main() -> int:
                     help="leave torch.profiler out (its trace post-processing dominates the run time)")
     ap.add_argument("--workloads", default="compute-bound,launch-bound",
                     help="comma-separated subset of compute-bound,launch-bound")
+    ap.add_argument("--ablate", action="store_true",
+                    help="add variants of the full loop with one feature changed (see ABLATIONS)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/overhead.py needs CUDA; nothing measured")
@@ -184,19 +217,22 @@ def main() -> int:
         for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):
             if name in chosen:
                 results["workloads"][name] = run(
-                    name, width, batch, args.rounds, args.steps, tmp, profiler=not args.no_profiler
+                    name, width, batch, args.rounds, args.steps, tmp, profiler=not args.no_profiler,
+                    ablate=args.ablate,
                 )
 
     print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
-    print(f"{'workload':14s} {'variant':12s} {'µs/step':>9s} {'added µs':>9s} {'ratio':>7s} "
-          f"{'p10-p90':>14s} {'overhead_us':>11s} {'profiler/this':>13s}")
+    print(f"{'workload':14s} {'variant':22s} {'µs/step':>9s} {'added µs':>9s} {'ratio':>7s} "
+          f"{'95% CI of ratio':>16s} {'p10-p90':>14s} {'cpu+ µs':>8s} {'overhead_us':>11s} {'profiler/this':>13s}")
     for name, w in results["workloads"].items():
         for v, r in w["variants"].items():
             rt = r["ratio_to_bare"]
+            ci = rt["median_ci95"]
             ovh = w["stepprof_overhead_us_median"].get(v)
             f = w.get("profiler_added_over_stepprof", {}).get(v)
-            print(f"{name:14s} {v:12s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
-                  f"{rt['median']:7.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "
+            print(f"{name:14s} {v:22s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
+                  f"{rt['median']:7.4f} {ci[0]:7.4f}-{ci[1]:.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "
+                  f"{r['process_cpu_added_us']['median']:8.1f} "
                   f"{'' if ovh is None else f'{ovh:.1f}':>11s} {'' if f is None else f'{f:.1f}x':>13s}")
         if "profiler_postprocess_s_median" not in w:
             continue

@@ -20,11 +20,13 @@ from ._errors import ConfigError, UsageError
 from ._memory import MemoryReport
 from ._profiler import (
     MEMORY_EVERY,
+    PHASE_PEAKS_EVERY,
     Profiler,
     _StepContext,
     check_batch_size,
     check_budget,
     check_memory_every,
+    check_phase_peaks_every,
     check_name,
     check_warmup,
 )
@@ -103,6 +105,7 @@ def configure(
     max_syncs: int | None = None,
     on_sync: str = "count",
     memory_every: int = MEMORY_EVERY,
+    phase_peaks_every: int = PHASE_PEAKS_EVERY,
 ) -> Profiler:
     """Set up the default profiler, used when no ``with Profiler(...)`` is active.
 
@@ -117,6 +120,7 @@ def configure(
     new = Profiler(
         log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
         on_sync=on_sync, memory_every=check_memory_every(memory_every),
+        phase_peaks_every=check_phase_peaks_every(phase_peaks_every),
     )
     with _lock:
         old, _default = _default, new

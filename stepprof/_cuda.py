@@ -264,6 +264,7 @@ class CudaBackend:
                 )
         tracker.mechanism = self.sync_mechanism
         if self.sync_mechanism == "trace":
+            calibrate_multi_waits(self.index, "trace", _install_trace_route)
             _syncs.attach(tracker, _install_trace_route)
             return None
         if not _syncs.installed() and torch._C._cuda_get_sync_debug_mode() == 2:
@@ -271,6 +272,7 @@ class CudaBackend:
                 "torch's sync-debug mode is 'error' (set outside stepprof), "
                 "so a sync raises instead of being counted"
             )
+        calibrate_multi_waits(self.index, "warn", _install_warn_route)
         _syncs.attach(tracker, _install_warn_route)
         return None
 
@@ -488,6 +490,39 @@ def _enable_gpu_trace(index: int) -> str | None:
     if "event_synchronize" not in probe:
         return "torch's GPU-trace callbacks did not fire in the start-up self-test"
     return None
+
+
+_calibrated: set[str] = set()
+
+
+def calibrate_multi_waits(index: int, mechanism: str, install: Callable[[], list[Callable[[], None]]]) -> None:
+    """Measure, once per process and mechanism, how many waits one call of each
+    multi-wait C++ op makes, into :data:`stepprof._syncs.WAITS_PER_CALL`.
+
+    ``repeat_interleave`` without ``output_size`` reads two figures back from the
+    device (the output size, and a check that no repeat is negative): two waits per
+    call on torch 2.4-2.13, but that is torch's implementation, so it is measured,
+    not assumed.  The probe runs on a fresh, idle side stream, so its waits drain
+    nothing of the user's (about 100 µs, once, at the first step).  If it fails, every
+    wait counts, as before.
+    """
+    if mechanism in _calibrated:
+        return
+    _calibrated.add(mechanism)
+    probe = _syncs.WaitCounter()
+    try:
+        side = torch.cuda.Stream(index)
+        with torch.cuda.stream(side):
+            repeats = torch.ones(2, dtype=torch.long, device=torch.device("cuda", index))
+            _syncs.attach(probe, install)  # type: ignore[arg-type]
+            try:
+                torch.repeat_interleave(repeats)
+            finally:
+                _syncs.detach()
+    except Exception:  # noqa: BLE001 - no calibration: each wait counts
+        return
+    if probe.waits > 1:
+        _syncs.WAITS_PER_CALL["repeat_interleave"] = probe.waits
 
 
 def _install_trace_route() -> list[Callable[[], None]]:

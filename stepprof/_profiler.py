@@ -95,7 +95,7 @@ class _Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
-        "counters",
+        "counters", "phase_peaks",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -115,6 +115,7 @@ class _Step:
         self.syncs: dict[str, Any] | None = None
         self.syncs_reason: str | None = None
         self.counters: tuple[int, ...] | None = None
+        self.phase_peaks = True
 
 
 def check_device(device: Any) -> torch.device | None:
@@ -152,6 +153,24 @@ def check_memory_every(memory_every: Any, argument: str = "memory_every") -> int
             f"{argument}={MEMORY_EVERY}, or 0 to write no periodic memory record"
         )
     return memory_every
+
+
+#: Default of ``Profiler(phase_peaks_every=...)``.  A phase's peak costs one raw
+#: allocator-stats read at its exit (12 µs in a tight loop, 25-40 µs inside a
+#: launch-bound step on the H200), so three phases read on every step cost more
+#: than the rest of stepprof together.  While the step's own peak (read on every
+#: step) holds steady, phase peaks are read on one step in this many.
+PHASE_PEAKS_EVERY = 50
+
+
+def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(
+            f"{argument!r} must be an int >= 0 (got {n!r}); pass 1 to read every phase's peak "
+            f"on every step, {PHASE_PEAKS_EVERY} (the default) to read them on one step in "
+            f"{PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never to read them"
+        )
+    return n
 
 
 def check_name(name: Any, argument: str = "name") -> str | None:
@@ -233,6 +252,12 @@ class Profiler:
         memory_every: write a ``kind: "memory"`` record (see :func:`stepprof.memory_report`)
             every this many steps after the one that follows warm-up; 0 writes only
             that one and the one at close.  CUDA only.
+        phase_peaks_every: how often phases get their own ``peak_allocated_bytes``.
+            The step's peak is exact on every step; a phase's peak costs one more
+            allocator-stats read at its exit.  They are read on every warm-up step,
+            on every step while the step's peak is still changing, and on one step
+            in this many once it holds steady (other steps: null, with the reason).
+            1 reads them on every step, 0 never.  CUDA only.
         flops: ``"auto"`` counts the FLOPs of one step, the first past warm-up, with
             ``torch.utils.flop_counter.FlopCounterMode`` (that step runs eagerly and
             slower; see docs/report.md), and writes a ``kind: "flops"`` record.  None
@@ -262,6 +287,7 @@ class Profiler:
         max_syncs: int | None = None,
         on_sync: str = "count",
         memory_every: int = MEMORY_EVERY,
+        phase_peaks_every: int = PHASE_PEAKS_EVERY,
         flops: str | None = None,
         flops_per_step: float | None = None,
         _backend: Backend | None = None,
@@ -284,6 +310,10 @@ class Profiler:
         self._watching = False
         self._counters: tuple[int, ...] | None = None
         self.memory_every = check_memory_every(memory_every)
+        self.phase_peaks_every = check_phase_peaks_every(phase_peaks_every)
+        self._last_peak = -1      # the previous step's peak ...
+        self._steady = 0          # ... and how many steps in a row have repeated it
+        self._phase_peaks_at = -1  # the last step that read its phases' peaks
         self._writer = JsonlWriter(log) if log is not None else None
         self.log = self._writer.path if self._writer else None
         self._device_arg = device
@@ -511,6 +541,13 @@ class Profiler:
         index = self._next_index
         self._next_index += 1
         step = _Step(index, name, index < self.warmup, batch_size)
+        n = self.phase_peaks_every
+        if n != 1:
+            step.phase_peaks = n > 0 and (
+                step.warmup or self._steady < 2 or index - self._phase_peaks_at >= n
+            )
+        if step.phase_peaks:
+            self._phase_peaks_at = index
         self._step = step
         b.range_push(f"{name} {index}")
         if self._counters is None and b.memory_reason is None:
@@ -555,8 +592,9 @@ class Profiler:
             # Nested: read the enclosing phase's peak so far before the reset, and
             # give the phase its own start event.
             ph = _Phase(f"{self._stack[-1].key}/{name}")
-            self._fold_peak(step, b)
-            b.reset_peak()
+            if step.phase_peaks:
+                self._fold_peak(step, b)
+                b.reset_peak()
             b.range_push(name)
             self._stack.append(ph)
             ph.mark = b.mark()
@@ -581,8 +619,9 @@ class Profiler:
         if ph not in self._stack:
             return  # already closed (e.g. by its step's exit)
         end = b.mark()
-        self._fold_peak(step, b)
-        b.reset_peak()
+        if step.phase_peaks:
+            self._fold_peak(step, b)
+            b.reset_peak()
         if self._stack[0] is ph:
             self._last_top_mark = end
         # Close ph and anything opened inside it that was left open.
@@ -617,6 +656,10 @@ class Profiler:
         finally:
             self._unwatch()
         if mem is not None:
+            if step.peak == self._last_peak:
+                self._steady += 1
+            else:
+                self._steady, self._last_peak = 0, step.peak
             step.reserved = mem[1]
             counters, previous = mem[2], self._counters
             if counters is not None and previous is not None:
@@ -835,7 +878,9 @@ class Profiler:
             if pg is None:
                 unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
             if total.peak < 0:
-                unavailable["phases.peak_allocated_bytes"] = b.memory_reason or "not read"
+                unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
+                    self._phase_peaks_reason(s) if not s.phase_peaks else "not read"
+                )
         released: set[int] = set()  # top-level phases share boundary events
         for pair in [(s.start_mark, s.end_mark)] + [m for t in s.phases.values() for m in t.marks]:
             for m in pair:
@@ -937,6 +982,16 @@ class Profiler:
             self._sync_counts.append(s.syncs["count"])
         else:
             self._reasons.setdefault("syncs_per_step_median", unavailable["syncs"])
+
+    def _phase_peaks_reason(self, s: _Step) -> str:
+        n = self.phase_peaks_every
+        if n == 0:
+            return "phase peaks are off (phase_peaks_every=0); the step's peak is exact"
+        return (
+            f"not read on this step: while the step's peak holds steady, phase peaks are read "
+            f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every step). "
+            f"The step's peak_allocated_bytes is exact"
+        )
 
     def _add_flops(
         self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float

@@ -13,8 +13,12 @@ on that thread then
 * folds the waits made inside torch's Python code on behalf of one call into
   one count: ``print(t)`` waits about a dozen times inside torch's formatting
   code, but it is one sync point of the user's.  ``waits`` keeps the raw number.
-  A C++ op that waits twice (``repeat_interleave`` without ``output_size``)
-  counts twice: nothing in Python tells its two waits from two calls in a loop;
+  A C++ op that waits several times in one call (``repeat_interleave``
+  without ``output_size`` waits twice) looks, from Python, exactly like that many
+  calls in a loop: same frame, same instruction.  Its waits per call are
+  measured once per process (:data:`WAITS_PER_CALL`, see
+  ``stepprof._cuda.calibrate_multi_waits``), and each group of that many waits
+  at one site counts as one call;
 * applies the step's sync budget (``max_syncs``, ``on_sync``).
 
 The warning route's plumbing is here too (:class:`WarningTap`): torch's
@@ -236,6 +240,22 @@ def classify(frame: Any) -> tuple[str | None, str]:
 # holds the code object, so the id cannot be reused while the entry exists.
 _sites_by_code: dict[tuple[int, int, str | None], tuple[Any, _Site]] = {}
 
+#: Kind -> how many waits one call makes, for the C++ ops that wait more than once per
+#: call.  Filled by measurement (``stepprof._cuda.calibrate_multi_waits``), never
+#: assumed: an uncalibrated kind counts every wait.
+WAITS_PER_CALL: dict[str, int] = {}
+
+
+class WaitCounter:
+    """A tracker that only counts waits (for measuring an op, outside any step)."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+        self.other_threads = 0
+
+    def record(self, hint: str | None, origin: Any) -> None:
+        self.waits += 1
+
 
 def _name_site(user: Any, origin: Any, hint: str | None) -> _Site:
     """(where, kind, code) of a wait that ``user`` made (through ``origin``, torch's frame)."""
@@ -256,7 +276,7 @@ class SyncTracker:
     def __init__(self, mechanism: str) -> None:
         self.mechanism = mechanism
         self._sites: dict[_Site, list[int]] = {}
-        self._by_key: dict[tuple[int, int, str | None], tuple[Any, _Site, list[int]]] = {}
+        self._by_key: dict[tuple[int, int, str | None], tuple[Any, _Site, list[int], int]] = {}
         self._open: list[Any] = []  # the open phases, each with a ``syncs`` count
         self.count = 0
         self.other_threads = 0
@@ -330,8 +350,10 @@ class SyncTracker:
         if entry is None or entry[0] is not code:
             entry = self._new_location(code, lasti, hint, user, origin)
         counts = entry[2]
-        counts[0] += 1
         counts[1] += 1
+        if entry[3] > 1 and (counts[1] - 1) % entry[3]:
+            return  # a later wait of the same call of a multi-wait op (WAITS_PER_CALL)
+        counts[0] += 1
         self.count += 1
         if self._open:
             for ph in self._open:
@@ -354,7 +376,7 @@ class SyncTracker:
         counts = self._sites.get(hit[1])  # two locations can make one site
         if counts is None:
             counts = self._sites[hit[1]] = [0, 0]
-        entry = self._by_key[key] = (code, hit[1], counts)
+        entry = self._by_key[key] = (code, hit[1], counts, WAITS_PER_CALL.get(hit[1][1], 1))
         return entry
 
     def _over_budget(self, site: _Site, site_count: int, frame: Any) -> None:

@@ -135,7 +135,7 @@ def test_repeated_phase_names_sum_for_gradient_accumulation(log, gpu):
 
 
 def test_reads_per_step_are_one_per_phase_plus_one(log, gpu):
-    prof = make(log, gpu)
+    prof = make(log, gpu)  # the first steps read their phases' peaks (the peak is not steady yet)
     for _ in range(2):
         with prof.step():
             for name in ("forward", "backward", "optimizer"):
@@ -145,6 +145,80 @@ def test_reads_per_step_are_one_per_phase_plus_one(log, gpu):
     # One extra read, once: the baseline of the allocator's counters at the first step.
     assert gpu.calls.count("read_memory") == 1 + 2 * 4
     assert gpu.marks_made == 2 * 5  # top-level phases share boundary events
+
+
+def _phased_steps(prof, gpu, n, spikes=()):
+    """``n`` steps of forward/backward/optimizer; a step in ``spikes`` allocates more."""
+    for i in range(n):
+        with prof.step():
+            with prof.measure("forward"):
+                gpu.alloc(50)
+            with prof.measure("backward"):
+                extra = 1000 if i in spikes else 0
+                gpu.alloc(20 + extra)
+                gpu.free(70 + extra)
+            with prof.measure("optimizer"):
+                gpu.alloc(30)
+                gpu.free(30)
+
+
+def test_phase_peaks_are_read_while_the_step_peak_moves_then_one_step_in_n(log, gpu):
+    gpu.alloc(100)
+    prof = make(log, gpu, warmup=2, phase_peaks_every=5)
+    _phased_steps(prof, gpu, 20, spikes={12})
+    prof.close()
+    rs = steps(log)
+    read = [r["step"] for r in rs if r["phases"]["forward"]["peak_allocated_bytes"] is not None]
+    # Warm-up steps 0-1 read, and step 2 (the peak has repeated only once); from then on one
+    # step in 5 (7, 12).  The spike at 12 moves the step's peak, and it moves back at 13, so
+    # 13, 14 and 15 read until it has held for two steps again; the next would be 20.
+    assert read == [0, 1, 2, 7, 12, 13, 14, 15]
+    for r in rs:
+        assert r["peak_allocated_bytes"] == (1170 if r["step"] == 12 else 170)  # always exact
+        ph = r["phases"]
+        if r["step"] in read:
+            assert ph["forward"]["peak_allocated_bytes"] == 150
+            assert ph["backward"]["peak_allocated_bytes"] == (1170 if r["step"] == 12 else 170)
+            assert ph["optimizer"]["peak_allocated_bytes"] == 130
+            assert "phases.peak_allocated_bytes" not in r["unavailable"]
+        else:
+            assert all(p["peak_allocated_bytes"] is None for p in ph.values())
+            why = r["unavailable"]["phases.peak_allocated_bytes"]
+            assert "one step in 5" in why and "phase_peaks_every=1" in why
+            assert all(p["gpu_ms"] is not None for p in ph.values())  # only the peak is skipped
+
+
+def test_spike_on_an_unread_step_still_sets_the_step_peak(log, gpu):
+    gpu.alloc(100)
+    prof = make(log, gpu, phase_peaks_every=50)
+    _phased_steps(prof, gpu, 10, spikes={6})
+    prof.close()
+    r = steps(log)[6]
+    assert r["phases"]["backward"]["peak_allocated_bytes"] is None  # a steady step: not read
+    assert r["peak_allocated_bytes"] == 1170
+
+
+def test_phase_peaks_every_1_reads_every_step_and_0_none(log, gpu, tmp_path):
+    prof = make(log, gpu, phase_peaks_every=1)
+    _phased_steps(prof, gpu, 8)
+    prof.close()
+    assert all(r["phases"]["forward"]["peak_allocated_bytes"] == 50 for r in steps(log))
+    assert gpu.calls.count("read_memory") == 1 + 8 * 4
+    other = str(tmp_path / "none.jsonl")
+    gpu.calls.clear()
+    prof = make(other, gpu, phase_peaks_every=0)
+    _phased_steps(prof, gpu, 3)
+    prof.close()
+    rs = steps(other)
+    assert all(p["peak_allocated_bytes"] is None for r in rs for p in r["phases"].values())
+    assert "phase_peaks_every=0" in rs[0]["unavailable"]["phases.peak_allocated_bytes"]
+    assert gpu.calls.count("read_memory") == 1 + 3  # the counters baseline, then the step's own read
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "5"])
+def test_bad_phase_peaks_every_names_the_argument(log, gpu, bad):
+    with pytest.raises(stepprof.ConfigError, match="'phase_peaks_every' must be an int >= 0"):
+        make(log, gpu, phase_peaks_every=bad)
 
 
 def test_nested_phase_peaks_are_exact(log, gpu):

@@ -38,7 +38,8 @@ def sites(record):
     return {(s["where"], s["kind"]): (s["count"], s["waits"]) for s in record["syncs"]["sites"]}
 
 
-def test_each_kind_is_named_and_attributed_to_the_users_line(log, gpu):
+def test_each_kind_is_named_and_attributed_to_the_users_line(log, gpu, monkeypatch):
+    monkeypatch.setitem(_syncs.WAITS_PER_CALL, "repeat_interleave", 2)  # as calibrated on CUDA
     t = FakeTensor(gpu)
     mask = FakeTensor(gpu)
     with make(log, gpu) as prof:
@@ -75,20 +76,38 @@ def test_each_kind_is_named_and_attributed_to_the_users_line(log, gpu):
         (line_of("mask"), "mask_index"): (1, 1),
         (line_of("masked_select"), "masked_select"): (1, 1),
         (line_of("unique"), "unique"): (1, 1),
-        # One C++ op that waits twice: two waits, two counts (it drains the queue twice).
-        (line_of("repeat_interleave"), "repeat_interleave"): (2, 2),
+        # One C++ op that waits twice per call (calibrated): one call, two waits.
+        (line_of("repeat_interleave"), "repeat_interleave"): (1, 2),
         (line_of("print"), "print"): (1, 3),
         (line_of("fstring"), "print"): (1, 3),
         (line_of("stream"), "stream_synchronize"): (1, 1),
         (line_of("device"), "device_synchronize"): (1, 1),
     }
     assert sites(rec) == expected
-    assert rec["syncs"]["count"] == 17
-    assert rec["syncs"]["waits"] == 17 + 2 + 2
+    assert rec["syncs"]["count"] == 16
+    assert rec["syncs"]["waits"] == 16 + 1 + 2 + 2
     by_where = {s["where"]: s for s in rec["syncs"]["sites"]}
     assert by_where[line_of("item")]["code"] == "t.item()"
     assert by_where[line_of("if")]["code"] == "t > 0"
     assert by_where[line_of("mask")]["code"] == "t[mask]"
+
+
+
+@pytest.mark.parametrize("calibrated, expected", [(2, (3, 6)), (None, (6, 6))])
+def test_a_multi_wait_op_in_a_loop_counts_its_calls(log, gpu, monkeypatch, calibrated, expected):
+    if calibrated is not None:
+        monkeypatch.setitem(_syncs.WAITS_PER_CALL, "repeat_interleave", calibrated)
+    t = FakeTensor(gpu)
+    budget = 3 if calibrated else None  # calibrated, three calls are within a budget of 3
+    with make(log, gpu, max_syncs=budget, on_sync="raise") as prof:
+        with prof.step():
+            with prof.measure("model"):
+                for _ in range(3):
+                    t.repeat_interleave(2)  # loop
+    (rec,) = steps(log)
+    assert sites(rec) == {(line_of("loop"), "repeat_interleave"): expected}
+    assert rec["syncs"]["count"] == expected[0]
+    assert rec["phases"]["model"]["syncs"] == expected[0]
 
 
 def test_a_line_in_a_loop_counts_every_call(log, gpu):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import stepprof
+from stepprof import _syncs
 
 from .conftest import marked_line
 from .test_cuda import _count_syncs
@@ -68,20 +69,36 @@ def test_each_of_the_14_kinds_is_counted_once_at_its_line(log, capsys):
         "unique", "repeat_interleave", "print", "to_device", "device_synchronize",
         "stream_synchronize", "event_synchronize",
     ]
-    # repeat_interleave without output_size drains the queue twice inside one C++ op (a
-    # check that repeats >= 0, then the output size): two waits, and two counts, because
-    # nothing in Python tells them from two calls.  print's dozen waits run inside torch's
+    # repeat_interleave without output_size drains the queue twice inside one C++ op (the
+    # output size, then a check that repeats >= 0): two waits, one call, because stepprof
+    # measured its waits per call at the first step.  print's dozen waits run inside torch's
     # Python formatting code, in one frame of torch's: one count.
     expected = {(line_of(k), k): 1 for k in kinds}
-    expected[(line_of("repeat_interleave"), "repeat_interleave")] = 2
     assert got == expected, json.dumps(rec["syncs"], indent=1)
-    assert rec["syncs"]["count"] == len(kinds) + 1
+    assert rec["syncs"]["count"] == len(kinds)
+    assert _syncs.WAITS_PER_CALL == {"repeat_interleave": 2}
     waits = {s["kind"]: s["waits"] for s in rec["syncs"]["sites"]}
     assert waits["repeat_interleave"] == 2 and waits["print"] > 3
     assert rec["syncs"]["mechanism"] == "warn"
     assert set(rec["allocator"]) == {
         "num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free",
     }
+
+
+
+def test_repeat_interleave_in_a_loop_counts_calls_not_waits(log):
+    rep = torch.tensor([1, 2, 3], device="cuda")
+    with stepprof.Profiler(log) as prof:
+        with prof.step():
+            for _ in range(3):
+                torch.repeat_interleave(rep)  # loop
+            rep.repeat_interleave(2)  # int repeats: no wait
+            torch.repeat_interleave(rep, output_size=6)  # output_size: no wait
+    rec = one_step(log)
+    (site,) = rec["syncs"]["sites"]
+    assert (site["where"], site["kind"], site["count"], site["waits"]) == (
+        line_of("loop"), "repeat_interleave", 3, 6
+    ), json.dumps(rec["syncs"], indent=1)
 
 
 def test_sync_free_step_counts_zero_and_stepprof_adds_no_sync(log):
