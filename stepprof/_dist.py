@@ -222,10 +222,12 @@ def find_straggler(
     """Name the straggler from per-rank figures (index = rank; NaN = unavailable).
 
     (a) The step: if max/median of ``step_ms`` exceeds ``threshold``, the slowest rank.
-    (b) Lockstep (step times equal because collectives align the ranks): in the
-    earliest of ``segments`` (the gap before the step, then the phases in order)
-    where some rank exceeds the segment's median by more than
-    ``(threshold - 1) x`` the median step time, the rank with the largest excess.
+    (b) Lockstep (step times equal because collectives align the ranks): the earliest
+    of ``segments`` (the gap before the step, then the phases in order) where some
+    rank's time exceeds the segment's median by more than ``(threshold - 1) x`` the
+    median step time, *and* its time from the step's start through that segment
+    exceeds the median by as much.  The second test rejects waiting: a rank that
+    reached a collective early waits longest in it, but it was faster before.
     """
     missing = [r for r, x in enumerate(step_ms) if not math.isfinite(x)]
     if missing:
@@ -240,17 +242,20 @@ def find_straggler(
         return Straggler(top, "step", step_ms[top] - med, ratio, None)
     bar = (threshold - 1) * med
     skipped = []
+    cum = [0.0] * len(step_ms)
     for name, vals in segments:
-        if not vals or not _finite(vals):
+        if len(vals) != len(step_ms) or not _finite(vals):
             skipped.append(name)
             continue
-        m = statistics.median(vals)
-        r = max(range(len(vals)), key=lambda i: vals[i])
-        if vals[r] - m > bar:
+        cum = [c + v for c, v in zip(cum, vals)]
+        m, mc = statistics.median(vals), statistics.median(cum)
+        hits = [r for r in range(len(vals)) if vals[r] - m > bar and cum[r] - mc > bar]
+        if hits:
+            r = max(hits, key=lambda i: vals[i])
             return Straggler(r, name, vals[r] - m, ratio, None)
     why = (
         f"no rank's step time exceeded the median by more than {threshold - 1:.0%} "
-        f"(max/median {ratio:.3f}), nor its time in any segment by more than "
+        f"(max/median {ratio:.3f}), nor its time in a segment (and up to it) by more than "
         f"{threshold - 1:.0%} of the median step ({bar:.3f} ms)"
     )
     if skipped:
@@ -520,6 +525,6 @@ def _real_gather(group: Any, device_index: int | None) -> Gather:
             work.wait()  # completed: returns at once, or raises the collective's error
             return out.view(world, WIDTH).tolist()
 
-        return gather_host
+        return pending
 
     return gather_host
