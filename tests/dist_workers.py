@@ -77,3 +77,63 @@ def lockstep(rank: int, world: int, store: str, out: str, slow: int) -> None:
                         opt.zero_grad()
     finally:
         dist.destroy_process_group()
+
+
+def nccl_ddp(rank: int, world: int, store: str, out: str, slow: int) -> None:
+    """DDP on NCCL, one GPU per rank: ``slow`` does extra matmuls in forward (-1: none).
+
+    Writes ``slow.jsonl``/``none.jsonl`` logs, and ``syncs.rank<R>.json``: the sync
+    warnings torch raised over 30 steps with the exchange off and on (ranks_every=5).
+    """
+    import json
+    import warnings
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(2048, 2048), torch.nn.ReLU())])
+        model = torch.nn.parallel.DistributedDataParallel(net.to(dev), device_ids=[rank])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(1024, 2048, device=dev)
+        w = torch.randn(2048, 2048, device=dev) / 64
+
+        def step(prof, extra: bool) -> None:
+            with prof.step(batch_size=1024):
+                with prof.measure("forward"):
+                    if extra:
+                        y = x
+                        for _ in range(40):
+                            y = y @ w
+                    loss = model(x).pow(2).mean()
+                with prof.measure("backward"):
+                    loss.backward()
+                with prof.measure("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+        for name, planted in (("slow", slow), ("none", -1)):
+            with stepprof.Profiler(os.path.join(out, f"{name}.jsonl"), warmup=5, ranks_every=10) as prof:
+                for _ in range(60):
+                    step(prof, rank == planted)
+        counts = {}
+        for every in (0, 5, 0, 5):
+            with stepprof.Profiler(None, syncs="off", ranks_every=every) as prof:
+                for _ in range(5):
+                    step(prof, False)  # warm: the exchange's buffers are allocated here
+                torch.cuda.synchronize()
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        for _ in range(30):
+                            step(prof, False)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                counts.setdefault(str(every), []).append(
+                    sum("synchroniz" in str(w.message) for w in seen))
+        with open(os.path.join(out, f"syncs.rank{rank}.json"), "w") as fh:
+            json.dump(counts, fh)
+    finally:
+        dist.destroy_process_group()
