@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
@@ -51,6 +52,7 @@ __all__ = [
     "Backend",
     "CudaBackend",
     "CudaSweepBackend",
+    "ExchangeSlots",
     "HostBackend",
     "HostSweepBackend",
     "memory_backend",
@@ -579,6 +581,81 @@ def memory_backend(device: torch.device | None = None) -> Backend:
         return HostBackend(f"there is no CUDA device {index} ({torch.cuda.device_count()} visible)")
     return CudaBackend(index, nvtx=False)
 
+
+
+# -- the cross-rank exchange's buffers (stepprof._dist), on NCCL ---------------------
+
+
+class _Slot:
+    """One exchange's buffers: pinned host in/out, device in/out, the copy-back event."""
+
+    __slots__ = ("host_in", "dev_in", "dev_out", "host_out", "event")
+
+    def __init__(self, device: torch.device, width: int, world: int) -> None:
+        self.host_in = torch.empty(width, dtype=torch.float64, pin_memory=True)
+        self.dev_in = torch.empty(width, dtype=torch.float64, device=device)
+        self.dev_out = torch.empty(world * width, dtype=torch.float64, device=device)
+        self.host_out = torch.empty(world * width, dtype=torch.float64, pin_memory=True)
+        self.event: Any = None
+
+    def fetch(self) -> list[float] | None:
+        """On the collector, once the collective has completed: copy back; the values once done.
+
+        The copy runs on a side stream (the collective's output is complete, so it waits
+        on nothing), into pinned memory with ``non_blocking``: nothing here synchronises.
+        """
+        if self.event is None:
+            with torch.cuda.device(self.dev_out.device), torch.cuda.stream(_side_stream(self.dev_out.device)):
+                self.host_out.copy_(self.dev_out, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record()
+        if not self.event.query():
+            return None
+        self.event = None
+        return self.host_out.tolist()
+
+
+_side_streams: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    s = _side_streams.get(device)
+    if s is None:
+        s = _side_streams[device] = torch.cuda.Stream(device)
+    return s
+
+
+class ExchangeSlots:
+    """A ring of exchange buffers on CUDA device ``index``, each reused only once its
+    exchange has completed (so a pending copy or collective never sees it rewritten).
+
+    :meth:`stage` runs on the training thread at a step's exit: it writes the vector
+    into pinned host memory and enqueues a ``non_blocking`` copy to the device on the
+    current stream.  The collective that follows (enqueued by ``stepprof._dist``, never
+    waited on) orders itself after that stream's work.  Buffers are allocated once,
+    at the first exchange (a pinned allocation and two small device ones).
+    """
+
+    def __init__(self, index: int, width: int, world: int) -> None:
+        self._device = torch.device("cuda", index)
+        self._width, self._world = width, world
+        self._free: list[_Slot] = []
+        self._lock = threading.Lock()
+
+    def stage(self, values: list[float]) -> _Slot | None:
+        if torch.cuda.is_current_stream_capturing():
+            return None  # a collective would become part of the user's CUDA graph
+        with self._lock:
+            slot = self._free.pop() if self._free else None
+        if slot is None:
+            slot = _Slot(self._device, self._width, self._world)
+        slot.host_in.copy_(torch.tensor(values, dtype=torch.float64))
+        slot.dev_in.copy_(slot.host_in, non_blocking=True)
+        return slot
+
+    def free(self, slot: _Slot) -> None:
+        with self._lock:
+            self._free.append(slot)
 
 
 # -- what the batch-size sweep needs besides the recorder's calls ----------------

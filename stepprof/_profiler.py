@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from . import _memory
+from . import _dist, _memory
 from ._cuda import (
     ALLOCATOR_COUNTERS,
     SYNC_MECHANISMS,
@@ -216,6 +216,9 @@ def _host_rss() -> int | None:
         return None
 
 
+#: The token of a step entered after recording stopped (see ``_unrecorded_step``).
+_UNRECORDED = object()
+
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
 
 #: How often the collector thread looks for completed steps to write.
@@ -265,6 +268,14 @@ class Profiler:
         flops_per_step: the FLOPs of one step, if you know them (instead of ``"auto"``).
             Either way the step records then carry ``flops``, ``tflops_per_s`` and
             ``mfu`` (the latter from ``stepprof calibrate``'s figures, else None).
+        ranks_every: in a distributed run (torch.distributed initialised, or torchrun's
+            ``RANK``/``WORLD_SIZE``), every this many steps the ranks gather their recent
+            figures in one ``all_gather``, and rank 0 writes a ``kind: "ranks"`` record
+            naming any straggler; 0 turns it off.  Every rank must then call
+            ``profile_step`` the same number of times (docs/distributed.md).
+        log_ranks: in a distributed run, ``"all"`` (each rank writes
+            ``<stem>.rank<R><suffix>`` next to ``log``) or ``"zero"`` (only rank 0 writes).
+        group: the process group of the exchange (default: the default group).
 
     Example:
         >>> import stepprof, torch
@@ -290,11 +301,18 @@ class Profiler:
         phase_peaks_every: int = PHASE_PEAKS_EVERY,
         flops: str | None = None,
         flops_per_step: float | None = None,
+        ranks_every: int = _dist.RANKS_EVERY,
+        log_ranks: str = "all",
+        group: Any = None,
         _backend: Backend | None = None,
         _clock: _Clock | None = None,
         _collect_every_s: float | None = COLLECT_EVERY_S,
+        _gather: Any = None,
+        _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
         self.warmup = check_warmup(warmup)
+        ranks_every = _dist.check_ranks_every(ranks_every)
+        log_ranks = _dist.check_log_ranks(log_ranks)
         device = check_device(device)
         if not isinstance(nvtx, bool):
             raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
@@ -314,6 +332,16 @@ class Profiler:
         self._last_peak = -1      # the previous step's peak ...
         self._steady = 0          # ... and how many steps in a row have repeated it
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
+        # Distributed: rank fields on every record, a log per rank, the exchange.
+        ident = _dist.identify()
+        self._rank_fields = ident.fields() if ident is not None else None
+        if ident is not None and log is not None:
+            log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
+        self._exchange = (
+            _dist.Exchange(ranks_every, ident, group=group, gather=_gather, close_wait_s=_close_wait_s)
+            if ident is not None and ranks_every else None
+        )
+        self._gap_from: tuple[Any, int] | None = None  # the last step's end, for the next gap
         self._writer = JsonlWriter(log) if log is not None else None
         self.log = self._writer.path if self._writer else None
         self._device_arg = device
@@ -441,6 +469,10 @@ class Profiler:
             self._pending.clear()
             self._memory_snaps.clear()
             self._write_close_memory()
+            if self._exchange is not None:  # finishes enqueued exchanges; starts none
+                self._exchange.close(self._write)
+                if self._gap_from is not None and self._backend is not None:
+                    self._backend.release(self._gap_from[0])
         self._summary = self._build_summary()
         self._write(self._summary.to_record())
         if self._writer is not None:
@@ -481,7 +513,7 @@ class Profiler:
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
             )
         if self._broken is not None:
-            return None
+            return self._unrecorded_step() if self._exchange is not None else None
         tid = threading.get_ident()
         if self._owner != tid:
             if self._owner is not None and self._step is not None:
@@ -506,6 +538,8 @@ class Profiler:
 
     def _exit(self, token: Any, exc: BaseException | None) -> None:
         if token is None or self._broken is not None:
+            if token is not None and self._exchange is not None:
+                self._exchange_anyway(token)
             return
         try:
             if isinstance(token, _Step):
@@ -515,6 +549,8 @@ class Profiler:
                 self._end_phase(self._step, token, exc)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
+            if self._exchange is not None:
+                self._exchange_anyway(token)
 
     # -- the boundaries ----------------------------------------------------
 
@@ -670,6 +706,8 @@ class Profiler:
         b.range_pop()
         if step.index == self._memory_due:
             self._snapshot_memory(step, b)
+        if self._exchange is not None:  # after the sync watch: enqueues, never waits
+            self._exchange.step_exit(step.index, getattr(b, "index", None))
         if exc is not None:
             step.error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
         self._step = None
@@ -824,6 +862,8 @@ class Profiler:
 
         The records are written together at the end, in one system call.
         """
+        if self._exchange is not None:
+            self._exchange.poll(self._write)
         b = self._backend
         pending = self._pending
         if not pending:
@@ -882,6 +922,8 @@ class Profiler:
                     self._phase_peaks_reason(s) if not s.phase_peaks else "not read"
                 )
         released: set[int] = set()  # top-level phases share boundary events
+        if self._exchange is not None:
+            self._window_add(s, b, gpu_ms, wall_ms, phases, released)
         for pair in [(s.start_mark, s.end_mark)] + [m for t in s.phases.values() for m in t.marks]:
             for m in pair:
                 if m is not None and id(m) not in released:
@@ -1167,10 +1209,55 @@ class Profiler:
         if self._writer is not None:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
+            if self._rank_fields is not None:
+                record.update(self._rank_fields)
             if self._batch is not None:  # inside _harvest: written with the others
                 self._batch.append(record)
             else:
                 self._writer.write(record)
+
+    # -- distributed: the exchange's window and its step count -------------------
+
+    def _window_add(self, s: _Step, b: Backend, gpu_ms: float | None, wall_ms: float,
+                    phases: dict[str, dict[str, Any]], released: set[int]) -> None:
+        """Add a finalised step to the exchange window; keep its end event for the next gap."""
+        prev, self._gap_from = self._gap_from, (s.end_mark, s.t1)
+        released.add(id(s.end_mark))  # released as the next step's gap start
+        gap = None
+        if prev is not None:
+            if prev[0] is not None and s.start_mark is not None:
+                gap = self._elapsed(b, prev[0], s.start_mark)
+            elif isinstance(b, HostBackend):
+                gap = (s.t0 - prev[1]) / 1e6
+            b.release(prev[0])
+        if s.warmup or s.error is not None:
+            return
+        key = "gpu_ms" if gpu_ms is not None else "wall_ms"
+        top = {k: v[key] for k, v in phases.items() if "/" not in k}
+        self._exchange.window.add(  # type: ignore[union-attr]
+            gpu_ms, wall_ms, s.peak if s.peak >= 0 else None,
+            s.syncs["count"] if s.syncs is not None else None, gap, top)
+
+    def _unrecorded_step(self) -> Any:
+        """After an internal error: still count steps, so that the exchanges stay matched."""
+        ex = self._exchange
+        if ex is None or ex.unrecorded_open:
+            return None  # a phase of the unrecorded step
+        ex.unrecorded_open = True
+        return _UNRECORDED
+
+    def _exchange_anyway(self, token: Any) -> None:
+        """Exit of a step that recording dropped: take part in its exchange all the same."""
+        ex = self._exchange
+        assert ex is not None
+        if token is _UNRECORDED:
+            ex.unrecorded_open = False
+        elif not (isinstance(token, _Step) and ex.exits == token.index):
+            return  # a phase, or a step whose exchange already ran
+        try:
+            ex.step_exit(None if token is _UNRECORDED else token.index, getattr(self._backend, "index", None))
+        except Exception:  # noqa: BLE001, S110 - Exchange warns about its own failures
+            pass
 
     def _fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""

@@ -262,6 +262,12 @@ class _Run:
         self.unavailable: dict[str, str] = {}
         self.malformed = 0
         self.since_settle = 0
+        # Distributed runs: this log's rank, and (rank 0's log) the ranks records.
+        self.identity: dict[str, Any] | None = None
+        self.ranks_records = 0
+        self.ranks_named: dict[int, int] = {}
+        self.ranks_last: dict[str, Any] | None = None
+        self.ranks_last_named: dict[str, Any] | None = None
 
     def merge(self, b: _Run) -> None:
         """Fold in ``b``: the same run, continued in a later stretch of the log."""
@@ -319,6 +325,12 @@ class _Run:
             self.flops_counted_step = b.flops_counted_step
         if b.summary is not None:
             self.summary = b.summary
+        if self.identity is None:
+            self.identity = b.identity
+        self.ranks_records += b.ranks_records
+        _add_counts(self.ranks_named, b.ranks_named)
+        self.ranks_last = b.ranks_last or self.ranks_last
+        self.ranks_last_named = b.ranks_last_named or self.ranks_last_named
         for k, v in b.unavailable.items():
             if k not in self.unavailable and len(self.unavailable) < _CAP:
                 self.unavailable[k] = v
@@ -337,6 +349,8 @@ class _Run:
             self.last_step = idx
         else:
             idx = -1
+        if self.identity is None:
+            self.take_identity(r)
         dev = get("device")
         devices = self.devices
         if dev in devices:
@@ -453,6 +467,20 @@ class _Run:
             for ph in self.phases.values():
                 ph.wall.settle()
                 ph.gpu.settle()
+
+    def take_identity(self, r: dict[str, Any]) -> None:
+        rank = r.get("rank")
+        if type(rank) is int:
+            self.identity = {k: r.get(k) for k in ("rank", "local_rank", "world_size")}
+
+    def add_ranks(self, r: dict[str, Any]) -> None:
+        """A ``kind: "ranks"`` record (rank 0's log): count who was named, keep the latest."""
+        self.ranks_records += 1
+        who = r.get("straggler_rank")
+        if type(who) is int:
+            self.ranks_named[who] = self.ranks_named.get(who, 0) + 1
+            self.ranks_last_named = r
+        self.ranks_last = r
 
     def _add_syncs(self, syncs: dict[str, Any]) -> None:
         count = syncs.get("count")
@@ -576,6 +604,15 @@ class _Run:
             "summary_found": self.summary is not None,
             "unavailable": unavailable,
         }
+        if self.identity is not None:
+            out.update(self.identity)
+        if self.ranks_records:
+            out["ranks"] = {
+                "exchanges": self.ranks_records,
+                "straggler_counts": {str(k): v for k, v in sorted(self.ranks_named.items())},
+                "latest": self.ranks_last,
+                "latest_named": self.ranks_last_named,
+            }
         out["roofline"], roofline_reason = self._roofline(figures)
         out["diagnoses"], out["not_diagnosed"] = _diagnose(out, sweeps, roofline_reason)
         return out
@@ -1183,7 +1220,14 @@ class _Segment:
                 if run is None:
                     run = self._new_run(run)
                 run.summary = r
+                if run.identity is None:
+                    run.take_identity(r)
                 closed = True
+            elif kind == "ranks":
+                if run is None or closed:
+                    run = self._new_run(run)
+                    closed = False
+                run.add_ranks(r)
             elif kind == "flops":
                 if run is None or closed:
                     run = self._new_run(run)
@@ -1292,7 +1336,8 @@ def report_log(path: str, workers: int | None = None) -> dict[str, Any]:
         "schema_versions": sorted((v for v in versions if type(v) is int)),
         "newer_schema": newer[-1] if newer else None,
         "other_kinds": seg.kinds,
-        "runs": [r.result(sweeps) for r in seg.runs if r.steps or r.memory_records or r.flops],
+        "runs": [r.result(sweeps) for r in seg.runs if r.steps or r.memory_records or r.flops
+                 or r.ranks_records],
         "sweeps": sweeps,
         "_sweep_objects": objects,
     }
@@ -1305,7 +1350,67 @@ def build_report(paths: list[str]) -> dict[str, Any]:
         section = report_log(p)
         section.pop("_sweep_objects", None)
         logs.append(section)
-    return {"stepprof_report": REPORT_VERSION, "logs": logs}
+    report: dict[str, Any] = {"stepprof_report": REPORT_VERSION, "logs": logs}
+    ranks = _cross_rank(logs)
+    if ranks is not None:
+        report["distributed"] = ranks
+    return report
+
+
+def _cross_rank(logs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Per-rank logs together: a row per rank (each log's last run) and the straggler view."""
+    from ._dist import find_straggler
+
+    last: dict[int, tuple[str, dict[str, Any]]] = {}
+    for log in logs:
+        for run in log["runs"]:
+            if type(run.get("rank")) is int:
+                last[run["rank"]] = (log["path"], run)
+    if not last:
+        return None
+    rows = []
+    for rank in sorted(last):
+        path, run = last[rank]
+        f = run["figures"]
+        rows.append({
+            "rank": rank, "local_rank": run.get("local_rank"), "world_size": run.get("world_size"),
+            "log": path, "steps": run["steps"], "measured_steps": run["measured_steps"],
+            "wall_ms_median": (f["wall_ms"] or {}).get("median"),
+            "gpu_ms_median": (f["gpu_ms"] or {}).get("median"),
+            "peak_allocated_bytes_max": run["memory"]["peak_allocated_bytes_max"],
+            "syncs_per_step_median": (f["syncs_per_step"] or {}).get("median"),
+            "phases": {ph["name"]: ph["gpu_ms_median"] if ph["gpu_ms_median"] is not None else ph["wall_ms_median"]
+                       for ph in run["phases"] if "/" not in ph["name"]},
+        })
+    worlds = {r["world_size"] for r in rows}
+    notes = []
+    world = max((w for w in worlds if type(w) is int), default=None)
+    if world is not None and len(rows) < world:
+        have = {r["rank"] for r in rows}
+        notes.append(f"logs of rank(s) {', '.join(str(r) for r in range(world) if r not in have)} "
+                     f"were not given")
+    # The report's own check, on the per-rank medians over the whole run (rows in rank order;
+    # the rule's index is the position, mapped back to the rank).
+    gpu = all(r["gpu_ms_median"] is not None for r in rows)
+    step = [float("nan") if x is None else x for x in
+            (r["gpu_ms_median"] if gpu else r["wall_ms_median"] for r in rows)]
+    names = list(rows[0]["phases"])
+    same = all(list(r["phases"]) == names for r in rows)
+    segments = [(n, [float("nan") if r["phases"][n] is None else r["phases"][n] for r in rows])
+                for n in names] if same else []
+    if not same:
+        notes.append("the ranks' phase names differ, so phases are not compared")
+    found = find_straggler(step, segments)
+    check = {
+        "straggler_rank": rows[found.rank]["rank"] if found.rank is not None else None,
+        "basis": found.basis, "excess_ms": found.excess_ms, "step_ratio": found.ratio,
+        "step_figure": "gpu_ms" if gpu else "wall_ms", "reason": found.reason,
+    }
+    exchanges = None
+    for _, run in last.values():
+        if run.get("ranks"):
+            exchanges = run["ranks"]
+    return {"ranks": rows, "from_medians": check, "exchanges": exchanges, "notes": notes}
 
 
 # -- text --------------------------------------------------------------------------
@@ -1346,7 +1451,48 @@ def render(report: dict[str, Any]) -> str:
             if sw["result"] is None:
                 out.append("the sweep has no result record (it stopped before the end)")
         out.append("")
+    if "distributed" in report:
+        _render_ranks(report["distributed"], out)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _render_ranks(d: dict[str, Any], out: list[str]) -> None:
+    rows = d["ranks"]
+    out.append(f"== ranks: {len(rows)} log(s) of world size {rows[0]['world_size']}")
+    out.append(f"   {'rank':>4} {'steps':>7} {'wall ms':>9} {'GPU ms':>9} {'peak':>11} {'syncs/step':>10}  log")
+    for r in rows:
+        syncs = r["syncs_per_step_median"]
+        out.append(
+            f"   {r['rank']:>4} {r['measured_steps']:>7,} {_f(r['wall_ms_median']):>9} {_f(r['gpu_ms_median']):>9} "
+            f"{_b(r['peak_allocated_bytes_max']):>11} {'n/a' if syncs is None else format(syncs, 'g'):>10}  {r['log']}"
+        )
+    for n in d["notes"]:
+        out.append(f"   note: {n}")
+    ex = d["exchanges"]
+    if ex is None:
+        out.append("   stepprof's exchanges: no ranks records (rank 0's log not given, or ranks_every=0)")
+    else:
+        counts = ex["straggler_counts"]
+        named = ", ".join(f"rank {k} in {v:,}" for k, v in counts.items()) or "no rank"
+        out.append(f"   stepprof's exchanges: {ex['exchanges']:,}; straggler named: {named}")
+        rec = ex["latest_named"]
+        if rec is not None:
+            out.append(
+                f"   latest named (step {rec.get('step')}): rank {rec.get('straggler_rank')}, "
+                f"basis {rec.get('straggler_basis')}, {_f(rec.get('straggler_excess_ms'))} ms over the median"
+            )
+        last = ex["latest"]
+        if last is not None and last.get("straggler_rank") is None:
+            why = (last.get("unavailable") or {}).get("straggler_rank")
+            out.append(f"   latest exchange (step {last.get('step')}): no straggler" + (f" ({why})" if why else ""))
+    c = d["from_medians"]
+    if c["straggler_rank"] is not None:
+        out.append(
+            f"   from the per-rank medians: rank {c['straggler_rank']} (basis {c['basis']}, "
+            f"{c['excess_ms']:.2f} ms over the median; {c['step_figure']})"
+        )
+    else:
+        out.append(f"   from the per-rank medians: no straggler ({c['reason']})")
 
 
 def _render_run(run: dict[str, Any], out: list[str], several: bool) -> None:
