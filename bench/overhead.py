@@ -37,8 +37,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
 import stepprof  # noqa: E402
-from _common import run_info  # noqa: E402 - bench/ is on sys.path when a script in it runs
+from _common import run_info  # noqa: E402
 
 
 def make_workload(width: int, batch: int, depth: int = 8):

@@ -188,6 +188,7 @@ class CudaBackend:
         self.sync_mechanism: str | None = None if syncs == "off" else syncs
         self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
         self._sync_resolved = syncs != "trace"
+        _syncs.PROBES.setdefault("repeat_interleave", functools.partial(_repeat_interleave_waits, device_index))
         if nvtx:
             # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
             nv = getattr(torch._C, "_nvtx", None)
@@ -266,7 +267,6 @@ class CudaBackend:
                 )
         tracker.mechanism = self.sync_mechanism
         if self.sync_mechanism == "trace":
-            calibrate_multi_waits(self.index, "trace", _install_trace_route)
             _syncs.attach(tracker, _install_trace_route)
             return None
         if not _syncs.installed() and torch._C._cuda_get_sync_debug_mode() == 2:
@@ -274,7 +274,6 @@ class CudaBackend:
                 "torch's sync-debug mode is 'error' (set outside stepprof), "
                 "so a sync raises instead of being counted"
             )
-        calibrate_multi_waits(self.index, "warn", _install_warn_route)
         _syncs.attach(tracker, _install_warn_route)
         return None
 
@@ -494,37 +493,26 @@ def _enable_gpu_trace(index: int) -> str | None:
     return None
 
 
-_calibrated: set[str] = set()
+def _repeat_interleave_waits(index: int) -> int:
+    """How many waits one call of ``repeat_interleave`` without ``output_size`` makes.
 
-
-def calibrate_multi_waits(index: int, mechanism: str, install: Callable[[], list[Callable[[], None]]]) -> None:
-    """Measure, once per process and mechanism, how many waits one call of each
-    multi-wait C++ op makes, into :data:`stepprof._syncs.WAITS_PER_CALL`.
-
-    ``repeat_interleave`` without ``output_size`` reads two figures back from the
-    device (the output size, and a check that no repeat is negative): two waits per
-    call on torch 2.4-2.13, but that is torch's implementation, so it is measured,
-    not assumed.  The probe runs on a fresh, idle side stream, so its waits drain
-    nothing of the user's (about 100 µs, once, at the first step).  If it fails, every
-    wait counts, as before.
+    Registered as the ``repeat_interleave`` probe of :mod:`stepprof._syncs`, which runs
+    it once per process, at the first wait it sees of that kind: from inside the
+    user's own call, so its kernels are loaded already.  It runs on a fresh, idle side
+    stream, so its waits drain nothing of the user's, and its waits are counted, through
+    the mechanism in use, by a :class:`stepprof._syncs.WaitCounter` pushed on this
+    thread.  torch 2.4-2.13 read two figures back (the output size, and a check that
+    no repeat is negative): 2.  That is torch's implementation, so it is measured.
     """
-    if mechanism in _calibrated:
-        return
-    _calibrated.add(mechanism)
-    probe = _syncs.WaitCounter()
+    counter = _syncs.WaitCounter()
+    _syncs.attach(counter, list)  # type: ignore[arg-type] - a step is open: nothing to install
     try:
         side = torch.cuda.Stream(index)
         with torch.cuda.stream(side):
-            repeats = torch.ones(2, dtype=torch.long, device=torch.device("cuda", index))
-            _syncs.attach(probe, install)  # type: ignore[arg-type]
-            try:
-                torch.repeat_interleave(repeats)
-            finally:
-                _syncs.detach()
-    except Exception:  # noqa: BLE001 - no calibration: each wait counts
-        return
-    if probe.waits > 1:
-        _syncs.WAITS_PER_CALL["repeat_interleave"] = probe.waits
+            torch.repeat_interleave(torch.ones(2, dtype=torch.long, device=torch.device("cuda", index)))
+    finally:
+        _syncs.detach()
+    return counter.waits
 
 
 def _install_trace_route() -> list[Callable[[], None]]:

@@ -16,9 +16,9 @@ on that thread then
   A C++ op that waits several times in one call (``repeat_interleave``
   without ``output_size`` waits twice) looks, from Python, exactly like that many
   calls in a loop: same frame, same instruction.  Its waits per call are
-  measured once per process (:data:`WAITS_PER_CALL`, see
-  ``stepprof._cuda.calibrate_multi_waits``), and each group of that many waits
-  at one site counts as one call;
+  measured once per process, at the first wait of that kind (:data:`PROBES`,
+  :data:`WAITS_PER_CALL`), and each group of that many waits at one site counts
+  as one call;
 * applies the step's sync budget (``max_syncs``, ``on_sync``).
 
 The warning route's plumbing is here too (:class:`WarningTap`): torch's
@@ -241,9 +241,12 @@ def classify(frame: Any) -> tuple[str | None, str]:
 _sites_by_code: dict[tuple[int, int, str | None], tuple[Any, _Site]] = {}
 
 #: Kind -> how many waits one call makes, for the C++ ops that wait more than once per
-#: call.  Filled by measurement (``stepprof._cuda.calibrate_multi_waits``), never
-#: assumed: an uncalibrated kind counts every wait.
+#: call.  Filled by measurement (:data:`PROBES`), never assumed: an unmeasured kind
+#: counts every wait.
 WAITS_PER_CALL: dict[str, int] = {}
+#: Kind -> a function that measures one call's waits (registered by the CUDA backend).
+#: Each runs once per process, at the first wait of its kind, from inside that wait.
+PROBES: dict[str, Callable[[], int]] = {}
 
 
 class WaitCounter:
@@ -373,6 +376,18 @@ class SyncTracker:
             if len(_sites_by_code) > 50_000:
                 _sites_by_code.clear()
             hit = _sites_by_code[key] = (code, _name_site(user, origin, hint))
+        kind = hit[1][1]
+        if kind in PROBES and kind not in WAITS_PER_CALL:  # a multi-wait op's first wait: measure it
+            probe = PROBES.pop(kind)
+            self._mute += 1  # (a WaitCounter gets the probe's own waits; this is a guard)
+            try:
+                n = probe()
+            except Exception:  # noqa: BLE001 - unmeasured: each wait counts
+                n = 0
+            finally:
+                self._mute -= 1
+            if n > 1:
+                WAITS_PER_CALL[kind] = n
         counts = self._sites.get(hit[1])  # two locations can make one site
         if counts is None:
             counts = self._sites[hit[1]] = [0, 0]

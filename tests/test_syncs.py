@@ -93,6 +93,32 @@ def test_each_kind_is_named_and_attributed_to_the_users_line(log, gpu, monkeypat
 
 
 
+def test_a_multi_wait_op_is_measured_once_at_its_first_wait(log, gpu, monkeypatch):
+    monkeypatch.setattr(_syncs, "WAITS_PER_CALL", {})
+    calls = []
+
+    def probe():  # what the CUDA backend registers: run the op once, count its waits
+        calls.append(1)
+        gpu.sync()  # a wait while probing is never the user's (the CUDA probe counts its own)
+        return 2
+
+    monkeypatch.setattr(_syncs, "PROBES", {"repeat_interleave": probe})
+    t = FakeTensor(gpu)
+    with make(log, gpu) as prof:
+        with prof.step():
+            t.item()  # not a multi-wait kind: no probe
+            assert calls == []
+            for _ in range(2):
+                t.repeat_interleave(2)  # probed
+        with prof.step():
+            t.repeat_interleave(2)  # again
+    assert calls == [1] and _syncs.WAITS_PER_CALL == {"repeat_interleave": 2}
+    first, second = steps(log)
+    assert sites(first)[(line_of("probed"), "repeat_interleave")] == (2, 4)
+    assert first["syncs"]["count"] == 3  # item + 2 calls; the probe's wait is not the user's
+    assert sites(second) == {(line_of("again"), "repeat_interleave"): (1, 2)}
+
+
 @pytest.mark.parametrize("calibrated, expected", [(2, (3, 6)), (None, (6, 6))])
 def test_a_multi_wait_op_in_a_loop_counts_its_calls(log, gpu, monkeypatch, calibrated, expected):
     if calibrated is not None:
