@@ -25,7 +25,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--ranks-every", type=int, default=10)
     ap.add_argument("--straggler", type=int, default=None, help="rank that does extra work in forward")
-    ap.add_argument("--log", default="ddp-example.jsonl")
+    ap.add_argument("--jsonl", default="ddp-example.jsonl",
+                    help="log path (each rank writes <stem>.rank<R>.jsonl); not --log, which torchrun takes")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -43,7 +44,7 @@ def main() -> None:
     w = torch.randn(width, width, device=device)
     slow = args.straggler == rank
 
-    with stepprof.Profiler(args.log, warmup=5, ranks_every=args.ranks_every) as prof:
+    with stepprof.Profiler(args.jsonl, warmup=5, ranks_every=args.ranks_every) as prof:
         for _ in range(args.steps):
             with prof.step(batch_size=batch):
                 with prof.measure("forward"):

@@ -388,6 +388,10 @@ class Exchange:
         self._is_zero = ident.rank == 0 if group is None else None
 
     # training thread
+    def due(self) -> bool:
+        """Whether the next step exit enqueues an exchange."""
+        return (self.exits + 1) % self.every == 0 and self.failed is None
+
     def step_exit(self, step: int | None, device_index: int | None) -> None:
         """Count a step exit; at every ``every``-th, enqueue the exchange (never waits)."""
         self.exits += 1

@@ -707,6 +707,14 @@ class Profiler:
         if step.index == self._memory_due:
             self._snapshot_memory(step, b)
         if self._exchange is not None:  # after the sync watch: enqueues, never waits
+            if self._exchange.due() and self._harvest_lock.acquire(blocking=False):
+                # Bring the window up to date first: the collector runs every 20 ms, so a
+                # short window could otherwise still be empty.  This harvests only steps
+                # whose events have completed (query(), never a wait).
+                try:
+                    self._harvest()
+                finally:
+                    self._harvest_lock.release()
             self._exchange.step_exit(step.index, getattr(b, "index", None))
         if exc is not None:
             step.error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
