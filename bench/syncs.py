@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +35,7 @@ import stepprof  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_info  # noqa: E402
-from overhead import make_workload, phased_step, quantiles  # noqa: E402
+from overhead import make_workload, median_ci, phased_step, quantiles  # noqa: E402
 
 
 def interleave(variants: dict, rounds: int, k: int, base: str) -> dict:
@@ -56,14 +57,16 @@ def interleave(variants: dict, rounds: int, k: int, base: str) -> dict:
                 fn()
             torch.cuda.synchronize()
             per[v].append((time.perf_counter() - t0) / k * 1e6)
-    return {
-        v: {
+    out = {}
+    for v, xs in per.items():
+        ratios = [x / b for x, b in zip(xs, per[base])]
+        out[v] = {
             "us": quantiles(xs),
-            "ratio": quantiles([x / b for x, b in zip(xs, per[base])]),
+            "ratio": {**quantiles(ratios), "median_ci95": median_ci(ratios)},
             "added_us": quantiles([x - b for x, b in zip(xs, per[base])]),
+            "rounds_us": xs,
         }
-        for v, xs in per.items()
-    }
+    return out
 
 
 def alloc_pair_us(n: int = 20000) -> float:
@@ -124,8 +127,15 @@ def main() -> int:
     for p in ps.values():
         p.close()
     med = {v: r["us"]["median"] for v, r in per_sync.items()}
+    # Per round, from that round's four variants (a paired estimate: drift between rounds
+    # cancels), then the median over rounds and its 95% bootstrap interval.
+    r = {v: per_sync[v]["rounds_us"] for v in per_sync}
+    did = [(w50 - o50 - w0 + o0) / n_syncs
+           for w50, o50, w0, o0 in zip(r["warn-50"], r["off-50"], r["warn-0"], r["off-0"])]
     added = {
-        "median": (med["warn-50"] - med["off-50"] - med["warn-0"] + med["off-0"]) / n_syncs
+        "median": statistics.median(did),
+        "median_ci95": median_ci(did),
+        "from_variant_medians": (med["warn-50"] - med["off-50"] - med["warn-0"] + med["off-0"]) / n_syncs,
     }
     res["per_sync"] = {
         "syncs_per_step": n_syncs,
@@ -133,7 +143,7 @@ def main() -> int:
         "item_us_untracked": (per_sync["off-50"]["us"]["median"] - per_sync["off-0"]["us"]["median"])
         / n_syncs,
         "added_us_per_sync": added,
-        "note": "from the four variants' medians; their spreads are under 'variants'",
+        "note": "median over rounds of each round's (warn-50 - off-50 - warn-0 + off-0) / syncs",
         "variants": per_sync,
     }
 
@@ -170,12 +180,15 @@ def main() -> int:
     print("1. launch-bound phased step, sync tracking off vs on")
     for v, r in res["launch_bound"].items():
         print(f"   {v:10s} {r['us']['median']:8.1f} µs/step  ratio {r['ratio']['median']:.4f} "
+              f"(95% CI {r['ratio']['median_ci95'][0]:.4f}-{r['ratio']['median_ci95'][1]:.4f}) "
               f"[p10 {r['ratio']['p10']:.4f}, p90 {r['ratio']['p90']:.4f}]  "
               f"added {r['added_us']['median']:+.1f} µs")
     ps = res["per_sync"]
     a = ps["added_us_per_sync"]
     print(f"2. per sync: .item() {ps['item_us_untracked']:.1f} µs untracked; tracking adds "
-          f"{a['median']:.2f} µs per sync; counted {ps['counted_per_step']} of {n_syncs} per step")
+          f"{a['median']:.2f} µs per sync (95% CI {a['median_ci95'][0]:.2f}-{a['median_ci95'][1]:.2f}; "
+          f"{a['from_variant_medians']:.2f} from the variants' medians); "
+          f"counted {ps['counted_per_step']} of {n_syncs} per step")
     t = res["trace"]
     print(f"3. trace ({t['mechanism']}): {t['allocations_per_step']:.0f} allocations/step; alloc+free "
           f"{t['alloc_free_pair_us_before']:.2f} -> {t['alloc_free_pair_us_after']:.2f} µs once active: "

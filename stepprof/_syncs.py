@@ -508,12 +508,23 @@ class WarningTap:
         self.forward = forward
         self._filter = ("always", re.compile(re.escape(SYNC_MESSAGE)), UserWarning, None, 0)
         self._previous: Any = None
+        self._cleared = False
         self._hook = self._show  # one bound method, so that uninstall can recognise it
 
     def install(self) -> Callable[[], None]:
         self._previous = warnings._showwarnmsg  # type: ignore[attr-defined]
         warnings.filters.insert(0, self._filter)
-        _filters_mutated()  # registries of "already shown" locations must not hide a sync
+        if self.forward or not self._cleared:
+            # A location's registry of "already shown" warnings is checked before any
+            # filter, so a sync warning once shown there (under the user's own "warn"
+            # mode) would be hidden from us.  Bumping the filters' version clears every
+            # registry -- and so shows each of the user's once-per-location warnings once
+            # more.  That is done at the first install of the process, and at each one
+            # while the user has "warn" on (sync warnings are shown, so registered, between
+            # steps).  Otherwise sync warnings only happen under our "always" filter, which
+            # registers nothing, and the user's warnings stay shown once, as before.
+            _filters_mutated()
+            self._cleared = True
         warnings._showwarnmsg = self._hook  # type: ignore[attr-defined]
         return self.uninstall
 

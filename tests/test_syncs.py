@@ -344,6 +344,38 @@ def test_warning_tap_counts_sync_warnings_and_passes_the_rest_on():
     assert shown.messages == ["the user's own warning"]
 
 
+def test_the_users_once_per_location_warnings_stay_shown_once_across_steps():
+    tap = _syncs.WarningTap(forward=False)  # one tap for the process, installed at every step
+    with warnings.catch_warnings(), _Shown() as shown:
+        warnings.simplefilter("default")  # Python's default: once per location
+        for _ in range(4):
+            tap.install()
+            try:
+                warnings.warn("the user's own warning, every step")  # every step
+            finally:
+                tap.uninstall()
+    assert shown.messages == ["the user's own warning, every step"]
+
+
+def test_a_sync_warning_shown_before_stepprof_is_still_counted():
+    with warnings.catch_warnings(), _Shown() as shown:
+        warnings.simplefilter("default")
+
+        def sync():
+            warnings.warn(_syncs.SYNC_MESSAGE)  # the location
+
+        sync()  # shown once by the user's own "warn" mode: now in the location's registry
+        tracker = _syncs.SyncTracker("warn")
+        tracker.begin([], None, "count", True)
+        _syncs.attach(tracker, _tapped())
+        try:
+            sync()
+        finally:
+            _syncs.detach()
+    assert shown.messages == [_syncs.SYNC_MESSAGE]
+    assert tracker.end()["count"] == 1
+
+
 def test_warning_tap_forwards_sync_warnings_when_the_user_had_them_on():
     tracker = _syncs.SyncTracker("warn")
     tracker.begin([], None, "count", True)
