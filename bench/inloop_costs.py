@@ -1,0 +1,142 @@
+"""What each thing stepprof does per step costs *inside* the launch-bound loop.
+
+A tight loop (bench/primitives.py) undersells these costs two to ten times: inside a
+training step the host's caches are cold.  So each primitive is added, alone, to
+bench/overhead.py's launch-bound step, and timed against the bare step in interleaved
+rounds, as bench/overhead.py does (median of per-round ratios, 95% bootstrap interval,
+process CPU time added):
+
+  ev2, ev5    2 or 5 ``torch.Event.record()`` per step (from a pool);
+  mem1        one ``_cuda_resetPeakMemoryStats`` and one ``_cuda_memoryStats`` read;
+  syncroute   the "warn" sync route installed and removed (``_syncs.attach``/``detach``);
+  nvtx4       four NVTX push/pop pairs;
+  pyrec       building a step-record-like nested dict;
+  collsim     a thread that, every 20 ms, calls ``elapsed_time`` 4 times and ``query``
+              once per step since its last wake (what the collector does);
+  step, full, full-inline   stepprof itself (bench/overhead.py's variants), and
+  full-nogc   ``full`` with Python's garbage collector off during the round.
+
+    python bench/inloop_costs.py [--rounds 150] [--steps 10] [--out inloop_costs.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import stepprof  # noqa: E402
+from stepprof import _cuda, _syncs  # noqa: E402
+from _common import run_info  # noqa: E402
+from overhead import make_workload, median_ci, phased_step  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--rounds", type=int, default=150)
+ap.add_argument("--steps", type=int, default=10, help="steps per variant per round")
+ap.add_argument("--out", default="inloop_costs.json")
+args = ap.parse_args()
+if not torch.cuda.is_available():
+    print("bench/inloop_costs.py needs CUDA; nothing measured")
+    raise SystemExit(0)
+rounds, k = args.rounds, args.steps
+fwd, bwd, opt = make_workload(256, 64)
+tmp = tempfile.mkdtemp()
+dev = torch.cuda.current_device()
+pool = [torch.Event(device="cuda", enable_timing=True) for _ in range(64)]
+ms = torch._C._cuda_memoryStats; rp = torch._C._cuda_resetPeakMemoryStats
+push = torch._C._nvtx.rangePushA; pop = torch._C._nvtx.rangePop
+tracker = _syncs.SyncTracker("warn")
+i = [0]
+def ev(n):
+    def f():
+        j = i[0]; i[0] = (j + n) % 60
+        pool[j].record(); fwd(); bwd(); opt()
+        for m in range(1, n): pool[j + m].record()
+    return f
+def mem1():
+    rp(dev); fwd(); bwd(); opt(); s = ms(dev); s["allocated_bytes"]["all"]["peak"]
+def syncroute():
+    tracker.begin([], None, "count", False)
+    _syncs.attach(tracker, _cuda._install_warn_route)
+    fwd(); bwd(); opt()
+    _syncs.detach(); tracker.end()
+def nvtx4():
+    push("s"); push("f"); fwd(); pop(); push("b"); bwd(); pop(); push("o"); opt(); pop(); pop()
+def pyrec():
+    fwd(); bwd(); opt()
+    r = {"a": 1, "phases": {n: {"wall_ms": 1.0, "gpu_ms": 2.0, "peak": 3, "count": 1, "syncs": 0} for n in ("f", "b", "o")},
+         "unavailable": {}, "syncs": {"count": 0, "sites": [], "mechanism": "warn"}, "x": [1, 2], "y": (3, 4)}
+    sink.append(r)
+    if len(sink) > 100: sink.clear()
+sink = []
+# a simulated collector: every 20 ms, elapsed_time on 4 completed pairs per step since the last wake
+done_ev = [torch.Event(device="cuda", enable_timing=True) for _ in range(2)]
+done_ev[0].record(); done_ev[1].record(); torch.cuda.synchronize()
+coll_on = threading.Event(); coll_stop = threading.Event(); coll_count = [0]
+def coll_loop():
+    while not coll_stop.wait(0.02):
+        if coll_on.is_set():
+            n = coll_count[0]; coll_count[0] = 0
+            for _ in range(n * 4):
+                done_ev[0].elapsed_time(done_ev[1])
+            for _ in range(n):
+                done_ev[1].query()
+threading.Thread(target=coll_loop, daemon=True).start()
+def collsim():
+    fwd(); bwd(); opt(); coll_count[0] += 1
+
+def prof(**kw):
+    return stepprof.Profiler(os.path.join(tmp, f"p{len(os.listdir(tmp))}.jsonl"), **kw)
+p_step, p_full, p_full_ng, p_full_inl = prof(), prof(), prof(), prof(_collect_every_s=None)
+def bare(): fwd(); bwd(); opt()
+def step():
+    with p_step.step(batch_size=64):
+        fwd(); bwd(); opt()
+variants = {"bare": bare, "bare-again": bare, "ev2": ev(2), "ev5": ev(5), "mem1": mem1, "syncroute": syncroute,
+            "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "step": step,
+            "full": lambda: phased_step(p_full, 64, fwd, bwd, opt),
+            "full-nogc": lambda: phased_step(p_full_ng, 64, fwd, bwd, opt),
+            "full-inline": lambda: phased_step(p_full_inl, 64, fwd, bwd, opt)}
+for fn in variants.values():
+    for _ in range(10): fn()
+torch.cuda.synchronize()
+per = {v: [] for v in variants}; cpu = {v: [] for v in variants}
+rng = random.Random(0)
+for _ in range(rounds):
+    order = list(variants); rng.shuffle(order)
+    for v in order:
+        fn = variants[v]
+        if v == "collsim": coll_on.set()
+        if v == "full-nogc": gc.disable()
+        torch.cuda.synchronize(); c0 = time.process_time(); t0 = time.perf_counter()
+        for _ in range(k): fn()
+        torch.cuda.synchronize(); t1 = time.perf_counter(); c1 = time.process_time()
+        gc.enable(); coll_on.clear()
+        per[v].append((t1 - t0) / k * 1e6); cpu[v].append((c1 - c0) / k * 1e6)
+coll_stop.set()
+summ = {"step": p_step.close(), "full": p_full.close(), "full-nogc": p_full_ng.close(), "full-inline": p_full_inl.close()}
+out = {}
+print(f"{run_info('inloop_costs.py')['gpu']}, {rounds} interleaved rounds x {k} steps")
+print(f"{'variant':12s} {'us/step':>8s} {'added':>7s} {'ratio':>7s} {'CI95':>15s} {'cpu+':>7s} {'ovh':>6s}")
+for v, xs in per.items():
+    r = [x / b for x, b in zip(xs, per["bare"])]
+    a = statistics.median([x - b for x, b in zip(xs, per["bare"])])
+    c = statistics.median([x - b for x, b in zip(cpu[v], cpu["bare"])])
+    ci = median_ci(r)
+    o = summ[v].overhead_us_median if v in summ else None
+    out[v] = {"us": statistics.median(xs), "added_us": a, "ratio": statistics.median(r), "ci": ci, "cpu_added_us": c, "overhead_us": o}
+    print(f"{v:12s} {statistics.median(xs):8.1f} {a:7.1f} {statistics.median(r):7.4f} {ci[0]:.4f}-{ci[1]:.4f} {c:7.1f} {'' if o is None else round(o, 1)!s:>6s}")
+with open(args.out, "w") as fh:
+    json.dump({**run_info("inloop_costs.py"), "rounds": rounds, "steps_per_round": k, "variants": out}, fh, indent=2)
