@@ -17,6 +17,7 @@ import torch
 from . import _memory
 from ._cuda import memory_backend
 from ._errors import ConfigError, UsageError
+from ._dist import RANKS_EVERY
 from ._memory import MemoryReport
 from ._profiler import (
     MEMORY_EVERY,
@@ -106,6 +107,11 @@ def configure(
     on_sync: str = "count",
     memory_every: int = MEMORY_EVERY,
     phase_peaks_every: int = PHASE_PEAKS_EVERY,
+    flops: str | None = None,
+    flops_per_step: float | None = None,
+    ranks_every: int = RANKS_EVERY,
+    log_ranks: str = "all",
+    group: Any = None,
 ) -> Profiler:
     """Set up the default profiler, used when no ``with Profiler(...)`` is active.
 
@@ -120,7 +126,8 @@ def configure(
     new = Profiler(
         log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
         on_sync=on_sync, memory_every=check_memory_every(memory_every),
-        phase_peaks_every=check_phase_peaks_every(phase_peaks_every),
+        phase_peaks_every=check_phase_peaks_every(phase_peaks_every), flops=flops,
+        flops_per_step=flops_per_step, ranks_every=ranks_every, log_ranks=log_ranks, group=group,
     )
     with _lock:
         old, _default = _default, new

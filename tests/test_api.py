@@ -206,6 +206,16 @@ def test_configure_sets_the_default_profiler(tmp_path):
         stepprof.configure(log=second, warmup=-1)
 
 
+def test_configure_takes_every_profiler_setting():
+    """configure() and Profiler() take the same settings (the default profiler is not a lesser one)."""
+    import inspect
+
+    def names(fn):
+        return {n for n in inspect.signature(fn).parameters if not n.startswith("_") and n != "self"}
+
+    assert names(stepprof.configure) == names(stepprof.Profiler.__init__)
+
+
 def test_environment_configures_the_default_profiler(tmp_path, monkeypatch):
     path = str(tmp_path / "env.jsonl")
     monkeypatch.setenv("STEPPROF_LOG", path)
