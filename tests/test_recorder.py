@@ -416,3 +416,28 @@ def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
     assert [orjson.loads(x)["step"] for x in lines if b'"kind":"step"' in x] == [0, 1, 2, 3]
     assert calls[0].endswith(b"\n")
     prof.close()
+
+
+def test_host_rss_is_the_figure_psutil_gives_and_falls_back_to_psutil(monkeypatch):
+    import os
+
+    import psutil
+
+    from stepprof._profiler import _HostRss
+
+    rss = _HostRss()
+    first = rss.read()
+    assert abs(first - psutil.Process().memory_info().rss) < 8 << 20  # same pages, read apart
+    grown = bytearray(64 << 20)
+    grown[::4096] = b"\1" * len(grown[::4096])  # touch every page: the RSS grows by 64 MiB
+    assert rss.read() - first > 48 << 20  # re-read, not cached
+    rss.forget()  # what a forked child does: reopen its own
+    assert abs(rss.read() - psutil.Process().memory_info().rss) < 8 << 20
+
+    def no_proc(*args, **kwargs):
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(os, "open", no_proc)
+    fallback = _HostRss()
+    assert abs(fallback.read() - psutil.Process().memory_info().rss) < 8 << 20
+    assert fallback._process is not None and fallback._fd is None
