@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -32,40 +31,17 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof  # noqa: E402
 from _common import run_info  # noqa: E402 - bench/ is on sys.path when a script in it runs
+from overhead import make_workload, phased_step, quantiles  # noqa: E402
 
 
-def make_ddp_workload(width: int, batch: int, device: torch.device, depth: int = 8):
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def make_ddp_workload(width: int, batch: int, device: torch.device):
+    """bench/overhead.py's MLP step (bf16 on CUDA, fp32 on the CPU), wrapped in DDP."""
     torch.manual_seed(0)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width, dtype=dtype), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers).to(device)
     ids = [device.index] if device.type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, width, device=device, dtype=dtype)
-    state = {}
-
-    def forward():
-        state["loss"] = model(x).float().pow(2).mean()
-
-    def backward():
-        state["loss"].backward()
-
-    def optimizer():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return forward, backward, optimizer
-
-
-def quantiles(xs):
-    s = sorted(xs)
-    if len(s) < 2:
-        return {"median": s[0], "p10": s[0], "p90": s[0]}
-    q = statistics.quantiles(s, n=10, method="inclusive")
-    return {"median": statistics.median(s), "p10": q[0], "p90": q[-1]}
+    return make_workload(
+        width, batch, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        wrap=lambda net: torch.nn.parallel.DistributedDataParallel(net, device_ids=ids),
+    )
 
 
 def run(width, batch, rounds, k, every, device, tmp, name):
@@ -80,15 +56,7 @@ def run(width, batch, rounds, k, every, device, tmp, name):
         fwd(); bwd(); opt()
 
     def phased(prof):
-        def step():
-            with prof.step(batch_size=batch):
-                with prof.measure("forward"):
-                    fwd()
-                with prof.measure("backward"):
-                    bwd()
-                with prof.measure("optimizer"):
-                    opt()
-        return step
+        return lambda: phased_step(prof, batch, fwd, bwd, opt)
 
     variants = {"bare": bare, "bare-again": bare, "single": phased(profs["single"]),
                 "exchange": phased(profs["exchange"])}

@@ -42,14 +42,19 @@ import stepprof  # noqa: E402
 from _common import run_info  # noqa: E402
 
 
-def make_workload(width: int, batch: int, depth: int = 8):
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def make_workload(width: int, batch: int, depth: int = 8, device: str | torch.device = "cuda",
+                  dtype: torch.dtype = torch.bfloat16, wrap=None):
+    """The MLP step's three parts; ``wrap`` wraps the model (bench/dist_overhead.py: DDP)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
     layers = []
     for _ in range(depth):
-        layers += [torch.nn.Linear(width, width, dtype=torch.bfloat16), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).cuda()
+        layers += [torch.nn.Linear(width, width, dtype=dtype), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    if wrap is not None:
+        model = wrap(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(batch, width, device=device, dtype=dtype, generator=gen)
     state = {}
 
     def forward():
@@ -78,6 +83,8 @@ def phased_step(prof, batch, fwd, bwd, opt):
 
 def quantiles(xs):
     s = sorted(xs)
+    if len(s) < 2:  # one round (a smoke run): no spread
+        return {"median": s[0], "p10": s[0], "p90": s[0]}
     q = statistics.quantiles(s, n=10, method="inclusive")
     return {"median": statistics.median(s), "p10": q[0], "p90": q[-1]}
 
