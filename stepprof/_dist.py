@@ -32,7 +32,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ._errors import ConfigError
+from ._errors import ConfigError, check_count
 
 __all__ = [
     "CLOSE_WAIT_S",
@@ -125,12 +125,10 @@ def rank_log_path(path: str, rank: int) -> str:
 
 
 def check_ranks_every(ranks_every: Any) -> int:
-    if isinstance(ranks_every, bool) or not isinstance(ranks_every, int) or ranks_every < 0:
-        raise ConfigError(
-            f"'ranks_every' must be an int >= 0 (got {ranks_every!r}); pass e.g. "
-            f"ranks_every={RANKS_EVERY}, or 0 to turn the cross-rank exchange off"
-        )
-    return ranks_every
+    return check_count(
+        ranks_every, "ranks_every",
+        f"pass e.g. ranks_every={RANKS_EVERY}, or 0 to turn the cross-rank exchange off",
+    )
 
 
 def check_log_ranks(log_ranks: Any) -> str:

@@ -53,7 +53,7 @@ from ._cuda import (
     memory_backend,
     select_backend,
 )
-from ._errors import ConfigError, StepprofError, UsageError
+from ._errors import ConfigError, StepprofError, UsageError, check_count
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
@@ -147,12 +147,10 @@ _NEVER = -1
 
 
 def check_memory_every(memory_every: Any, argument: str = "memory_every") -> int:
-    if isinstance(memory_every, bool) or not isinstance(memory_every, int) or memory_every < 0:
-        raise ConfigError(
-            f"{argument!r} must be an int >= 0 (got {memory_every!r}); pass e.g. "
-            f"{argument}={MEMORY_EVERY}, or 0 to write no periodic memory record"
-        )
-    return memory_every
+    return check_count(
+        memory_every, argument,
+        f"pass e.g. {argument}={MEMORY_EVERY}, or 0 to write no periodic memory record",
+    )
 
 
 #: Default of ``Profiler(phase_peaks_every=...)``.  A phase's peak costs one raw
@@ -164,13 +162,12 @@ PHASE_PEAKS_EVERY = 50
 
 
 def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ConfigError(
-            f"{argument!r} must be an int >= 0 (got {n!r}); pass 1 to read every phase's peak "
-            f"on every step, {PHASE_PEAKS_EVERY} (the default) to read them on one step in "
-            f"{PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never to read them"
-        )
-    return n
+    return check_count(
+        n, argument,
+        f"pass 1 to read every phase's peak on every step, {PHASE_PEAKS_EVERY} (the default) to "
+        f"read them on one step in {PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never "
+        f"to read them",
+    )
 
 
 def check_name(name: Any, argument: str = "name") -> str | None:
