@@ -358,7 +358,13 @@ class Profiler:
         self._watching = False
         self._counters: tuple[int, ...] | None = None
         self.memory_every = check_memory_every(memory_every)
-        self.phase_peaks_every = check_phase_peaks_every(phase_peaks_every)
+        self.phase_peaks_every = n = check_phase_peaks_every(phase_peaks_every)
+        self._phase_peaks_why = (  # why a step's phases have no peak (built once, not per record)
+            "phase peaks are off (phase_peaks_every=0); the step's peak is exact" if n == 0 else
+            f"not read on this step: while the step's peak holds steady, phase peaks are read "
+            f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every "
+            f"step). The step's peak_allocated_bytes is exact"
+        )
         self._last_peak = -1      # the previous step's peak ...
         self._steady = 0          # ... and how many steps in a row have repeated it
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
@@ -957,7 +963,7 @@ class Profiler:
                 unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
             if total.peak < 0:
                 unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
-                    self._phase_peaks_reason(s) if not s.phase_peaks else "not read"
+                    self._phase_peaks_why if not s.phase_peaks else "not read"
                 )
         released: set[int] = set()  # top-level phases share boundary events
         if self._exchange is not None:
@@ -1062,16 +1068,6 @@ class Profiler:
             self._sync_counts.append(s.syncs["count"])
         else:
             self._reasons.setdefault("syncs_per_step_median", unavailable["syncs"])
-
-    def _phase_peaks_reason(self, s: _Step) -> str:
-        n = self.phase_peaks_every
-        if n == 0:
-            return "phase peaks are off (phase_peaks_every=0); the step's peak is exact"
-        return (
-            f"not read on this step: while the step's peak holds steady, phase peaks are read "
-            f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every step). "
-            f"The step's peak_allocated_bytes is exact"
-        )
 
     def _add_flops(
         self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float
