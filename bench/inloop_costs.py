@@ -15,6 +15,16 @@ process CPU time added):
               once per step since its last wake (what the collector does);
   step, full, full-inline   stepprof itself (bench/overhead.py's variants), and
   full-nogc   ``full`` with Python's garbage collector off during the round.
+Diagnostics of where in-loop costs come from (which part of the sync route costs what;
+how much pure Python work costs inside the loop and on a second thread):
+  mode        only torch's sync-debug mode set to "warn" at step entry and back at exit;
+  tap         only the warnings tap (front filter, ``_showwarnmsg`` hook) installed and removed;
+  patches     only the three ``synchronize`` wrappers set and restored;
+  pywork      pure Python work that costs PYWORK_US in a tight loop, on the training thread
+              at each step's end;
+  collpy      the same work on a second thread, every 20 ms, for each step since its last
+              wake, in one go (the collector's shape);
+  collpy-yield  the same, with ``time.sleep(0)`` (a GIL release) after each step's share.
 
     python bench/inloop_costs.py [--rounds 150] [--steps 10] [--out inloop_costs.json]
 """
@@ -81,6 +91,35 @@ def pyrec():
     sink.append(r)
     if len(sink) > 100: sink.clear()
 sink = []
+# Pure Python work calibrated to PYWORK_US in a tight loop: dict and attribute churn like
+# building a record.
+PYWORK_US = 20.0
+def _work(n):
+    d = {}
+    for j in range(n):
+        d[j & 15] = {"a": j, "b": (j, j + 1), "c": str(j & 3)}
+    return d
+_n = 10
+while True:
+    t0 = time.perf_counter_ns()
+    for _ in range(200): _work(_n)
+    per_call = (time.perf_counter_ns() - t0) / 200 / 1e3
+    if per_call >= PYWORK_US: break
+    _n = int(_n * PYWORK_US / per_call) + 1
+PYWORK_N = _n
+print(f"pywork: {PYWORK_N} iterations, {per_call:.1f} us per call in a tight loop")
+def pywork():
+    fwd(); bwd(); opt(); _work(PYWORK_N)
+route = _cuda._WarnRoute()
+def mode():
+    torch._C._cuda_set_sync_debug_mode(1); fwd(); bwd(); opt(); torch._C._cuda_set_sync_debug_mode(0)
+tap0 = _syncs.tap(False)
+def tap():
+    tap0.install(); fwd(); bwd(); opt(); tap0.uninstall()
+def patches():
+    for q in route.patches: setattr(q[0], q[1], q[3])
+    fwd(); bwd(); opt()
+    for q in route.patches: setattr(q[0], q[1], q[4])
 # a simulated collector: every 20 ms, elapsed_time on 4 completed pairs per step since the last wake
 done_ev = [torch.Event(device="cuda", enable_timing=True) for _ in range(2)]
 done_ev[0].record(); done_ev[1].record(); torch.cuda.synchronize()
@@ -97,6 +136,22 @@ threading.Thread(target=coll_loop, daemon=True).start()
 def collsim():
     fwd(); bwd(); opt(); coll_count[0] += 1
 
+py_on = threading.Event(); py_count = [0, 0]
+def collpy_loop():
+    while not coll_stop.wait(0.02):
+        if not py_on.is_set():
+            continue  # a step's share left at the round's end waits for the variant's next round
+        for slot, yield_ in ((0, False), (1, True)):
+            n = py_count[slot]; py_count[slot] = 0
+            for _ in range(n):
+                _work(PYWORK_N)
+                if yield_: time.sleep(0)
+threading.Thread(target=collpy_loop, daemon=True).start()
+def collpy():
+    fwd(); bwd(); opt(); py_count[0] += 1
+def collpy_yield():
+    fwd(); bwd(); opt(); py_count[1] += 1
+
 def prof(**kw):
     return stepprof.Profiler(os.path.join(tmp, f"p{len(os.listdir(tmp))}.jsonl"), **kw)
 p_step, p_full, p_full_ng, p_full_inl = prof(), prof(), prof(), prof(_collect_every_s=None)
@@ -105,7 +160,9 @@ def step():
     with p_step.step(batch_size=64):
         fwd(); bwd(); opt()
 variants = {"bare": bare, "bare-again": bare, "ev2": ev(2), "ev5": ev(5), "mem1": mem1, "syncroute": syncroute,
-            "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "step": step,
+            "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "mode": mode, "tap": tap,
+            "patches": patches, "pywork": pywork, "collpy": collpy, "collpy-yield": collpy_yield,
+            "step": step,
             "full": lambda: phased_step(p_full, 64, fwd, bwd, opt),
             "full-nogc": lambda: phased_step(p_full_ng, 64, fwd, bwd, opt),
             "full-inline": lambda: phased_step(p_full_inl, 64, fwd, bwd, opt)}
@@ -119,11 +176,12 @@ for _ in range(rounds):
     for v in order:
         fn = variants[v]
         if v == "collsim": coll_on.set()
+        if v.startswith("collpy"): py_on.set()
         if v == "full-nogc": gc.disable()
         torch.cuda.synchronize(); c0 = time.process_time(); t0 = time.perf_counter()
         for _ in range(k): fn()
         torch.cuda.synchronize(); t1 = time.perf_counter(); c1 = time.process_time()
-        gc.enable(); coll_on.clear()
+        gc.enable(); coll_on.clear(); py_on.clear()
         per[v].append((t1 - t0) / k * 1e6); cpu[v].append((c1 - c0) / k * 1e6)
 coll_stop.set()
 summ = {"step": p_step.close(), "full": p_full.close(), "full-nogc": p_full_ng.close(), "full-inline": p_full_inl.close()}
@@ -139,4 +197,4 @@ for v, xs in per.items():
     out[v] = {"us": statistics.median(xs), "added_us": a, "ratio": statistics.median(r), "ci": ci, "cpu_added_us": c, "overhead_us": o}
     print(f"{v:12s} {statistics.median(xs):8.1f} {a:7.1f} {statistics.median(r):7.4f} {ci[0]:.4f}-{ci[1]:.4f} {c:7.1f} {'' if o is None else round(o, 1)!s:>6s}")
 with open(args.out, "w") as fh:
-    json.dump({**run_info("inloop_costs.py"), "rounds": rounds, "steps_per_round": k, "variants": out}, fh, indent=2)
+    json.dump({**run_info("inloop_costs.py"), "pywork_tight_us": per_call, "rounds": rounds, "steps_per_round": k, "variants": out}, fh, indent=2)
