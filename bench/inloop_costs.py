@@ -13,6 +13,10 @@ process CPU time added):
   pyrec       building a step-record-like nested dict;
   collsim     a thread that, every 20 ms, calls ``elapsed_time`` 4 times and ``query``
               once per step since its last wake (what the collector does);
+  floor-step  only the CUDA calls a step record needs, with none of stepprof's Python
+              around them: 2 event records, the peak reset and read, the sync route
+              installed and removed, and on a second thread 1 ``elapsed_time`` + 1 ``query``;
+  floor-full  the same for the phased loop: 5 event records, 4 ``elapsed_time`` + 1 ``query``;
   step, full, full-inline   stepprof itself (bench/overhead.py's variants), and
   full-nogc   ``full`` with Python's garbage collector off during the round.
 Diagnostics of where in-loop costs come from (which part of the sync route costs what;
@@ -123,18 +127,36 @@ def patches():
 # a simulated collector: every 20 ms, elapsed_time on 4 completed pairs per step since the last wake
 done_ev = [torch.Event(device="cuda", enable_timing=True) for _ in range(2)]
 done_ev[0].record(); done_ev[1].record(); torch.cuda.synchronize()
-coll_on = threading.Event(); coll_stop = threading.Event(); coll_count = [0]
+coll_on = threading.Event(); coll_stop = threading.Event()
+coll_jobs = [0, 0]  # elapsed_time calls, query calls owed
 def coll_loop():
     while not coll_stop.wait(0.02):
         if coll_on.is_set():
-            n = coll_count[0]; coll_count[0] = 0
-            for _ in range(n * 4):
+            n_el, n_q = coll_jobs; coll_jobs[0] = coll_jobs[1] = 0
+            for _ in range(n_el):
                 done_ev[0].elapsed_time(done_ev[1])
-            for _ in range(n):
+            for _ in range(n_q):
                 done_ev[1].query()
 threading.Thread(target=coll_loop, daemon=True).start()
 def collsim():
-    fwd(); bwd(); opt(); coll_count[0] += 1
+    fwd(); bwd(); opt(); coll_jobs[0] += 4; coll_jobs[1] += 1
+# The floor: only the CUDA calls the issue asks for, with none of stepprof's bookkeeping.
+def floor_step():
+    j = i[0]; i[0] = (j + 2) % 60
+    tracker.begin([], None, "count", False); _syncs.attach(tracker, _cuda._install_warn_route)
+    rp(dev); pool[j].record()
+    fwd(); bwd(); opt()
+    pool[j + 1].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
+    _syncs.detach(); tracker.end()
+    coll_jobs[0] += 1; coll_jobs[1] += 1
+def floor_full():
+    j = i[0]; i[0] = (j + 5) % 60
+    tracker.begin([], None, "count", False); _syncs.attach(tracker, _cuda._install_warn_route)
+    rp(dev); pool[j].record()
+    fwd(); pool[j + 1].record(); bwd(); pool[j + 2].record(); opt(); pool[j + 3].record()
+    pool[j + 4].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
+    _syncs.detach(); tracker.end()
+    coll_jobs[0] += 4; coll_jobs[1] += 1
 
 py_on = threading.Event(); py_count = [0, 0]
 def collpy_loop():
@@ -162,7 +184,7 @@ def step():
 variants = {"bare": bare, "bare-again": bare, "ev2": ev(2), "ev5": ev(5), "mem1": mem1, "syncroute": syncroute,
             "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "mode": mode, "tap": tap,
             "patches": patches, "pywork": pywork, "collpy": collpy, "collpy-yield": collpy_yield,
-            "step": step,
+            "floor-step": floor_step, "floor-full": floor_full, "step": step,
             "full": lambda: phased_step(p_full, 64, fwd, bwd, opt),
             "full-nogc": lambda: phased_step(p_full_ng, 64, fwd, bwd, opt),
             "full-inline": lambda: phased_step(p_full_inl, 64, fwd, bwd, opt)}
@@ -175,7 +197,7 @@ for _ in range(rounds):
     order = list(variants); rng.shuffle(order)
     for v in order:
         fn = variants[v]
-        if v == "collsim": coll_on.set()
+        if v == "collsim" or v.startswith("floor"): coll_on.set()
         if v.startswith("collpy"): py_on.set()
         if v == "full-nogc": gc.disable()
         torch.cuda.synchronize(); c0 = time.process_time(); t0 = time.perf_counter()

@@ -7,7 +7,8 @@ MLP, batch 64, AdamW) inside the README's phased loop:
      A/A control (off vs off again);
   2. the added cost per sync: steps of 50 ``.item()`` calls and of none (40 steps a round), off vs
      "warn"; (added with 50 - added with none) / 50, so that the per-step cost of
-     installing the tracking is not counted per sync;
+     installing the tracking is not counted per sync.  And its floor: the same with only
+     torch's sync warning and Python's warnings machinery (a hook that does nothing);
   3. the opt-in "trace" mechanism.  Activating torch's GPU trace cannot be undone
      and makes every allocation and free call into Python, whoever allocates, so it
      runs last: the per-allocation cost before and after activation, the
@@ -23,15 +24,18 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof  # noqa: E402
+from stepprof import _syncs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import run_info  # noqa: E402
@@ -119,10 +123,35 @@ def main() -> int:
                     s.item()
         return step
 
+    # The floor: what torch and Python's warnings cost per sync before any counting --
+    # sync-debug mode "warn", a front "always" filter for the message, and a hook in place
+    # of warnings._showwarnmsg that does nothing (stepprof's own route minus its counting).
+    front = ("always", re.compile(re.escape(_syncs.SYNC_MESSAGE)), UserWarning, None, 0)
+
+    def floor(p, n):
+        def step():
+            with p.step():
+                torch._C._cuda_set_sync_debug_mode(1)
+                warnings.filters.insert(0, front)
+                shown, warnings._showwarnmsg = warnings._showwarnmsg, lambda msg: None
+                try:
+                    for _ in range(n):
+                        s.item()
+                finally:
+                    warnings._showwarnmsg = shown
+                    warnings.filters.remove(front)
+                    torch._C._cuda_set_sync_debug_mode(0)
+        return step
+
     ps = {v: prof("s-" + v, syncs=v.split("-")[0]) for v in ("off-0", "warn-0", "off-50", "warn-50")}
+    pf = {v: prof("s-" + v, syncs="off") for v in ("floor-0", "floor-50")}
     per_sync = interleave(
-        {v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()}, args.rounds, 40, "off-0"
+        {**{v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()},
+         **{v: floor(p, int(v.split("-")[1])) for v, p in pf.items()}},
+        args.rounds, 40, "off-0",
     )
+    for p in pf.values():
+        p.close()
     counted = ps["warn-50"].close().syncs_per_step_median
     for p in ps.values():
         p.close()
@@ -137,7 +166,12 @@ def main() -> int:
         "median_ci95": median_ci(did),
         "from_variant_medians": (med["warn-50"] - med["off-50"] - med["warn-0"] + med["off-0"]) / n_syncs,
     }
+    fl = [(f50 - o50 - f0 + o0) / n_syncs
+          for f50, o50, f0, o0 in zip(r["floor-50"], r["off-50"], r["floor-0"], r["off-0"])]
     res["per_sync"] = {
+        "floor_us_per_sync": {"median": statistics.median(fl), "median_ci95": median_ci(fl),
+                              "note": "torch's sync warning and Python's warnings machinery, "
+                                      "with a hook that does nothing"},
         "syncs_per_step": n_syncs,
         "counted_per_step": counted,
         "item_us_untracked": (per_sync["off-50"]["us"]["median"] - per_sync["off-0"]["us"]["median"])
@@ -189,6 +223,9 @@ def main() -> int:
           f"{a['median']:.2f} µs per sync (95% CI {a['median_ci95'][0]:.2f}-{a['median_ci95'][1]:.2f}; "
           f"{a['from_variant_medians']:.2f} from the variants' medians); "
           f"counted {ps['counted_per_step']} of {n_syncs} per step")
+    f = ps["floor_us_per_sync"]
+    print(f"   the floor (torch's warning + Python's warnings, a hook that does nothing): "
+          f"{f['median']:.2f} µs per sync (95% CI {f['median_ci95'][0]:.2f}-{f['median_ci95'][1]:.2f})")
     t = res["trace"]
     print(f"3. trace ({t['mechanism']}): {t['allocations_per_step']:.0f} allocations/step; alloc+free "
           f"{t['alloc_free_pair_us_before']:.2f} -> {t['alloc_free_pair_us_after']:.2f} µs once active: "
