@@ -95,7 +95,7 @@ class _Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
-        "counters", "phase_peaks",
+        "counters", "phase_peaks", "backend",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -116,6 +116,9 @@ class _Step:
         self.syncs_reason: str | None = None
         self.counters: tuple[int, ...] | None = None
         self.phase_peaks = True
+        # The backend it was measured on: harvested with it even if the profiler has
+        # moved from the host to CUDA since (device=None, CUDA initialised later).
+        self.backend: Any = None
 
 
 def check_device(device: Any) -> torch.device | None:
@@ -613,6 +616,7 @@ class Profiler:
         index = self._next_index
         self._next_index += 1
         step = _Step(index, name, index < self.warmup, batch_size)
+        step.backend = b
         n = self.phase_peaks_every
         if n != 1:
             step.phase_peaks = n > 0 and (
@@ -908,7 +912,6 @@ class Profiler:
         """
         if self._exchange is not None:
             self._exchange.poll(self._write)
-        b = self._backend
         pending = self._pending
         if not pending:
             return
@@ -916,6 +919,7 @@ class Profiler:
         try:
             while pending:
                 s = pending[0]
+                b = s.backend
                 if not b.is_done(s.end_mark):
                     return
                 for total in s.phases.values():

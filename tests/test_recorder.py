@@ -441,3 +441,33 @@ def test_host_rss_is_the_figure_psutil_gives_and_falls_back_to_psutil(monkeypatc
     fallback = _HostRss()
     assert abs(fallback.read() - psutil.Process().memory_info().rss) < 8 << 20
     assert fallback._process is not None and fallback._fd is None
+
+
+def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, monkeypatch):
+    """device=None: step 0 runs before CUDA is initialised (host), step 1 after (CUDA).  Step 0 is
+    still waiting for the collector when the backend switches; its record is the host's."""
+    import torch
+
+    from stepprof import _profiler
+    from stepprof._cuda import HostBackend
+
+    cuda_up = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(cuda_up))
+    monkeypatch.setattr(
+        _profiler, "select_backend",
+        lambda device, **kw: gpu if cuda_up else HostBackend("CUDA is not initialised"),
+    )
+    prof = stepprof.Profiler(log, _clock=gpu.clock, _collect_every_s=30)  # no harvest before close
+    with prof.step():
+        gpu.host(1.0)
+    cuda_up.append(True)            # the training code initialises CUDA
+    with prof.step():
+        gpu.launch(1.0)
+    prof.close()
+    host, cuda = steps(log)
+    assert host["device"] == "cpu" and cuda["device"] == "cuda:0"
+    assert host["host_rss_bytes"] > 0                      # read at its exit: not dropped
+    assert host["unavailable"]["gpu_ms"] == "CUDA is not initialised"  # not "capturing a CUDA graph"
+    assert "CPU allocator" in host["unavailable"]["peak_allocated_bytes"]
+    assert cuda["gpu_ms"] == pytest.approx(1.0)
