@@ -416,6 +416,7 @@ class Profiler:
         self._collector_error: str | None = None
         self._stop = threading.Event()
         self._harvest_lock = threading.Lock()
+        self._close_lock = threading.RLock()  # one close(): a concurrent one waits for it
         # Memory records: the step index due one, readings awaiting the collector,
         # and the highest step peak written so far (kept by the collector thread).
         self._memory_due = self.warmup
@@ -488,6 +489,12 @@ class Profiler:
         """
         if self._summary is not None:
             return self._summary
+        with self._close_lock:
+            if self._summary is not None:  # another thread closed it meanwhile
+                return self._summary
+            return self._close()
+
+    def _close(self) -> Summary:
         try:
             if self._step is not None and self._owner == threading.get_ident():
                 self._end_step(self._step, RuntimeError("profiler closed while the step was open"))
@@ -1368,6 +1375,7 @@ def _forget_collectors_in_child() -> None:
         prof._collector = None
         prof._stop = threading.Event()
         prof._harvest_lock = threading.Lock()
+        prof._close_lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

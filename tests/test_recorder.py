@@ -471,3 +471,52 @@ def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, 
     assert host["unavailable"]["gpu_ms"] == "CUDA is not initialised"  # not "capturing a CUDA graph"
     assert "CPU allocator" in host["unavailable"]["peak_allocated_bytes"]
     assert cuda["gpu_ms"] == pytest.approx(1.0)
+
+
+def test_close_from_two_threads_at_once_closes_once(log):
+    """A second close() while the first is still synchronising waits for it and returns the
+    same summary; the close-time records are written once."""
+    import threading
+
+    class SlowSync(FakeGpu):
+        def __init__(self):
+            super().__init__()
+            self.waiting, self.go = threading.Event(), threading.Event()
+
+        def synchronize(self):
+            self.waiting.set()
+            self.go.wait(5)
+            super().synchronize()
+
+    gpu = SlowSync()
+    prof = make(log, gpu)
+    with prof.step():
+        gpu.launch(5.0)             # pending: close() must synchronise
+    build = prof._build_summary
+    slow = []
+
+    def slow_build():               # the first closer lingers before its summary
+        if not slow:
+            slow.append(1)
+            time.sleep(0.2)
+        return build()
+
+    prof._build_summary = slow_build
+    got = [None, None]
+
+    def closer(i):
+        got[i] = prof.close()
+
+    first = threading.Thread(target=closer, args=(0,))
+    first.start()
+    assert gpu.waiting.wait(5)
+    second = threading.Thread(target=closer, args=(1,))
+    second.start()
+    time.sleep(0.1)                 # the second closer is inside close() too
+    gpu.go.set()
+    first.join(5)
+    second.join(5)
+    assert got[0] is not None and got[0] is got[1] is prof.summary
+    assert gpu.syncs == 1
+    kinds = [(r["kind"], r.get("trigger")) for r in stepprof.read(log)]
+    assert kinds == [("step", None), ("memory", "after_warmup"), ("memory", "close"), ("summary", None)]
