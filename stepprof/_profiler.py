@@ -344,6 +344,7 @@ class Profiler:
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
         self.warmup = check_warmup(warmup)
+        flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
         ranks_every = _dist.check_ranks_every(ranks_every)
         log_ranks = _dist.check_log_ranks(log_ranks)
         device = check_device(device)
@@ -427,7 +428,7 @@ class Profiler:
         # FLOPs: off (None), counted once ("auto") or given.  Counting swaps the two
         # step boundaries for counting ones on this instance only, until the count is
         # done, so a profiler without flops runs exactly the code it ran before.
-        self._flops_mode, given = check_flops(flops, flops_per_step)
+        self._flops_mode = flops_mode
         if given is not None:
             self._flops_mode = "given"
         self._flops: dict[str, Any] | None = None  # set once known: see _set_flops
