@@ -1370,9 +1370,14 @@ def _make_measure(name: Any, profiler: Profiler | None) -> Any:
 
 
 def _forget_collectors_in_child() -> None:
-    # A forked child has no collector thread: let each profiler start its own.
+    # A forked child has no collector thread: let each profiler start its own.  The
+    # steps pending at the fork are the parent's, which writes them to the same log: the
+    # child drops its copies (and a harvest the parent's collector was in the middle of).
     _HOST_RSS.forget()
     for prof in _open_profilers:
+        prof._pending = deque()
+        prof._memory_snaps = {}
+        prof._batch = None
         prof._collector = None
         prof._stop = threading.Event()
         prof._harvest_lock = threading.Lock()

@@ -520,3 +520,25 @@ def test_close_from_two_threads_at_once_closes_once(log):
     assert gpu.syncs == 1
     kinds = [(r["kind"], r.get("trigger")) for r in stepprof.read(log)]
     assert kinds == [("step", None), ("memory", "after_warmup"), ("memory", "close"), ("summary", None)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu):
+    """Steps pending in the parent at a fork are the parent's to write: a child that exits
+    normally (closing its inherited profilers at interpreter exit) must not write them too."""
+    import os
+
+    from stepprof import _profiler
+
+    prof = make(log, gpu, _collect_every_s=30, memory_every=0)  # step 0 stays pending
+    with prof.step():
+        pass
+    pid = os.fork()
+    if pid == 0:                                 # the child: as at its interpreter exit
+        try:
+            _profiler._close_all_at_exit()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    prof.close()
+    assert [r["step"] for r in steps(log)] == [0]
