@@ -765,7 +765,7 @@ class Profiler:
                     self._harvest_lock.release()
             self._exchange.step_exit(step.index, getattr(b, "index", None))
         if exc is not None:
-            step.error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+            step.error = {"type": type(exc).__name__, "message": _message(exc)}
         self._step = None
         self._last_top_mark = None
         if self._collect_every_s is None:  # inline mode: harvest older steps here
@@ -1322,6 +1322,14 @@ class Profiler:
                     break
         self._step = None
         self._stack.clear()
+
+
+def _message(exc: BaseException) -> str:
+    """The user's exception's message for a step's ``error``, truncated to 2000 characters."""
+    try:
+        return str(exc)[:2000]
+    except Exception as e:  # noqa: BLE001 - its own __str__ failing is the user's, not ours
+        return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
 
 
 class _StepContext:

@@ -542,3 +542,26 @@ def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu)
     os.waitpid(pid, 0)
     prof.close()
     assert [r["step"] for r in steps(log)] == [0]
+
+
+def test_an_exception_that_cannot_be_printed_is_still_a_recorded_step_error(log, gpu):
+    """The user's exception's own __str__ failing is not an internal error of stepprof's."""
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise AttributeError("'NoneType' object has no attribute 'name'")
+
+    prof = make(log, gpu)
+    boom = Unprintable()
+    with pytest.raises(Unprintable) as info:
+        with prof.step():
+            raise boom
+    assert info.value is boom
+    with prof.step():               # recording goes on
+        pass
+    s = prof.close()
+    first, second = steps(log)
+    assert first["error"]["type"] == "Unprintable"
+    assert "Unprintable" in first["error"]["message"]
+    assert second["error"] is None
+    assert s.error_steps == 1 and s.measured_steps == 1 and "stepprof" not in s.unavailable
