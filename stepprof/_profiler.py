@@ -95,7 +95,7 @@ class _Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
-        "counters", "phase_peaks",
+        "counters", "phase_peaks", "backend",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -116,6 +116,9 @@ class _Step:
         self.syncs_reason: str | None = None
         self.counters: tuple[int, ...] | None = None
         self.phase_peaks = True
+        # The backend it was measured on: harvested with it even if the profiler has
+        # moved from the host to CUDA since (device=None, CUDA initialised later).
+        self.backend: Any = None
 
 
 def check_device(device: Any) -> torch.device | None:
@@ -341,6 +344,7 @@ class Profiler:
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
         self.warmup = check_warmup(warmup)
+        flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
         ranks_every = _dist.check_ranks_every(ranks_every)
         log_ranks = _dist.check_log_ranks(log_ranks)
         device = check_device(device)
@@ -413,6 +417,7 @@ class Profiler:
         self._collector_error: str | None = None
         self._stop = threading.Event()
         self._harvest_lock = threading.Lock()
+        self._close_lock = threading.RLock()  # one close(): a concurrent one waits for it
         # Memory records: the step index due one, readings awaiting the collector,
         # and the highest step peak written so far (kept by the collector thread).
         self._memory_due = self.warmup
@@ -423,7 +428,7 @@ class Profiler:
         # FLOPs: off (None), counted once ("auto") or given.  Counting swaps the two
         # step boundaries for counting ones on this instance only, until the count is
         # done, so a profiler without flops runs exactly the code it ran before.
-        self._flops_mode, given = check_flops(flops, flops_per_step)
+        self._flops_mode = flops_mode
         if given is not None:
             self._flops_mode = "given"
         self._flops: dict[str, Any] | None = None  # set once known: see _set_flops
@@ -485,6 +490,12 @@ class Profiler:
         """
         if self._summary is not None:
             return self._summary
+        with self._close_lock:
+            if self._summary is not None:  # another thread closed it meanwhile
+                return self._summary
+            return self._close()
+
+    def _close(self) -> Summary:
         try:
             if self._step is not None and self._owner == threading.get_ident():
                 self._end_step(self._step, RuntimeError("profiler closed while the step was open"))
@@ -613,6 +624,7 @@ class Profiler:
         index = self._next_index
         self._next_index += 1
         step = _Step(index, name, index < self.warmup, batch_size)
+        step.backend = b
         n = self.phase_peaks_every
         if n != 1:
             step.phase_peaks = n > 0 and (
@@ -753,7 +765,7 @@ class Profiler:
                     self._harvest_lock.release()
             self._exchange.step_exit(step.index, getattr(b, "index", None))
         if exc is not None:
-            step.error = {"type": type(exc).__name__, "message": str(exc)[:2000]}
+            step.error = {"type": type(exc).__name__, "message": _message(exc)}
         self._step = None
         self._last_top_mark = None
         if self._collect_every_s is None:  # inline mode: harvest older steps here
@@ -908,7 +920,6 @@ class Profiler:
         """
         if self._exchange is not None:
             self._exchange.poll(self._write)
-        b = self._backend
         pending = self._pending
         if not pending:
             return
@@ -916,6 +927,7 @@ class Profiler:
         try:
             while pending:
                 s = pending[0]
+                b = s.backend
                 if not b.is_done(s.end_mark):
                     return
                 for total in s.phases.values():
@@ -1312,6 +1324,14 @@ class Profiler:
         self._stack.clear()
 
 
+def _message(exc: BaseException) -> str:
+    """The user's exception's message for a step's ``error``, truncated to 2000 characters."""
+    try:
+        return str(exc)[:2000]
+    except Exception as e:  # noqa: BLE001 - its own __str__ failing is the user's, not ours
+        return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
+
+
 class _StepContext:
     """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
 
@@ -1358,12 +1378,18 @@ def _make_measure(name: Any, profiler: Profiler | None) -> Any:
 
 
 def _forget_collectors_in_child() -> None:
-    # A forked child has no collector thread: let each profiler start its own.
+    # A forked child has no collector thread: let each profiler start its own.  The
+    # steps pending at the fork are the parent's, which writes them to the same log: the
+    # child drops its copies (and a harvest the parent's collector was in the middle of).
     _HOST_RSS.forget()
     for prof in _open_profilers:
+        prof._pending = deque()
+        prof._memory_snaps = {}
+        prof._batch = None
         prof._collector = None
         prof._stop = threading.Event()
         prof._harvest_lock = threading.Lock()
+        prof._close_lock = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):

@@ -386,3 +386,14 @@ def test_interpreter_exit_flushes_the_default_profiler(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     kinds = [r["kind"] for r in stepprof.read(path)]
     assert kinds == ["step", "step", "step", "summary"]
+
+
+@pytest.mark.parametrize("kwargs", [{"flops": "yes"}, {"flops_per_step": -1}, {"flops": "auto", "flops_per_step": 10}])
+def test_bad_arguments_fail_before_the_log_is_opened(log, kwargs):
+    """A rejected Profiler neither creates its log nor keeps a file descriptor open."""
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    with pytest.raises(stepprof.ConfigError):
+        stepprof.Profiler(log, **kwargs)
+    assert not os.path.exists(log)
+    if fds is not None:
+        assert set(os.listdir("/proc/self/fd")) <= fds

@@ -441,3 +441,127 @@ def test_host_rss_is_the_figure_psutil_gives_and_falls_back_to_psutil(monkeypatc
     fallback = _HostRss()
     assert abs(fallback.read() - psutil.Process().memory_info().rss) < 8 << 20
     assert fallback._process is not None and fallback._fd is None
+
+
+def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, monkeypatch):
+    """device=None: step 0 runs before CUDA is initialised (host), step 1 after (CUDA).  Step 0 is
+    still waiting for the collector when the backend switches; its record is the host's."""
+    import torch
+
+    from stepprof import _profiler
+    from stepprof._cuda import HostBackend
+
+    cuda_up = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(cuda_up))
+    monkeypatch.setattr(
+        _profiler, "select_backend",
+        lambda device, **kw: gpu if cuda_up else HostBackend("CUDA is not initialised"),
+    )
+    prof = stepprof.Profiler(log, _clock=gpu.clock, _collect_every_s=30)  # no harvest before close
+    with prof.step():
+        gpu.host(1.0)
+    cuda_up.append(True)            # the training code initialises CUDA
+    with prof.step():
+        gpu.launch(1.0)
+    prof.close()
+    host, cuda = steps(log)
+    assert host["device"] == "cpu" and cuda["device"] == "cuda:0"
+    assert host["host_rss_bytes"] > 0                      # read at its exit: not dropped
+    assert host["unavailable"]["gpu_ms"] == "CUDA is not initialised"  # not "capturing a CUDA graph"
+    assert "CPU allocator" in host["unavailable"]["peak_allocated_bytes"]
+    assert cuda["gpu_ms"] == pytest.approx(1.0)
+
+
+def test_close_from_two_threads_at_once_closes_once(log):
+    """A second close() while the first is still synchronising waits for it and returns the
+    same summary; the close-time records are written once."""
+    import threading
+
+    class SlowSync(FakeGpu):
+        def __init__(self):
+            super().__init__()
+            self.waiting, self.go = threading.Event(), threading.Event()
+
+        def synchronize(self):
+            self.waiting.set()
+            self.go.wait(5)
+            super().synchronize()
+
+    gpu = SlowSync()
+    prof = make(log, gpu)
+    with prof.step():
+        gpu.launch(5.0)             # pending: close() must synchronise
+    build = prof._build_summary
+    slow = []
+
+    def slow_build():               # the first closer lingers before its summary
+        if not slow:
+            slow.append(1)
+            time.sleep(0.2)
+        return build()
+
+    prof._build_summary = slow_build
+    got = [None, None]
+
+    def closer(i):
+        got[i] = prof.close()
+
+    first = threading.Thread(target=closer, args=(0,))
+    first.start()
+    assert gpu.waiting.wait(5)
+    second = threading.Thread(target=closer, args=(1,))
+    second.start()
+    time.sleep(0.1)                 # the second closer is inside close() too
+    gpu.go.set()
+    first.join(5)
+    second.join(5)
+    assert got[0] is not None and got[0] is got[1] is prof.summary
+    assert gpu.syncs == 1
+    kinds = [(r["kind"], r.get("trigger")) for r in stepprof.read(log)]
+    assert kinds == [("step", None), ("memory", "after_warmup"), ("memory", "close"), ("summary", None)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu):
+    """Steps pending in the parent at a fork are the parent's to write: a child that exits
+    normally (closing its inherited profilers at interpreter exit) must not write them too."""
+    import os
+
+    from stepprof import _profiler
+
+    prof = make(log, gpu, _collect_every_s=30, memory_every=0)  # step 0 stays pending
+    with prof.step():
+        pass
+    pid = os.fork()
+    if pid == 0:                                 # the child: as at its interpreter exit
+        try:
+            _profiler._close_all_at_exit()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    prof.close()
+    assert [r["step"] for r in steps(log)] == [0]
+
+
+def test_an_exception_that_cannot_be_printed_is_still_a_recorded_step_error(log, gpu):
+    """The user's exception's own __str__ failing is not an internal error of stepprof's."""
+
+    class Unprintable(Exception):
+        def __str__(self):
+            raise AttributeError("'NoneType' object has no attribute 'name'")
+
+    prof = make(log, gpu)
+    boom = Unprintable()
+    with pytest.raises(Unprintable) as info:
+        with prof.step():
+            raise boom
+    assert info.value is boom
+    with prof.step():               # recording goes on
+        pass
+    s = prof.close()
+    first, second = steps(log)
+    assert first["error"]["type"] == "Unprintable"
+    assert "Unprintable" in first["error"]["message"]
+    assert second["error"] is None
+    assert s.error_steps == 1 and s.measured_steps == 1 and "stepprof" not in s.unavailable
