@@ -507,12 +507,16 @@ class WarningTap:
     def __init__(self, forward: bool = False) -> None:
         self.forward = forward
         self._filter = ("always", re.compile(re.escape(SYNC_MESSAGE)), UserWarning, None, 0)
-        self._previous: Any = None
         self._cleared = False
-        self._hook = self._show  # one bound method, so that uninstall can recognise it
+        self._current: _Hook | None = None
+        self._hook: Any = None  # the installed bound method, so that uninstall can recognise it
 
     def install(self) -> Callable[[], None]:
-        self._previous = warnings._showwarnmsg  # type: ignore[attr-defined]
+        # A new hook per installation: one that a user's own ``_showwarnmsg`` chained to
+        # during an earlier step stays in their chain, and must pass through, not loop
+        # back to theirs (which would call it again) or count a second time.
+        hook = self._current = _Hook(warnings._showwarnmsg, self.forward)  # type: ignore[attr-defined]
+        self._hook = hook.show
         warnings.filters.insert(0, self._filter)
         if self.forward or not self._cleared:
             # A location's registry of "already shown" warnings is checked before any
@@ -534,12 +538,33 @@ class WarningTap:
         except ValueError:
             pass  # the user reset the filters meanwhile
         # No _filters_mutated(): an "always" filter never marks a location as shown.
+        hook = self._current
+        if hook is None:
+            return
+        hook.active = False  # from now on it passes everything through
         if warnings._showwarnmsg is self._hook:  # type: ignore[attr-defined]
-            warnings._showwarnmsg = self._previous  # type: ignore[attr-defined]
+            warnings._showwarnmsg = hook.previous  # type: ignore[attr-defined]
         # Else someone replaced it after us: leave theirs; ours passes all through now.
+        self._current = self._hook = None
 
-    def _show(self, msg: Any) -> None:
-        if _trackers and msg.category is UserWarning and str(msg.message).startswith(SYNC_MESSAGE):
+
+class _Hook:
+    """One installation of a :class:`WarningTap` in place of ``warnings._showwarnmsg``."""
+
+    __slots__ = ("previous", "forward", "active")
+
+    def __init__(self, previous: Any, forward: bool) -> None:
+        self.previous = previous
+        self.forward = forward
+        self.active = True
+
+    def show(self, msg: Any) -> None:
+        if (
+            self.active
+            and _trackers
+            and msg.category is UserWarning
+            and str(msg.message).startswith(SYNC_MESSAGE)
+        ):
             open_here = _trackers.get(threading.get_ident())
             if open_here:  # sys._getframe(1): called from C, the frame that issued the warning
                 open_here[-1].record(None, sys._getframe(1))
@@ -547,7 +572,7 @@ class WarningTap:
                 _count_elsewhere()
             if not self.forward:
                 return
-        self._previous(msg)
+        self.previous(msg)
 
 
 def _filters_mutated() -> None:

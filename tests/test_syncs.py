@@ -474,3 +474,33 @@ def test_two_profilers_with_steps_open_on_one_thread(log, gpu, tmp_path):
     assert steps(log)[0]["syncs"]["count"] == 2
     assert steps(other)[0]["syncs"]["count"] == 2
     assert not _syncs.installed() and gpu.installs == gpu.uninstalls == 1
+
+
+def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
+    """The user wraps ``_showwarnmsg`` during a step (chaining to what was there: ours)."""
+    tap = _syncs.WarningTap(forward=False)
+    seen = []
+    original = warnings._showwarnmsg
+    tracker = _syncs.SyncTracker("warn")
+    try:
+        with _Shown() as shown:
+            for step in range(2):
+                tracker.begin([], None, "count", True)
+                _syncs.attach(tracker, lambda: [tap.install()])
+                try:
+                    if step == 0:
+                        chained = warnings._showwarnmsg
+
+                        def users_hook(msg):
+                            seen.append(str(msg.message))
+                            chained(msg)
+
+                        warnings._showwarnmsg = users_hook
+                    warnings.warn(_syncs.SYNC_MESSAGE)  # chained-sync
+                    warnings.warn(f"the user's own warning {step}")
+                finally:
+                    _syncs.detach()
+                assert tracker.end()["count"] == 1
+    finally:
+        warnings._showwarnmsg = original
+    assert shown.messages == ["the user's own warning 0", "the user's own warning 1"]
