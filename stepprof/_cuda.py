@@ -346,11 +346,22 @@ _prototype_quiet = False
 _UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
 
 
+# Set on a thread while one of the wrappers below runs its original: a wrapper reached
+# from inside another one (a user's replacement, made during a step, that calls the
+# wrapper it replaced, and is wrapped in turn at the next step) is the same wait.
+_waiting = threading.local()
+
+
 def _waiter(original: Callable[..., Any], hint: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(*args: Any, **kwargs: Any) -> Any:
-        if _syncs.installed():
+        if _syncs.installed() and not getattr(_waiting, "on", False):
             _syncs.dispatch(hint, sys._getframe(1))
+            _waiting.on = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _waiting.on = False
         return original(*args, **kwargs)
 
     return wait

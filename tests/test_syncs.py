@@ -504,3 +504,37 @@ def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
     finally:
         warnings._showwarnmsg = original
     assert shown.messages == ["the user's own warning 0", "the user's own warning 1"]
+
+
+def test_a_function_the_user_wrapped_during_a_step_counts_once_at_the_next(monkeypatch):
+    """The user wraps ``torch.cuda.synchronize`` (ours, then) during a step; theirs is left in
+    place and wrapped at the next step: one call is still one sync, at the user's line."""
+    import torch
+
+    from stepprof import _cuda
+
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    monkeypatch.setattr(_cuda, "_warn_route", None)
+    tracker = _syncs.SyncTracker("warn")
+    records = []
+    for step in range(2):
+        tracker.begin([], None, "count", True)
+        _syncs.attach(tracker, _cuda._install_warn_route)
+        try:
+            if step == 0:
+                wrapped = torch.cuda.synchronize
+
+                def users_sync(device=None):
+                    return wrapped(device)
+
+                monkeypatch.setattr(torch.cuda, "synchronize", users_sync)
+            torch.cuda.synchronize()  # users-wrapped
+        finally:
+            _syncs.detach()
+        records.append(tracker.end())
+    assert [r["count"] for r in records] == [1, 1]
+    assert [(s["where"], s["kind"]) for s in records[1]["sites"]] == [
+        (line_of("users-wrapped"), "device_synchronize")
+    ]
