@@ -457,6 +457,8 @@ def _trace_fire(hint: str | None) -> None:
         origin = origin.f_back
     if origin is not None:
         _syncs.dispatch(hint, origin)
+    else:  # a thread of torch's own (C++ autograd's): no Python caller, so no step open on it
+        _syncs.count_elsewhere()
 
 
 def _on_device_sync(*_: Any) -> None:

@@ -54,6 +54,7 @@ __all__ = [
     "check_on_sync",
     "check_max_syncs",
     "classify",
+    "count_elsewhere",
     "dispatch",
 ]
 
@@ -430,10 +431,10 @@ def dispatch(hint: str | None, origin: Any) -> None:
     if open_here:
         open_here[-1].record(hint, origin)
         return
-    _count_elsewhere()
+    count_elsewhere()
 
 
-def _count_elsewhere() -> None:
+def count_elsewhere() -> None:
     """A wait on a thread with no open step: every open step counts it in ``other_threads``."""
     for stack in list(_trackers.values()):
         for t in stack:
@@ -569,7 +570,7 @@ class _Hook:
             if open_here:  # sys._getframe(1): called from C, the frame that issued the warning
                 open_here[-1].record(None, sys._getframe(1))
             else:
-                _count_elsewhere()
+                count_elsewhere()
             if not self.forward:
                 return
         self.previous(msg)

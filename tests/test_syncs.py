@@ -538,3 +538,29 @@ def test_a_function_the_user_wrapped_during_a_step_counts_once_at_the_next(monke
     assert [(s["where"], s["kind"]) for s in records[1]["sites"]] == [
         (line_of("users-wrapped"), "device_synchronize")
     ]
+
+
+def test_trace_route_counts_a_wait_on_a_thread_with_no_python_frames():
+    """With "trace", a wait on one of C++ autograd's threads (no Python frame above torch's
+    callback) is counted in other_threads, as documented."""
+    import _thread
+
+    from torch._utils import CallbackRegistry
+
+    from stepprof import _cuda
+
+    done = threading.Event()
+    registry = CallbackRegistry("stream synchronization")  # as in torch.cuda._gpu_trace
+    registry.add_callback(_cuda._on_stream_sync)
+    registry.add_callback(lambda *_: done.set())
+    tracker = _syncs.SyncTracker("trace")
+    tracker.begin([], None, "count", True)
+    _syncs.attach(tracker, _cuda._install_trace_route)
+    try:
+        # What torch's C++ does on its own thread: fire the callbacks, no Python frame above.
+        _thread.start_new_thread(registry.fire_callbacks, (0,))
+        assert done.wait(10)
+    finally:
+        _syncs.detach()
+    rec = tracker.end()
+    assert rec["count"] == 0 and rec["other_threads"] == 1
