@@ -44,6 +44,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from . import _syncs
+from ._errors import SyncBudgetExceeded
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
@@ -456,7 +457,10 @@ def _trace_fire(hint: str | None) -> None:
     ):
         origin = origin.f_back
     if origin is not None:
-        _syncs.dispatch(hint, origin)
+        try:
+            _syncs.dispatch(hint, origin)
+        except SyncBudgetExceeded as e:  # torch would log it and go on: the step raises it
+            _syncs.defer(e)
     else:  # a thread of torch's own (C++ autograd's): no Python caller, so no step open on it
         _syncs.count_elsewhere()
 

@@ -55,6 +55,7 @@ __all__ = [
     "check_max_syncs",
     "classify",
     "count_elsewhere",
+    "defer",
     "dispatch",
 ]
 
@@ -293,6 +294,8 @@ class SyncTracker:
         self._last_child: Any = None
         self._last_counts: list[int] = [0, 0]
         self._mute = 0
+        #: A SyncBudgetExceeded that could not be raised at its line (see :func:`defer`).
+        self.deferred: SyncBudgetExceeded | None = None
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
         self._sites = {}
@@ -300,6 +303,7 @@ class SyncTracker:
         self._open = phases
         self._last_user = self._last_child = None  # a step that failed may not have ended
         self.count = self.other_threads = 0
+        self.deferred = None
         self.max_syncs = max_syncs
         self.on_sync = on_sync
         self.budget_armed = armed and max_syncs is not None
@@ -432,6 +436,15 @@ def dispatch(hint: str | None, origin: Any) -> None:
         open_here[-1].record(hint, origin)
         return
     count_elsewhere()
+
+
+def defer(exc: SyncBudgetExceeded) -> None:
+    """A budget error raised where it cannot propagate: in a callback that torch calls from
+    C++ (the "trace" route), which logs whatever it raises.  The thread's step raises the
+    first one when it exits."""
+    open_here = _trackers.get(threading.get_ident())
+    if open_here and open_here[-1].deferred is None:
+        open_here[-1].deferred = exc
 
 
 def count_elsewhere() -> None:

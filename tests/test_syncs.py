@@ -564,3 +564,26 @@ def test_trace_route_counts_a_wait_on_a_thread_with_no_python_frames():
         _syncs.detach()
     rec = tracker.end()
     assert rec["count"] == 0 and rec["other_threads"] == 1
+
+
+def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
+    """With "trace", torch calls stepprof from C++ (through ``fire_callbacks``, which logs what
+    a callback raises): SyncBudgetExceeded must still reach the user, with the step's error."""
+    from stepprof import _cuda
+
+    from . import fakes
+
+    monkeypatch.setattr(_syncs, "_INTERNAL_PREFIXES", (*_syncs._INTERNAL_PREFIXES, fakes.__file__))
+    gpu = fakes.TracedGpu()
+    t = FakeTensor(gpu)
+    prof = make(log, gpu, max_syncs=0, on_sync="raise")
+    with pytest.raises(stepprof.SyncBudgetExceeded) as info:
+        with prof.step():
+            t.item()  # traced-over
+            t.item()
+    assert (info.value.where, info.value.kind, info.value.count) == (line_of("traced-over"), "item", 1)
+    prof.close()
+    (rec,) = steps(log)
+    assert rec["error"]["type"] == "SyncBudgetExceeded"
+    assert rec["syncs"]["count"] == 2
+    assert not _syncs.installed() and not _cuda._trace["on"]
