@@ -427,7 +427,8 @@ class _WarnRoute:
                 self.tap.uninstall()
                 self.tap = None
         finally:
-            if self.mode_was == 0:
+            # Still ours ("warn")?  Else the user set a mode of their own meanwhile: leave it.
+            if self.mode_was == 0 and torch._C._cuda_get_sync_debug_mode() == 1:
                 torch._C._cuda_set_sync_debug_mode(0)
 
 

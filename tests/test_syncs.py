@@ -587,3 +587,26 @@ def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
     assert rec["error"]["type"] == "SyncBudgetExceeded"
     assert rec["syncs"]["count"] == 2
     assert not _syncs.installed() and not _cuda._trace["on"]
+
+
+def test_a_sync_debug_mode_the_user_set_during_a_step_is_left_in_place(monkeypatch):
+    import torch
+
+    from stepprof import _cuda
+
+    mode = [0]
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: mode[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: mode.__setitem__(0, m),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    monkeypatch.setattr(_cuda, "_warn_route", None)
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], None, "count", True)
+    _syncs.attach(tracker, _cuda._install_warn_route)
+    try:
+        assert mode == [1]  # stepprof's, while the step is open
+        torch._C._cuda_set_sync_debug_mode(2)  # the user's: "error" from here on
+    finally:
+        _syncs.detach()
+    tracker.end()
+    assert mode == [2]
