@@ -44,6 +44,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from . import _syncs
+from ._errors import SyncBudgetExceeded
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
@@ -346,11 +347,22 @@ _prototype_quiet = False
 _UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
 
 
+# Set on a thread while one of the wrappers below runs its original: a wrapper reached
+# from inside another one (a user's replacement, made during a step, that calls the
+# wrapper it replaced, and is wrapped in turn at the next step) is the same wait.
+_waiting = threading.local()
+
+
 def _waiter(original: Callable[..., Any], hint: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def wait(*args: Any, **kwargs: Any) -> Any:
-        if _syncs.installed():
+        if _syncs.installed() and not getattr(_waiting, "on", False):
             _syncs.dispatch(hint, sys._getframe(1))
+            _waiting.on = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _waiting.on = False
         return original(*args, **kwargs)
 
     return wait
@@ -415,7 +427,8 @@ class _WarnRoute:
                 self.tap.uninstall()
                 self.tap = None
         finally:
-            if self.mode_was == 0:
+            # Still ours ("warn")?  Else the user set a mode of their own meanwhile: leave it.
+            if self.mode_was == 0 and torch._C._cuda_get_sync_debug_mode() == 1:
                 torch._C._cuda_set_sync_debug_mode(0)
 
 
@@ -445,7 +458,12 @@ def _trace_fire(hint: str | None) -> None:
     ):
         origin = origin.f_back
     if origin is not None:
-        _syncs.dispatch(hint, origin)
+        try:
+            _syncs.dispatch(hint, origin)
+        except SyncBudgetExceeded as e:  # torch would log it and go on: the step raises it
+            _syncs.defer(e)
+    else:  # a thread of torch's own (C++ autograd's): no Python caller, so no step open on it
+        _syncs.count_elsewhere()
 
 
 def _on_device_sync(*_: Any) -> None:

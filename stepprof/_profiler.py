@@ -598,6 +598,11 @@ class Profiler:
             self._fail(e)
             if self._exchange is not None:
                 self._exchange_anyway(token)
+        if exc is None and isinstance(token, _Step) and self._tracker.deferred is not None:
+            # A step over its budget on the "trace" route, where the callback that found it
+            # could not raise (torch calls it from C++): raised at the step's exit instead.
+            deferred, self._tracker.deferred = self._tracker.deferred, None
+            raise deferred
 
     # -- the boundaries ----------------------------------------------------
 
@@ -737,6 +742,8 @@ class Profiler:
             mem = self._fold_peak(step, b)
             if self._watching:
                 step.syncs = self._tracker.end()
+                if exc is None and self._tracker.deferred is not None:
+                    exc = self._tracker.deferred  # the "trace" route's: _exit raises it
         finally:
             self._unwatch()
         if mem is not None:

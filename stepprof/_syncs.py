@@ -54,6 +54,8 @@ __all__ = [
     "check_on_sync",
     "check_max_syncs",
     "classify",
+    "count_elsewhere",
+    "defer",
     "dispatch",
 ]
 
@@ -292,6 +294,8 @@ class SyncTracker:
         self._last_child: Any = None
         self._last_counts: list[int] = [0, 0]
         self._mute = 0
+        #: A SyncBudgetExceeded that could not be raised at its line (see :func:`defer`).
+        self.deferred: SyncBudgetExceeded | None = None
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
         self._sites = {}
@@ -299,6 +303,7 @@ class SyncTracker:
         self._open = phases
         self._last_user = self._last_child = None  # a step that failed may not have ended
         self.count = self.other_threads = 0
+        self.deferred = None
         self.max_syncs = max_syncs
         self.on_sync = on_sync
         self.budget_armed = armed and max_syncs is not None
@@ -430,10 +435,19 @@ def dispatch(hint: str | None, origin: Any) -> None:
     if open_here:
         open_here[-1].record(hint, origin)
         return
-    _count_elsewhere()
+    count_elsewhere()
 
 
-def _count_elsewhere() -> None:
+def defer(exc: SyncBudgetExceeded) -> None:
+    """A budget error raised where it cannot propagate: in a callback that torch calls from
+    C++ (the "trace" route), which logs whatever it raises.  The thread's step raises the
+    first one when it exits."""
+    open_here = _trackers.get(threading.get_ident())
+    if open_here and open_here[-1].deferred is None:
+        open_here[-1].deferred = exc
+
+
+def count_elsewhere() -> None:
     """A wait on a thread with no open step: every open step counts it in ``other_threads``."""
     for stack in list(_trackers.values()):
         for t in stack:
@@ -507,12 +521,16 @@ class WarningTap:
     def __init__(self, forward: bool = False) -> None:
         self.forward = forward
         self._filter = ("always", re.compile(re.escape(SYNC_MESSAGE)), UserWarning, None, 0)
-        self._previous: Any = None
         self._cleared = False
-        self._hook = self._show  # one bound method, so that uninstall can recognise it
+        self._current: _Hook | None = None
+        self._hook: Any = None  # the installed bound method, so that uninstall can recognise it
 
     def install(self) -> Callable[[], None]:
-        self._previous = warnings._showwarnmsg  # type: ignore[attr-defined]
+        # A new hook per installation: one that a user's own ``_showwarnmsg`` chained to
+        # during an earlier step stays in their chain, and must pass through, not loop
+        # back to theirs (which would call it again) or count a second time.
+        hook = self._current = _Hook(warnings._showwarnmsg, self.forward)  # type: ignore[attr-defined]
+        self._hook = hook.show
         warnings.filters.insert(0, self._filter)
         if self.forward or not self._cleared:
             # A location's registry of "already shown" warnings is checked before any
@@ -534,20 +552,41 @@ class WarningTap:
         except ValueError:
             pass  # the user reset the filters meanwhile
         # No _filters_mutated(): an "always" filter never marks a location as shown.
+        hook = self._current
+        if hook is None:
+            return
+        hook.active = False  # from now on it passes everything through
         if warnings._showwarnmsg is self._hook:  # type: ignore[attr-defined]
-            warnings._showwarnmsg = self._previous  # type: ignore[attr-defined]
+            warnings._showwarnmsg = hook.previous  # type: ignore[attr-defined]
         # Else someone replaced it after us: leave theirs; ours passes all through now.
+        self._current = self._hook = None
 
-    def _show(self, msg: Any) -> None:
-        if _trackers and msg.category is UserWarning and str(msg.message).startswith(SYNC_MESSAGE):
+
+class _Hook:
+    """One installation of a :class:`WarningTap` in place of ``warnings._showwarnmsg``."""
+
+    __slots__ = ("previous", "forward", "active")
+
+    def __init__(self, previous: Any, forward: bool) -> None:
+        self.previous = previous
+        self.forward = forward
+        self.active = True
+
+    def show(self, msg: Any) -> None:
+        if (
+            self.active
+            and _trackers
+            and msg.category is UserWarning
+            and str(msg.message).startswith(SYNC_MESSAGE)
+        ):
             open_here = _trackers.get(threading.get_ident())
             if open_here:  # sys._getframe(1): called from C, the frame that issued the warning
                 open_here[-1].record(None, sys._getframe(1))
             else:
-                _count_elsewhere()
+                count_elsewhere()
             if not self.forward:
                 return
-        self._previous(msg)
+        self.previous(msg)
 
 
 def _filters_mutated() -> None:

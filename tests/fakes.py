@@ -439,3 +439,30 @@ class SyntheticStep:
         self.gpu.launch(self.ms(n) * (1 + self.rng.uniform(-self.noise, self.noise)))
         self.gpu.wait_idle()
         del layers
+
+
+class TracedGpu(FakeGpu):
+    """FakeGpu whose waits reach stepprof as with ``syncs="trace"``: through torch's GPU-trace
+    callbacks (``fire_callbacks``, which torch calls from C++ and which logs what a callback
+    raises), with stepprof's trace route installed.  Tests count this file as torch's own."""
+
+    sync_mechanism = "trace"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch._utils import CallbackRegistry
+
+        from stepprof import _cuda
+
+        self.callbacks = CallbackRegistry("stream synchronization")
+        self.callbacks.add_callback(_cuda._on_stream_sync)
+        self._install = _cuda._install_trace_route
+
+    def sync(self, hint: str | None = None, *, depth: int = 1) -> None:
+        self.callbacks.fire_callbacks(0)
+        self.wait_idle()
+
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
+        tracker.mechanism = self.sync_mechanism
+        _syncs.attach(tracker, self._install)
+        return None

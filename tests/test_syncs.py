@@ -474,3 +474,139 @@ def test_two_profilers_with_steps_open_on_one_thread(log, gpu, tmp_path):
     assert steps(log)[0]["syncs"]["count"] == 2
     assert steps(other)[0]["syncs"]["count"] == 2
     assert not _syncs.installed() and gpu.installs == gpu.uninstalls == 1
+
+
+def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
+    """The user wraps ``_showwarnmsg`` during a step (chaining to what was there: ours)."""
+    tap = _syncs.WarningTap(forward=False)
+    seen = []
+    original = warnings._showwarnmsg
+    tracker = _syncs.SyncTracker("warn")
+    try:
+        with _Shown() as shown:
+            for step in range(2):
+                tracker.begin([], None, "count", True)
+                _syncs.attach(tracker, lambda: [tap.install()])
+                try:
+                    if step == 0:
+                        chained = warnings._showwarnmsg
+
+                        def users_hook(msg):
+                            seen.append(str(msg.message))
+                            chained(msg)
+
+                        warnings._showwarnmsg = users_hook
+                    warnings.warn(_syncs.SYNC_MESSAGE)  # chained-sync
+                    warnings.warn(f"the user's own warning {step}")
+                finally:
+                    _syncs.detach()
+                assert tracker.end()["count"] == 1
+    finally:
+        warnings._showwarnmsg = original
+    assert shown.messages == ["the user's own warning 0", "the user's own warning 1"]
+
+
+def test_a_function_the_user_wrapped_during_a_step_counts_once_at_the_next(monkeypatch):
+    """The user wraps ``torch.cuda.synchronize`` (ours, then) during a step; theirs is left in
+    place and wrapped at the next step: one call is still one sync, at the user's line."""
+    import torch
+
+    from stepprof import _cuda
+
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    monkeypatch.setattr(_cuda, "_warn_route", None)
+    tracker = _syncs.SyncTracker("warn")
+    records = []
+    for step in range(2):
+        tracker.begin([], None, "count", True)
+        _syncs.attach(tracker, _cuda._install_warn_route)
+        try:
+            if step == 0:
+                wrapped = torch.cuda.synchronize
+
+                def users_sync(device=None):
+                    return wrapped(device)
+
+                monkeypatch.setattr(torch.cuda, "synchronize", users_sync)
+            torch.cuda.synchronize()  # users-wrapped
+        finally:
+            _syncs.detach()
+        records.append(tracker.end())
+    assert [r["count"] for r in records] == [1, 1]
+    assert [(s["where"], s["kind"]) for s in records[1]["sites"]] == [
+        (line_of("users-wrapped"), "device_synchronize")
+    ]
+
+
+def test_trace_route_counts_a_wait_on_a_thread_with_no_python_frames():
+    """With "trace", a wait on one of C++ autograd's threads (no Python frame above torch's
+    callback) is counted in other_threads, as documented."""
+    import _thread
+
+    from torch._utils import CallbackRegistry
+
+    from stepprof import _cuda
+
+    done = threading.Event()
+    registry = CallbackRegistry("stream synchronization")  # as in torch.cuda._gpu_trace
+    registry.add_callback(_cuda._on_stream_sync)
+    registry.add_callback(lambda *_: done.set())
+    tracker = _syncs.SyncTracker("trace")
+    tracker.begin([], None, "count", True)
+    _syncs.attach(tracker, _cuda._install_trace_route)
+    try:
+        # What torch's C++ does on its own thread: fire the callbacks, no Python frame above.
+        _thread.start_new_thread(registry.fire_callbacks, (0,))
+        assert done.wait(10)
+    finally:
+        _syncs.detach()
+    rec = tracker.end()
+    assert rec["count"] == 0 and rec["other_threads"] == 1
+
+
+def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
+    """With "trace", torch calls stepprof from C++ (through ``fire_callbacks``, which logs what
+    a callback raises): SyncBudgetExceeded must still reach the user, with the step's error."""
+    from stepprof import _cuda
+
+    from . import fakes
+
+    monkeypatch.setattr(_syncs, "_INTERNAL_PREFIXES", (*_syncs._INTERNAL_PREFIXES, fakes.__file__))
+    gpu = fakes.TracedGpu()
+    t = FakeTensor(gpu)
+    prof = make(log, gpu, max_syncs=0, on_sync="raise")
+    with pytest.raises(stepprof.SyncBudgetExceeded) as info:
+        with prof.step():
+            t.item()  # traced-over
+            t.item()
+    assert (info.value.where, info.value.kind, info.value.count) == (line_of("traced-over"), "item", 1)
+    prof.close()
+    (rec,) = steps(log)
+    assert rec["error"]["type"] == "SyncBudgetExceeded"
+    assert rec["syncs"]["count"] == 2
+    assert not _syncs.installed() and not _cuda._trace["on"]
+
+
+def test_a_sync_debug_mode_the_user_set_during_a_step_is_left_in_place(monkeypatch):
+    import torch
+
+    from stepprof import _cuda
+
+    mode = [0]
+    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: mode[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: mode.__setitem__(0, m),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
+    monkeypatch.setattr(_cuda, "_warn_route", None)
+    tracker = _syncs.SyncTracker("warn")
+    tracker.begin([], None, "count", True)
+    _syncs.attach(tracker, _cuda._install_warn_route)
+    try:
+        assert mode == [1]  # stepprof's, while the step is open
+        torch._C._cuda_set_sync_debug_mode(2)  # the user's: "error" from here on
+    finally:
+        _syncs.detach()
+    tracker.end()
+    assert mode == [2]
