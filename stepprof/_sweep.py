@@ -592,10 +592,12 @@ class _Sweep:
                 return
             boundary = self._boundary()
             if self._plateau(grown):
-                if boundary is None:
-                    self.stopped = "plateau"
+                if boundary is not None:
+                    return  # growing further only measures the flat part: jump to the boundary
+                if self.max_batch is None:
+                    self.stopped = "plateau"  # no boundary to aim at, and no bound from the user
                     return
-                return  # growing further only measures the flat part: jump to the boundary
+                # Without memory figures, max_batch is the user's bound: grow on to it.
             factor = 4 if self._near_linear(grown) else 2
             nxt = n * factor if self.max_batch is None else min(n * factor, self.max_batch)
             if boundary is not None and nxt > boundary:

@@ -189,6 +189,16 @@ def test_plateau_without_memory_figures_stops_growth_and_says_so():
     assert p.step_ms == pytest.approx(step.ms(4), rel=0.02)   # host clock spans
 
 
+def test_plateau_without_memory_figures_grows_on_to_max_batch_when_given():
+    # The plateau note says "pass max_batch to sweep further": with max_batch, growth goes on.
+    gpu = FakeGpu()
+    step = SyntheticStep(gpu, fixed_ms=0.0, per_sample_ms=0.01, usable=40 * GB)
+    r = stepprof.sweep(step, step.make_batch, _backend=HostSweepBackend("fake host"),
+                       _clock=gpu.clock, progress=False, max_batch=64)
+    assert r.stopped == "max_batch" and r.max_fit == 64
+    assert not any("was not searched" in n for n in r.notes)
+
+
 def test_without_memory_figures_an_oom_is_bisected_to_3_percent():
     gpu = FakeGpu()
     step = SyntheticStep(gpu, usable=int(0.985 * 40 * GB))
