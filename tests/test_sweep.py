@@ -219,6 +219,29 @@ def test_max_batch_stops_growth_without_an_oom():
     assert "still rising" in r.reason and "max_batch=100" in r.reason
 
 
+def test_without_cuda_events_the_fallback_span_starts_after_the_warm_up(monkeypatch):
+    # An event that cannot be recorded falls back to the synchronised span / steps; the
+    # warm-up's queued GPU work must not be in that span.
+    from stepprof._cuda import CudaSweepBackend
+
+    class NoEventGpu(FakeSweepGpu, CudaSweepBackend):
+        def mark(self):
+            return None
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: None)
+    gpu = NoEventGpu(capacity=40 * GB)
+
+    def train_step(batch):
+        gpu.launch(10.0)                # asynchronous: the host does not wait for the GPU
+
+    r = stepprof.sweep(train_step, lambda n: torch.randn(n, 1), max_batch=1, steps=3, max_steps=3,
+                       _backend=gpu, _clock=gpu.clock, progress=False)
+    p = r.point(1)
+    assert "step_ms" in p.unavailable and p.timed_steps == 3
+    assert p.step_ms == pytest.approx(10.0)
+
+
 def test_time_budget_stops_the_search():
     gpu, step = setup()
     r = run(step, gpu, time_budget_s=0.3)      # fake seconds
