@@ -255,11 +255,25 @@ def _leading_sizes(batch: Any, depth: int = 0) -> list[int]:
     return [s for x in items for s in _leading_sizes(x, depth + 1)]
 
 
+def _sample_list_lengths(batch: Any, depth: int = 0) -> list[int]:
+    """The lengths of the lists and tuples in a batch that hold tensors: a list of n
+    per-sample tensors (or of n dicts of them, as detection models take) is n samples."""
+    if depth >= 3:
+        return []
+    if isinstance(batch, Mapping):
+        return [s for x in batch.values() for s in _sample_list_lengths(x, depth + 1)]
+    if isinstance(batch, (list, tuple)):
+        inner = [s for x in batch for s in _sample_list_lengths(x, depth + 1)]
+        return ([len(batch)] if _leading_sizes(batch, depth) else []) + inner
+    return []
+
+
 def _check_batch(batch: Any, n: int) -> None:
     """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
 
     Tensors (alone, or in a tuple, list or dict) must have ``n`` as some tensor's
-    leading dimension; a list or tuple without tensors must have ``n`` items; a
+    leading dimension, or sit in a list or tuple of ``n`` items (a list of samples);
+    a list or tuple without tensors must have ``n`` items; a
     dict without tensors must have a list or tuple of ``n`` items among its values.
     Other objects cannot be sized and are accepted.
     """
@@ -270,7 +284,7 @@ def _check_batch(batch: Any, n: int) -> None:
         )
     sizes = _leading_sizes(batch)
     if sizes:
-        if n not in sizes:
+        if n not in sizes and n not in _sample_list_lengths(batch):
             got = ", ".join(str(s) for s in sorted(set(sizes)))
             raise ConfigError(
                 f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "

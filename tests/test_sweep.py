@@ -521,6 +521,22 @@ def test_batches_whose_size_cannot_be_known_are_accepted():
     assert r.max_fit == 2
 
 
+def test_a_list_of_n_samples_is_a_batch_of_n():
+    # torchvision's detection models take a list of n images and a list of n target dicts.
+    def make_batch(n):
+        images = [torch.randn(3, 8, 8) for _ in range(n)]
+        targets = [{"boxes": torch.rand(2, 4), "labels": torch.ones(2)} for _ in range(n)]
+        return images, targets
+
+    r = stepprof.sweep(_ok_step, make_batch, max_batch=4, progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    r = stepprof.sweep(_ok_step, lambda n: [torch.randn(5) for _ in range(n)], max_batch=4,
+                       progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    with pytest.raises(stepprof.ConfigError, match=r"make_batch\(1\) returned a batch of 3 samples"):
+        stepprof.sweep(_ok_step, lambda n: [torch.randn(3, 8, 8) for _ in range(n + 1)], progress=False)
+
+
 def test_an_unwritable_log_fails_before_any_trial(tmp_path):
     calls = []
     with pytest.raises(stepprof.ConfigError, match="'log' cannot be written"):
