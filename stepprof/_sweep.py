@@ -794,7 +794,13 @@ class _Sweep:
         # collection costs tens of ms with torch loaded.
         self._read(b.empty_cache, "empty_cache")
         base = self._read(b.allocated_bytes, "allocated_bytes")
-        self._read(b.reset_peak, "peak_allocated_bytes")
+        # A peak counter that was not reset holds an earlier trial's (or the user's) peak.
+        peak_reason: str | None = None
+        try:
+            b.reset_peak()
+        except Exception as e:  # noqa: BLE001 - a missing figure, never a failed sweep
+            peak_reason = f"resetting the peak counter failed: {type(e).__name__}: {e}"
+            self.unavailable.setdefault("peak_allocated_bytes", peak_reason)
         marks: list[Any] = []
         stamps: list[int] = []
         counters: list[tuple[int, int] | None] = []
@@ -843,7 +849,7 @@ class _Sweep:
         # frames (holding its activations) are gone once nothing refers to them.
         t_end = clock()
         mem = self._read(b.read_memory, "peak_allocated_bytes")
-        peak = None if mem is None else int(mem[0])
+        peak = None if mem is None or peak_reason is not None else int(mem[0])
         trial = len(self.points) + 1
         if failure is not None:
             batch = None
@@ -863,7 +869,7 @@ class _Sweep:
                     f"step, or the step created state, such as optimizer moments, that stays)"
                 )
             if peak is None:
-                unavailable["peak_allocated_bytes"] = self.b.memory_reason or "not read"
+                unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
             return SweepPoint(
                 trial=trial, phase=phase, batch_size=n, oom=True, samples_per_s=None, step_ms=None,
                 step_ms_p10=None, step_ms_p90=None, timed_steps=timed, warmup_steps=self.warmup,
@@ -900,7 +906,7 @@ class _Sweep:
             reason = self.b.memory_reason or self.unavailable.get("alloc_retries", "not read")
             unavailable["alloc_retries"] = unavailable["device_allocs"] = reason
         if peak is None:
-            unavailable["peak_allocated_bytes"] = self.b.memory_reason or "not read"
+            unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
         return SweepPoint(
             trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
             step_ms_p10=p10, step_ms_p90=p90, timed_steps=timed, warmup_steps=self.warmup,

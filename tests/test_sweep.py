@@ -293,6 +293,16 @@ def test_a_step_that_keeps_tensors_after_oom_is_reported_as_a_leak():
     assert "not freed" in str(r)
 
 
+def test_a_peak_that_could_not_be_reset_is_null_with_a_reason():
+    # Without the reset, the counter holds an earlier trial's (or the user's) peak: not this trial's.
+    gpu, step = setup()
+    gpu.fail_on = "reset_peak"
+    r = run(step, gpu)
+    assert all(p.peak_allocated_bytes is None for p in r.points)
+    assert all("reset_peak" in p.unavailable["peak_allocated_bytes"] for p in r.points)
+    assert r.stopped == "boundary" and 0 <= step.true_max - r.max_fit <= 0.03 * step.true_max
+
+
 OOM_MESSAGES = [
     "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)",
     "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
