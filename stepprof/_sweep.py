@@ -255,11 +255,25 @@ def _leading_sizes(batch: Any, depth: int = 0) -> list[int]:
     return [s for x in items for s in _leading_sizes(x, depth + 1)]
 
 
+def _sample_list_lengths(batch: Any, depth: int = 0) -> list[int]:
+    """The lengths of the lists and tuples in a batch that hold tensors: a list of n
+    per-sample tensors (or of n dicts of them, as detection models take) is n samples."""
+    if depth >= 3:
+        return []
+    if isinstance(batch, Mapping):
+        return [s for x in batch.values() for s in _sample_list_lengths(x, depth + 1)]
+    if isinstance(batch, (list, tuple)):
+        inner = [s for x in batch for s in _sample_list_lengths(x, depth + 1)]
+        return ([len(batch)] if _leading_sizes(batch, depth) else []) + inner
+    return []
+
+
 def _check_batch(batch: Any, n: int) -> None:
     """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
 
     Tensors (alone, or in a tuple, list or dict) must have ``n`` as some tensor's
-    leading dimension; a list or tuple without tensors must have ``n`` items; a
+    leading dimension, or sit in a list or tuple of ``n`` items (a list of samples);
+    a list or tuple without tensors must have ``n`` items; a
     dict without tensors must have a list or tuple of ``n`` items among its values.
     Other objects cannot be sized and are accepted.
     """
@@ -270,7 +284,7 @@ def _check_batch(batch: Any, n: int) -> None:
         )
     sizes = _leading_sizes(batch)
     if sizes:
-        if n not in sizes:
+        if n not in sizes and n not in _sample_list_lengths(batch):
             got = ", ".join(str(s) for s in sorted(set(sizes)))
             raise ConfigError(
                 f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "
@@ -592,10 +606,12 @@ class _Sweep:
                 return
             boundary = self._boundary()
             if self._plateau(grown):
-                if boundary is None:
-                    self.stopped = "plateau"
+                if boundary is not None:
+                    return  # growing further only measures the flat part: jump to the boundary
+                if self.max_batch is None:
+                    self.stopped = "plateau"  # no boundary to aim at, and no bound from the user
                     return
-                return  # growing further only measures the flat part: jump to the boundary
+                # Without memory figures, max_batch is the user's bound: grow on to it.
             factor = 4 if self._near_linear(grown) else 2
             nxt = n * factor if self.max_batch is None else min(n * factor, self.max_batch)
             if boundary is not None and nxt > boundary:
@@ -778,7 +794,13 @@ class _Sweep:
         # collection costs tens of ms with torch loaded.
         self._read(b.empty_cache, "empty_cache")
         base = self._read(b.allocated_bytes, "allocated_bytes")
-        self._read(b.reset_peak, "peak_allocated_bytes")
+        # A peak counter that was not reset holds an earlier trial's (or the user's) peak.
+        peak_reason: str | None = None
+        try:
+            b.reset_peak()
+        except Exception as e:  # noqa: BLE001 - a missing figure, never a failed sweep
+            peak_reason = f"resetting the peak counter failed: {type(e).__name__}: {e}"
+            self.unavailable.setdefault("peak_allocated_bytes", peak_reason)
         marks: list[Any] = []
         stamps: list[int] = []
         counters: list[tuple[int, int] | None] = []
@@ -795,6 +817,10 @@ class _Sweep:
                 self.train_step(batch)
             counters.append(self._read(b.allocator_counters, "alloc_retries"))
             marks.append(b.mark())
+            if marks[0] is None and isinstance(b, CudaSweepBackend):
+                # No event: the fallback times the synchronised span from here, so the
+                # warm-up's queued GPU work must be done before the span starts.
+                b.synchronize()
             stamps.append(clock())
             while True:
                 self.train_step(batch)
@@ -823,7 +849,7 @@ class _Sweep:
         # frames (holding its activations) are gone once nothing refers to them.
         t_end = clock()
         mem = self._read(b.read_memory, "peak_allocated_bytes")
-        peak = None if mem is None else int(mem[0])
+        peak = None if mem is None or peak_reason is not None else int(mem[0])
         trial = len(self.points) + 1
         if failure is not None:
             batch = None
@@ -843,7 +869,7 @@ class _Sweep:
                     f"step, or the step created state, such as optimizer moments, that stays)"
                 )
             if peak is None:
-                unavailable["peak_allocated_bytes"] = self.b.memory_reason or "not read"
+                unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
             return SweepPoint(
                 trial=trial, phase=phase, batch_size=n, oom=True, samples_per_s=None, step_ms=None,
                 step_ms_p10=None, step_ms_p90=None, timed_steps=timed, warmup_steps=self.warmup,
@@ -880,7 +906,7 @@ class _Sweep:
             reason = self.b.memory_reason or self.unavailable.get("alloc_retries", "not read")
             unavailable["alloc_retries"] = unavailable["device_allocs"] = reason
         if peak is None:
-            unavailable["peak_allocated_bytes"] = self.b.memory_reason or "not read"
+            unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
         return SweepPoint(
             trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
             step_ms_p10=p10, step_ms_p90=p90, timed_steps=timed, warmup_steps=self.warmup,

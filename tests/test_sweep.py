@@ -189,6 +189,16 @@ def test_plateau_without_memory_figures_stops_growth_and_says_so():
     assert p.step_ms == pytest.approx(step.ms(4), rel=0.02)   # host clock spans
 
 
+def test_plateau_without_memory_figures_grows_on_to_max_batch_when_given():
+    # The plateau note says "pass max_batch to sweep further": with max_batch, growth goes on.
+    gpu = FakeGpu()
+    step = SyntheticStep(gpu, fixed_ms=0.0, per_sample_ms=0.01, usable=40 * GB)
+    r = stepprof.sweep(step, step.make_batch, _backend=HostSweepBackend("fake host"),
+                       _clock=gpu.clock, progress=False, max_batch=64)
+    assert r.stopped == "max_batch" and r.max_fit == 64
+    assert not any("was not searched" in n for n in r.notes)
+
+
 def test_without_memory_figures_an_oom_is_bisected_to_3_percent():
     gpu = FakeGpu()
     step = SyntheticStep(gpu, usable=int(0.985 * 40 * GB))
@@ -207,6 +217,29 @@ def test_max_batch_stops_growth_without_an_oom():
     assert r.predicted_max == (40 * GB - GB) // 10**7
     assert r.recommended == 100
     assert "still rising" in r.reason and "max_batch=100" in r.reason
+
+
+def test_without_cuda_events_the_fallback_span_starts_after_the_warm_up(monkeypatch):
+    # An event that cannot be recorded falls back to the synchronised span / steps; the
+    # warm-up's queued GPU work must not be in that span.
+    from stepprof._cuda import CudaSweepBackend
+
+    class NoEventGpu(FakeSweepGpu, CudaSweepBackend):
+        def mark(self):
+            return None
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: None)
+    gpu = NoEventGpu(capacity=40 * GB)
+
+    def train_step(batch):
+        gpu.launch(10.0)                # asynchronous: the host does not wait for the GPU
+
+    r = stepprof.sweep(train_step, lambda n: torch.randn(n, 1), max_batch=1, steps=3, max_steps=3,
+                       _backend=gpu, _clock=gpu.clock, progress=False)
+    p = r.point(1)
+    assert "step_ms" in p.unavailable and p.timed_steps == 3
+    assert p.step_ms == pytest.approx(10.0)
 
 
 def test_time_budget_stops_the_search():
@@ -258,6 +291,16 @@ def test_a_step_that_keeps_tensors_after_oom_is_reported_as_a_leak():
     assert sum(p.leaked_bytes for p in r.points if p.oom) == leaked
     assert any("stayed allocated" in n for n in r.notes)
     assert "not freed" in str(r)
+
+
+def test_a_peak_that_could_not_be_reset_is_null_with_a_reason():
+    # Without the reset, the counter holds an earlier trial's (or the user's) peak: not this trial's.
+    gpu, step = setup()
+    gpu.fail_on = "reset_peak"
+    r = run(step, gpu)
+    assert all(p.peak_allocated_bytes is None for p in r.points)
+    assert all("reset_peak" in p.unavailable["peak_allocated_bytes"] for p in r.points)
+    assert r.stopped == "boundary" and 0 <= step.true_max - r.max_fit <= 0.03 * step.true_max
 
 
 OOM_MESSAGES = [
@@ -486,6 +529,22 @@ def test_batches_whose_size_cannot_be_known_are_accepted():
     r = stepprof.sweep(_ok_step, lambda n: (torch.zeros(n, 3), torch.zeros(5)), max_batch=2,
                        progress=False, min_time_s=0)
     assert r.max_fit == 2
+
+
+def test_a_list_of_n_samples_is_a_batch_of_n():
+    # torchvision's detection models take a list of n images and a list of n target dicts.
+    def make_batch(n):
+        images = [torch.randn(3, 8, 8) for _ in range(n)]
+        targets = [{"boxes": torch.rand(2, 4), "labels": torch.ones(2)} for _ in range(n)]
+        return images, targets
+
+    r = stepprof.sweep(_ok_step, make_batch, max_batch=4, progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    r = stepprof.sweep(_ok_step, lambda n: [torch.randn(5) for _ in range(n)], max_batch=4,
+                       progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    with pytest.raises(stepprof.ConfigError, match=r"make_batch\(1\) returned a batch of 3 samples"):
+        stepprof.sweep(_ok_step, lambda n: [torch.randn(3, 8, 8) for _ in range(n + 1)], progress=False)
 
 
 def test_an_unwritable_log_fails_before_any_trial(tmp_path):
