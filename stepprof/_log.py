@@ -42,6 +42,25 @@ class JsonlWriter:
             ) from e
         #: Why logging stopped, or None while it works.
         self.failed: str | None = None
+        self._end_torn_line()
+
+    def _end_torn_line(self) -> None:
+        """End a torn last line (a process that died mid-write) before appending to it.
+
+        Otherwise the first record written here would be glued to the fragment and
+        be unreadable; the fragment stays, on a line of its own, for :func:`read` to skip.
+        """
+        try:
+            size = os.fstat(self._fd).st_size
+            if size <= 0:
+                return
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                last = f.read(1)
+            if last and last != b"\n":
+                os.write(self._fd, b"\n")
+        except OSError:  # unreadable (write-only), or not a regular file: append as before
+            pass
 
     def write(self, record: dict[str, Any]) -> None:
         self.write_many((record,))

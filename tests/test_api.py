@@ -312,6 +312,19 @@ def test_read_skips_torn_lines_with_a_warning(log, gpu):
     assert kinds == ["step", "memory", "memory", "summary"]   # after warm-up, and at close
 
 
+def test_a_run_appended_after_a_torn_last_line_loses_no_record(log, gpu):
+    with open(log, "wb") as f:
+        f.write(b'{"kind": "step", "step": 9, "wal')   # an earlier process died mid-line
+    with make(log, gpu) as prof:
+        for _ in range(2):
+            with prof.step():
+                pass
+    with pytest.warns(RuntimeWarning, match="skipped 1 line"):
+        kinds = [(r["kind"], r.get("step")) for r in stepprof.read(log)]
+    assert kinds[:2] == [("step", 0), ("memory", 0)]     # the run's first line is whole
+    assert [s for k, s in kinds if k == "step"] == [0, 1]
+
+
 def test_failed_log_write_warns_and_training_goes_on(gpu):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
