@@ -77,13 +77,27 @@ class JsonlWriter:
         line = b"".join([dumps(r, option=option) for r in records])
         if not line:
             return
+        written = 0
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(self._fd, view):]
+                n = os.write(self._fd, view)
+                written += n
+                view = view[n:]
         except OSError as e:
             self.failed = f"writing {self.path!r} failed: {e.strerror}"
+            self._cut_partial_line(line, written)
             self.close()
+
+    def _cut_partial_line(self, line: bytes, written: int) -> None:
+        """After a short write (disk full), remove the half line it left at the end of the file."""
+        torn = written - (line.rfind(b"\n", 0, written) + 1)
+        if torn <= 0 or self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - torn)
+        except OSError:  # pragma: no cover - not a regular file: nothing more to do
+            pass
 
     def close(self) -> None:
         if self._fd is not None:

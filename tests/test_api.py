@@ -325,6 +325,34 @@ def test_a_run_appended_after_a_torn_last_line_loses_no_record(log, gpu):
     assert [s for k, s in kinds if k == "step"] == [0, 1]
 
 
+def test_a_write_cut_short_by_a_full_disk_leaves_whole_lines(tmp_path, monkeypatch):
+    import errno
+
+    from stepprof import _log
+
+    path = tmp_path / "full.jsonl"
+    writer = _log.JsonlWriter(path)
+    writer.write({"kind": "step", "step": 0})
+    real_write, calls = os.write, []
+
+    def disk_fills_up(fd, data):       # as Linux does: a short write, then ENOSPC
+        if fd != writer._fd:
+            return real_write(fd, data)
+        calls.append(len(data))
+        if len(calls) == 1:
+            first = bytes(data).index(b"\n") + 1
+            return real_write(fd, bytes(data)[: first + 10])   # line 1 whole, 10 bytes of line 2
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(_log.os, "write", disk_fills_up)
+        writer.write_many([{"kind": "step", "step": 1}, {"kind": "step", "step": 2}])
+    assert writer.failed is not None and "No space left" in writer.failed
+    data = path.read_bytes()
+    assert data.endswith(b"\n")                        # no half line
+    assert [r["step"] for r in stepprof.read(path)] == [0, 1]   # and nothing whole is lost
+
+
 def test_failed_log_write_warns_and_training_goes_on(gpu):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")
