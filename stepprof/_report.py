@@ -418,6 +418,9 @@ class _Run:
         t = type(x)
         if t is float or t is int:
             self.overhead.buf.append(x)
+        x = get("host_rss_bytes")
+        if type(x) is int:
+            self.rss = x
         allocs = retries = 0
         alloc = get("allocator")
         if type(alloc) is dict:
@@ -650,7 +653,7 @@ class _Run:
             "peak_allocated_bytes_max": self.peak,
             "reserved_bytes_max": self.reserved,
             "reserved_bytes_last": self.reserved_last,
-            "host_rss_bytes_last": None,
+            "host_rss_bytes_last": self.rss,
             "memory_records": self.memory_records,
             "nvml_process_bytes": _num(last.get("nvml_process_bytes")),
             "residual_bytes": _num(last.get("residual_bytes")),
@@ -1531,6 +1534,8 @@ def _render_run(run: dict[str, Any], out: list[str], several: bool) -> None:
         ("nvidia-smi (NVML)", _b(m["nvml_process_bytes"])),
         ("residual (context+other)", _b(m["residual_bytes"])),
     ]
+    if m["host_rss_bytes_last"] is not None:
+        rows.append(("host RSS (last)", _b(m["host_rss_bytes_last"])))
     a = run["allocator"]
     if a is not None:
         rows.append(

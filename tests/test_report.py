@@ -130,6 +130,21 @@ def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
     assert set(run["not_diagnosed"]) >= {"host-bound", "sync-heavy", "memory-headroom", "roofline"}
 
 
+def test_cpu_log_reports_the_host_rss_its_reasons_point_to(tmp_path, capsys):
+    log = str(tmp_path / "cpu.jsonl")
+    with stepprof.Profiler(log, warmup=1) as prof:
+        for _ in range(4):
+            with prof.step(batch_size=8):
+                torch.ones(8, 8).sum()
+    last = list(stepprof.read(log, kind="step"))[-1]["host_rss_bytes"]
+    assert type(last) is int and last > 0
+    run = build_report([log])["logs"][0]["runs"][0]
+    assert "see host_rss_bytes" in run["unavailable"]["peak_allocated_bytes"]
+    assert run["memory"]["host_rss_bytes_last"] == last
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0 and "host RSS (last)" in out
+
+
 def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
     path = fx.write(
         str(tmp_path / "torn.jsonl"),
