@@ -1037,20 +1037,26 @@ def _memory_diagnoses(
     ev: list[str] = []
     remedy: list[str] = []
     if total is not None:
-        residual = mem["residual_bytes"] or 0.0
+        # Unknown is not 0; a negative residual (MPS, MIG, a driver change) is about 0 (memory.md).
+        residual = None if mem["residual_bytes"] is None else max(0.0, mem["residual_bytes"])
         others = 0.0
         if mem["device_used_bytes"] is not None and mem["nvml_process_bytes"] is not None:
             others = max(0.0, mem["device_used_bytes"] - mem["nvml_process_bytes"])
-        usable = total - residual - others
+        usable = total - (residual or 0.0) - others
         headroom = usable - peak
+        context = (
+            "CUDA context and other unknown: the last memory record has no residual"
+            if residual is None
+            else f"{_fmt_bytes(int(residual))} CUDA context and other"
+        )
         ev.append(
-            f"peak {_fmt_bytes(int(peak))} of {_fmt_bytes(int(usable))} usable by the allocator "
-            f"({_fmt_bytes(int(total))} total, {_fmt_bytes(int(residual))} CUDA context and other"
+            f"peak {_fmt_bytes(int(peak))} of {'at most ' if residual is None else ''}"
+            f"{_fmt_bytes(int(usable))} usable by the allocator ({_fmt_bytes(int(total))} total, {context}"
             + (f", {_fmt_bytes(int(others))} other processes" if others else "")
             + ")"
         )
         base = mem["allocated_bytes"]
-        if bs and base is not None and peak > base:
+        if bs and base is not None and residual is not None and peak > base:
             per_sample = (peak - base) / bs
             fits = int(bs + headroom / per_sample) if headroom > 0 else bs
             ev.append(

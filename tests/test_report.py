@@ -145,6 +145,30 @@ def test_cpu_log_reports_the_host_rss_its_reasons_point_to(tmp_path, capsys):
     assert rc == 0 and "host RSS (last)" in out
 
 
+def _headroom(tmp_path, **last_memory):
+    recs = fx.training_log(steps=30)
+    close = next(r for r in reversed(recs) if r["kind"] == "memory")
+    close.update(last_memory)
+    run = build_report([fx.write(str(tmp_path / "m.jsonl"), recs)])["logs"][0]["runs"][0]
+    (d,) = [d for d in run["diagnoses"] if d["kind"] == "memory-headroom"]
+    return run, d["evidence"]
+
+
+def test_headroom_never_takes_an_unknown_residual_for_zero(tmp_path):
+    why = "reading torch's allocator statistics failed: RuntimeError: boom"
+    run, ev = _headroom(tmp_path, residual_bytes=None, allocated_bytes=None,
+                        unavailable={"residual_bytes": why, "allocated_bytes": why})
+    assert run["memory"]["residual_bytes"] is None
+    assert not any("0.0 MiB CUDA context" in e for e in ev), ev
+    assert "CUDA context and other unknown" in ev[0]
+
+
+def test_headroom_takes_a_negative_residual_as_about_zero(tmp_path):
+    _, ev = _headroom(tmp_path, residual_bytes=-100 * 2**20)
+    total = fx.memory_record(0, "close")["total_bytes"]
+    assert f"of {total / 2**30:.2f} GiB usable" in ev[0] and "-100.0 MiB" not in ev[0], ev[0]
+
+
 def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
     path = fx.write(
         str(tmp_path / "torn.jsonl"),
