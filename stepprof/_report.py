@@ -624,7 +624,10 @@ class _Run:
         why: dict[str, str] = {}
         if self.measured == 0:
             msg = "no measured steps (all were warm-up, failed, or none ran)"
-            return {k: msg for k, v in figures.items() if v is None}
+            why = {k: msg for k, v in figures.items() if v is None}
+            if self.peak is None:
+                why["peak_allocated_bytes"] = msg
+            return why
         step_reason = {
             "gpu_ms": "gpu_ms",
             "samples_per_s": "samples_per_s",
@@ -1561,6 +1564,7 @@ def _render_run(run: dict[str, Any], out: list[str], several: bool) -> None:
             "syncs/step": "syncs_per_step",
             "TFLOP/s (median)": "tflops_per_s_median",
             "MFU (median)": "mfu_median",
+            "stepprof µs/step": "overhead_us_median",
             "peak allocated": "peak_allocated_bytes",
         }.get(k)
         if v == "n/a" and key in run["unavailable"]:

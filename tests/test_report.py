@@ -169,6 +169,19 @@ def test_headroom_takes_a_negative_residual_as_about_zero(tmp_path):
     assert f"of {total / 2**30:.2f} GiB usable" in ev[0] and "-100.0 MiB" not in ev[0], ev[0]
 
 
+def test_a_run_without_measured_steps_gives_every_null_figure_its_reason(tmp_path):
+    recs = [fx.step_record(i, warmup=True, wall=5.0, gpu=5.0) for i in range(3)]
+    rep = build_report([fx.write(str(tmp_path / "w.jsonl"), recs)])
+    run = rep["logs"][0]["runs"][0]
+    why = "no measured steps (all were warm-up, failed, or none ran)"
+    assert run["memory"]["peak_allocated_bytes_max"] is None
+    assert run["unavailable"]["peak_allocated_bytes"] == why
+    assert run["unavailable"]["overhead_us_median"] == why
+    text = render(rep)
+    assert f"peak allocated            n/a  ({why})" in text
+    assert f"stepprof µs/step          n/a  ({why})" in text
+
+
 def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
     path = fx.write(
         str(tmp_path / "torn.jsonl"),
