@@ -353,15 +353,19 @@ class _Run:
             self.take_identity(r)
         dev = get("device")
         devices = self.devices
-        if dev in devices:
+        if type(dev) is not str:
+            pass
+        elif dev in devices:
             devices[dev] += 1
-        elif type(dev) is str and len(devices) < _CAP:
+        elif len(devices) < _CAP:
             devices[dev] = 1
         name = get("name")
         names = self.names
-        if name in names:
+        if type(name) is not str:
+            pass
+        elif name in names:
             names[name] += 1
-        elif type(name) is str and len(names) < _CAP:
+        elif len(names) < _CAP:
             names[name] = 1
         if get("warmup") is True:
             self.warmup += 1
@@ -474,7 +478,9 @@ class _Run:
     def take_identity(self, r: dict[str, Any]) -> None:
         rank = r.get("rank")
         if type(rank) is int:
-            self.identity = {k: r.get(k) for k in ("rank", "local_rank", "world_size")}
+            self.identity = {
+                k: r.get(k) if type(r.get(k)) is int else None for k in ("rank", "local_rank", "world_size")
+            }
 
     def add_ranks(self, r: dict[str, Any]) -> None:
         """A ``kind: "ranks"`` record (rank 0's log): count who was named, keep the latest."""
@@ -848,7 +854,7 @@ def _diagnose(
         )
     rec = _sweep_for(sweeps)
     bs = run["batch_size"]
-    if rec is not None and bs is not None and rec.get("knee") and bs < rec["knee"]:
+    if rec is not None and bs is not None and type(rec.get("knee")) is int and bs < rec["knee"]:
         host_evidence.append(
             f"the sweep in this log found the knee at batch {rec['knee']:,}; at batch {bs:,} the "
             f"GPU is not saturated"
@@ -1076,7 +1082,7 @@ def _memory_diagnoses(
             f"the sweep in this log: max_fit {_int(sweep.get('max_fit'))}, knee {_int(sweep.get('knee'))}, "
             f"recommended {_int(sweep.get('recommended'))}"
         )
-        if bs is not None and sweep.get("recommended"):
+        if bs is not None and type(sweep.get("recommended")) is int and sweep["recommended"] > 0:
             remedy.append(f"use batch {sweep['recommended']:,} (the sweep's recommendation; now {bs:,})")
     if ev:
         found.append(
@@ -1213,6 +1219,8 @@ class _Segment:
         for r in scan(path, self.stats, start, end):
             kind = r.get("kind")
             v = r.get("schema_version")
+            if type(v) is not int:  # a foreign line's may be anything, unhashable too
+                v = None if v is None else str(v)[:40]
             if v not in versions and len(versions) < 16:
                 versions[v] = 0
             if v in versions:

@@ -182,6 +182,22 @@ def test_a_run_without_measured_steps_gives_every_null_figure_its_reason(tmp_pat
     assert f"stepprof µs/step          n/a  ({why})" in text
 
 
+@pytest.mark.parametrize("foreign", [
+    {"schema_version": [1], "kind": "note"},                       # unhashable version
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "device": ["cuda:0"]},
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "name": {"a": 1}},
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "rank": 0, "world_size": [2]},
+    {"schema_version": 1, "kind": "sweep_result", "knee": "big", "recommended": "x"},
+])
+def test_a_foreign_record_with_odd_field_types_never_breaks_the_report(tmp_path, capsys, foreign):
+    recs = fx.training_log(steps=20)
+    recs.insert(10, foreign)
+    path = fx.write(str(tmp_path / "odd.jsonl"), recs)
+    rc, out, err = cli(capsys, "report", path)
+    assert rc == 0 and "Traceback" not in err
+    assert "-- run" not in out and ("20 steps" in out or "21 steps" in out)
+
+
 def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
     path = fx.write(
         str(tmp_path / "torn.jsonl"),
@@ -301,6 +317,13 @@ _json_value = st.recursive(
                     "thrash_zone",
                     "notes",
                     "tflops_per_s",
+                    "schema_version",
+                    "device",
+                    "name",
+                    "rank",
+                    "world_size",
+                    "knee",
+                    "recommended",
                 )
             },
         ),
