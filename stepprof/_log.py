@@ -42,6 +42,25 @@ class JsonlWriter:
             ) from e
         #: Why logging stopped, or None while it works.
         self.failed: str | None = None
+        self._end_torn_line()
+
+    def _end_torn_line(self) -> None:
+        """End a torn last line (a process that died mid-write) before appending to it.
+
+        Otherwise the first record written here would be glued to the fragment and
+        be unreadable; the fragment stays, on a line of its own, for :func:`read` to skip.
+        """
+        try:
+            size = os.fstat(self._fd).st_size
+            if size <= 0:
+                return
+            with open(self.path, "rb") as f:
+                f.seek(size - 1)
+                last = f.read(1)
+            if last and last != b"\n":
+                os.write(self._fd, b"\n")
+        except OSError:  # unreadable (write-only), or not a regular file: append as before
+            pass
 
     def write(self, record: dict[str, Any]) -> None:
         self.write_many((record,))
@@ -58,13 +77,27 @@ class JsonlWriter:
         line = b"".join([dumps(r, option=option) for r in records])
         if not line:
             return
+        written = 0
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(self._fd, view):]
+                n = os.write(self._fd, view)
+                written += n
+                view = view[n:]
         except OSError as e:
             self.failed = f"writing {self.path!r} failed: {e.strerror}"
+            self._cut_partial_line(line, written)
             self.close()
+
+    def _cut_partial_line(self, line: bytes, written: int) -> None:
+        """After a short write (disk full), remove the half line it left at the end of the file."""
+        torn = written - (line.rfind(b"\n", 0, written) + 1)
+        if torn <= 0 or self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, os.fstat(self._fd).st_size - torn)
+        except OSError:  # pragma: no cover - not a regular file: nothing more to do
+            pass
 
     def close(self) -> None:
         if self._fd is not None:

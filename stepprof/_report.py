@@ -353,15 +353,19 @@ class _Run:
             self.take_identity(r)
         dev = get("device")
         devices = self.devices
-        if dev in devices:
+        if type(dev) is not str:
+            pass
+        elif dev in devices:
             devices[dev] += 1
-        elif type(dev) is str and len(devices) < _CAP:
+        elif len(devices) < _CAP:
             devices[dev] = 1
         name = get("name")
         names = self.names
-        if name in names:
+        if type(name) is not str:
+            pass
+        elif name in names:
             names[name] += 1
-        elif type(name) is str and len(names) < _CAP:
+        elif len(names) < _CAP:
             names[name] = 1
         if get("warmup") is True:
             self.warmup += 1
@@ -418,6 +422,9 @@ class _Run:
         t = type(x)
         if t is float or t is int:
             self.overhead.buf.append(x)
+        x = get("host_rss_bytes")
+        if type(x) is int:
+            self.rss = x
         allocs = retries = 0
         alloc = get("allocator")
         if type(alloc) is dict:
@@ -471,7 +478,9 @@ class _Run:
     def take_identity(self, r: dict[str, Any]) -> None:
         rank = r.get("rank")
         if type(rank) is int:
-            self.identity = {k: r.get(k) for k in ("rank", "local_rank", "world_size")}
+            self.identity = {
+                k: r.get(k) if type(r.get(k)) is int else None for k in ("rank", "local_rank", "world_size")
+            }
 
     def add_ranks(self, r: dict[str, Any]) -> None:
         """A ``kind: "ranks"`` record (rank 0's log): count who was named, keep the latest."""
@@ -621,7 +630,10 @@ class _Run:
         why: dict[str, str] = {}
         if self.measured == 0:
             msg = "no measured steps (all were warm-up, failed, or none ran)"
-            return {k: msg for k, v in figures.items() if v is None}
+            why = {k: msg for k, v in figures.items() if v is None}
+            if self.peak is None:
+                why["peak_allocated_bytes"] = msg
+            return why
         step_reason = {
             "gpu_ms": "gpu_ms",
             "samples_per_s": "samples_per_s",
@@ -650,7 +662,7 @@ class _Run:
             "peak_allocated_bytes_max": self.peak,
             "reserved_bytes_max": self.reserved,
             "reserved_bytes_last": self.reserved_last,
-            "host_rss_bytes_last": None,
+            "host_rss_bytes_last": self.rss,
             "memory_records": self.memory_records,
             "nvml_process_bytes": _num(last.get("nvml_process_bytes")),
             "residual_bytes": _num(last.get("residual_bytes")),
@@ -842,7 +854,7 @@ def _diagnose(
         )
     rec = _sweep_for(sweeps)
     bs = run["batch_size"]
-    if rec is not None and bs is not None and rec.get("knee") and bs < rec["knee"]:
+    if rec is not None and bs is not None and type(rec.get("knee")) is int and bs < rec["knee"]:
         host_evidence.append(
             f"the sweep in this log found the knee at batch {rec['knee']:,}; at batch {bs:,} the "
             f"GPU is not saturated"
@@ -1034,20 +1046,26 @@ def _memory_diagnoses(
     ev: list[str] = []
     remedy: list[str] = []
     if total is not None:
-        residual = mem["residual_bytes"] or 0.0
+        # Unknown is not 0; a negative residual (MPS, MIG, a driver change) is about 0 (memory.md).
+        residual = None if mem["residual_bytes"] is None else max(0.0, mem["residual_bytes"])
         others = 0.0
         if mem["device_used_bytes"] is not None and mem["nvml_process_bytes"] is not None:
             others = max(0.0, mem["device_used_bytes"] - mem["nvml_process_bytes"])
-        usable = total - residual - others
+        usable = total - (residual or 0.0) - others
         headroom = usable - peak
+        context = (
+            "CUDA context and other unknown: the last memory record has no residual"
+            if residual is None
+            else f"{_fmt_bytes(int(residual))} CUDA context and other"
+        )
         ev.append(
-            f"peak {_fmt_bytes(int(peak))} of {_fmt_bytes(int(usable))} usable by the allocator "
-            f"({_fmt_bytes(int(total))} total, {_fmt_bytes(int(residual))} CUDA context and other"
+            f"peak {_fmt_bytes(int(peak))} of {'at most ' if residual is None else ''}"
+            f"{_fmt_bytes(int(usable))} usable by the allocator ({_fmt_bytes(int(total))} total, {context}"
             + (f", {_fmt_bytes(int(others))} other processes" if others else "")
             + ")"
         )
         base = mem["allocated_bytes"]
-        if bs and base is not None and peak > base:
+        if bs and base is not None and residual is not None and peak > base:
             per_sample = (peak - base) / bs
             fits = int(bs + headroom / per_sample) if headroom > 0 else bs
             ev.append(
@@ -1064,7 +1082,7 @@ def _memory_diagnoses(
             f"the sweep in this log: max_fit {_int(sweep.get('max_fit'))}, knee {_int(sweep.get('knee'))}, "
             f"recommended {_int(sweep.get('recommended'))}"
         )
-        if bs is not None and sweep.get("recommended"):
+        if bs is not None and type(sweep.get("recommended")) is int and sweep["recommended"] > 0:
             remedy.append(f"use batch {sweep['recommended']:,} (the sweep's recommendation; now {bs:,})")
     if ev:
         found.append(
@@ -1201,6 +1219,8 @@ class _Segment:
         for r in scan(path, self.stats, start, end):
             kind = r.get("kind")
             v = r.get("schema_version")
+            if type(v) is not int:  # a foreign line's may be anything, unhashable too
+                v = None if v is None else str(v)[:40]
             if v not in versions and len(versions) < 16:
                 versions[v] = 0
             if v in versions:
@@ -1531,6 +1551,8 @@ def _render_run(run: dict[str, Any], out: list[str], several: bool) -> None:
         ("nvidia-smi (NVML)", _b(m["nvml_process_bytes"])),
         ("residual (context+other)", _b(m["residual_bytes"])),
     ]
+    if m["host_rss_bytes_last"] is not None:
+        rows.append(("host RSS (last)", _b(m["host_rss_bytes_last"])))
     a = run["allocator"]
     if a is not None:
         rows.append(
@@ -1550,6 +1572,7 @@ def _render_run(run: dict[str, Any], out: list[str], several: bool) -> None:
             "syncs/step": "syncs_per_step",
             "TFLOP/s (median)": "tflops_per_s_median",
             "MFU (median)": "mfu_median",
+            "stepprof µs/step": "overhead_us_median",
             "peak allocated": "peak_allocated_bytes",
         }.get(k)
         if v == "n/a" and key in run["unavailable"]:

@@ -312,6 +312,47 @@ def test_read_skips_torn_lines_with_a_warning(log, gpu):
     assert kinds == ["step", "memory", "memory", "summary"]   # after warm-up, and at close
 
 
+def test_a_run_appended_after_a_torn_last_line_loses_no_record(log, gpu):
+    with open(log, "wb") as f:
+        f.write(b'{"kind": "step", "step": 9, "wal')   # an earlier process died mid-line
+    with make(log, gpu) as prof:
+        for _ in range(2):
+            with prof.step():
+                pass
+    with pytest.warns(RuntimeWarning, match="skipped 1 line"):
+        kinds = [(r["kind"], r.get("step")) for r in stepprof.read(log)]
+    assert kinds[:2] == [("step", 0), ("memory", 0)]     # the run's first line is whole
+    assert [s for k, s in kinds if k == "step"] == [0, 1]
+
+
+def test_a_write_cut_short_by_a_full_disk_leaves_whole_lines(tmp_path, monkeypatch):
+    import errno
+
+    from stepprof import _log
+
+    path = tmp_path / "full.jsonl"
+    writer = _log.JsonlWriter(path)
+    writer.write({"kind": "step", "step": 0})
+    real_write, calls = os.write, []
+
+    def disk_fills_up(fd, data):       # as Linux does: a short write, then ENOSPC
+        if fd != writer._fd:
+            return real_write(fd, data)
+        calls.append(len(data))
+        if len(calls) == 1:
+            first = bytes(data).index(b"\n") + 1
+            return real_write(fd, bytes(data)[: first + 10])   # line 1 whole, 10 bytes of line 2
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(_log.os, "write", disk_fills_up)
+        writer.write_many([{"kind": "step", "step": 1}, {"kind": "step", "step": 2}])
+    assert writer.failed is not None and "No space left" in writer.failed
+    data = path.read_bytes()
+    assert data.endswith(b"\n")                        # no half line
+    assert [r["step"] for r in stepprof.read(path)] == [0, 1]   # and nothing whole is lost
+
+
 def test_failed_log_write_warns_and_training_goes_on(gpu):
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full")

@@ -130,6 +130,74 @@ def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
     assert set(run["not_diagnosed"]) >= {"host-bound", "sync-heavy", "memory-headroom", "roofline"}
 
 
+def test_cpu_log_reports_the_host_rss_its_reasons_point_to(tmp_path, capsys):
+    log = str(tmp_path / "cpu.jsonl")
+    with stepprof.Profiler(log, warmup=1) as prof:
+        for _ in range(4):
+            with prof.step(batch_size=8):
+                torch.ones(8, 8).sum()
+    last = list(stepprof.read(log, kind="step"))[-1]["host_rss_bytes"]
+    assert type(last) is int and last > 0
+    run = build_report([log])["logs"][0]["runs"][0]
+    assert "see host_rss_bytes" in run["unavailable"]["peak_allocated_bytes"]
+    assert run["memory"]["host_rss_bytes_last"] == last
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0 and "host RSS (last)" in out
+
+
+def _headroom(tmp_path, **last_memory):
+    recs = fx.training_log(steps=30)
+    close = next(r for r in reversed(recs) if r["kind"] == "memory")
+    close.update(last_memory)
+    run = build_report([fx.write(str(tmp_path / "m.jsonl"), recs)])["logs"][0]["runs"][0]
+    (d,) = [d for d in run["diagnoses"] if d["kind"] == "memory-headroom"]
+    return run, d["evidence"]
+
+
+def test_headroom_never_takes_an_unknown_residual_for_zero(tmp_path):
+    why = "reading torch's allocator statistics failed: RuntimeError: boom"
+    run, ev = _headroom(tmp_path, residual_bytes=None, allocated_bytes=None,
+                        unavailable={"residual_bytes": why, "allocated_bytes": why})
+    assert run["memory"]["residual_bytes"] is None
+    assert not any("0.0 MiB CUDA context" in e for e in ev), ev
+    assert "CUDA context and other unknown" in ev[0]
+
+
+def test_headroom_takes_a_negative_residual_as_about_zero(tmp_path):
+    _, ev = _headroom(tmp_path, residual_bytes=-100 * 2**20)
+    total = fx.memory_record(0, "close")["total_bytes"]
+    assert f"of {total / 2**30:.2f} GiB usable" in ev[0] and "-100.0 MiB" not in ev[0], ev[0]
+
+
+def test_a_run_without_measured_steps_gives_every_null_figure_its_reason(tmp_path):
+    recs = [fx.step_record(i, warmup=True, wall=5.0, gpu=5.0) for i in range(3)]
+    rep = build_report([fx.write(str(tmp_path / "w.jsonl"), recs)])
+    run = rep["logs"][0]["runs"][0]
+    why = "no measured steps (all were warm-up, failed, or none ran)"
+    assert run["memory"]["peak_allocated_bytes_max"] is None
+    assert run["unavailable"]["peak_allocated_bytes"] == why
+    assert run["unavailable"]["overhead_us_median"] == why
+    text = render(rep)
+    assert f"peak allocated            n/a  ({why})" in text
+    assert f"stepprof µs/step          n/a  ({why})" in text
+
+
+@pytest.mark.parametrize("foreign", [
+    {"schema_version": [1], "kind": "note"},                       # unhashable version
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "device": ["cuda:0"]},
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "name": {"a": 1}},
+    {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "rank": 0, "world_size": [2]},
+    {"schema_version": 1, "kind": "sweep_result", "knee": "big", "recommended": "x"},
+])
+def test_a_foreign_record_with_odd_field_types_never_breaks_the_report(tmp_path, capsys, foreign):
+    recs = fx.training_log(steps=20)
+    recs.insert(10, foreign)
+    path = fx.write(str(tmp_path / "odd.jsonl"), recs)
+    rc, out, err = cli(capsys, "report", path)
+    assert rc == 0 and "Traceback" not in err
+    assert "-- run" not in out and ("20 steps" in out or "21 steps" in out)
+
+
 def test_corrupt_and_truncated_lines_are_skipped_with_a_count(tmp_path, capsys):
     path = fx.write(
         str(tmp_path / "torn.jsonl"),
@@ -249,6 +317,13 @@ _json_value = st.recursive(
                     "thrash_zone",
                     "notes",
                     "tflops_per_s",
+                    "schema_version",
+                    "device",
+                    "name",
+                    "rank",
+                    "world_size",
+                    "knee",
+                    "recommended",
                 )
             },
         ),
