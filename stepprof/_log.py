@@ -108,6 +108,10 @@ class JsonlWriter:
                 pass
 
 
+#: The record kinds stepprof writes (docs/schema.md).
+LOG_KINDS = frozenset({"step", "summary", "memory", "flops", "ranks", "sweep_point", "sweep_result"})
+
+
 class ScanStats:
     """What :func:`scan` met: lines read, and lines skipped because they are not JSON objects."""
 
@@ -161,7 +165,12 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
 
     Args:
         path: a JSON-lines log written by stepprof.
-        kind: keep only records of this kind, e.g. ``"step"`` or ``"summary"``.
+        kind: keep only records of this kind, e.g. ``"step"`` or ``"summary"``
+            (:data:`LOG_KINDS`).  A kind that stepprof never writes and no record has
+            (a typo) gets a warning that names the kinds the log holds.
+
+    Raises:
+        ConfigError: ``path`` is not a path, or ``kind`` not a string (at the call).
 
     Example:
         >>> import stepprof, tempfile, os
@@ -172,14 +181,41 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
         >>> [r["kind"] for r in stepprof.read(log)]
         ['step', 'summary']
     """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"'path' must be the path of a stepprof log, a str or os.PathLike (got {path!r}); "
+            f"e.g. stepprof.read('run.jsonl')"
+        )
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(
+            f"'kind' must be a record kind such as 'step' or 'summary', or None for every "
+            f"record (got {kind!r})"
+        )
+    return _read(path, kind)
+
+
+def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, Any]]:
     stats = ScanStats()
+    kinds: set[Any] = set()
+    kept = 0
     for record in scan(path, stats):
-        if kind is None or record.get("kind") == kind:
+        k = record.get("kind")
+        if kind is None or k == kind:
+            kept += 1
             yield record
+        elif not kept and len(kinds) < 50 and isinstance(k, str):
+            kinds.add(k)
     if stats.skipped:
         warnings.warn(
             f"stepprof.read: skipped {stats.skipped} line(s) of {os.fspath(path)!r} "
             f"that are not JSON objects",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if kind is not None and not kept and kinds and kind not in LOG_KINDS:  # a typo, likely
+        warnings.warn(
+            f"stepprof.read: no record of kind {kind!r} in {os.fspath(path)!r}, and stepprof "
+            f"writes no such kind; its records are of kind {', '.join(map(repr, sorted(kinds)))}",
             RuntimeWarning,
             stacklevel=2,
         )

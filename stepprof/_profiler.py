@@ -258,6 +258,13 @@ _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing 
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
 
+# Why an inherited profiler records nothing in a forked child (see _forget_collectors_in_child).
+_INHERITED = (
+    "this Profiler was inherited by the forked process {pid}: a profiler records only in the "
+    "process that created it, so it records nothing here; open a new stepprof.Profiler in the "
+    "child to profile it"
+)
+
 # Open profilers, held strongly: one that is never closed is still flushed at exit.
 _open_profilers: set[Profiler] = set()
 
@@ -560,6 +567,9 @@ class Profiler:
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
             )
         if self._broken is not None:
+            if self._broken.startswith("this Profiler was inherited") and self._broken not in self._warned:
+                self._warned.add(self._broken)
+                warnings.warn(f"stepprof: {self._broken}", RuntimeWarning, stacklevel=4)
             return self._unrecorded_step() if self._exchange is not None else None
         tid = threading.get_ident()
         if self._owner != tid:
@@ -1312,6 +1322,23 @@ class Profiler:
         except Exception:  # noqa: BLE001, S110 - Exchange warns about its own failures
             pass
 
+    def _forked(self) -> None:
+        """In a forked child: drop the parent's state and record nothing more (see above)."""
+        self._broken = _INHERITED.format(pid=os.getpid())
+        self._pending = deque()
+        self._memory_snaps = {}
+        self._batch = None
+        self._step = None
+        self._stack = []
+        self._exchange = None
+        self._collector = None
+        self._stop = threading.Event()
+        self._harvest_lock = threading.Lock()
+        self._close_lock = threading.RLock()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()  # the child's copy of the descriptor; the parent's stays open
+
     def _fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""
         self._unwatch()
@@ -1385,18 +1412,13 @@ def _make_measure(name: Any, profiler: Profiler | None) -> Any:
 
 
 def _forget_collectors_in_child() -> None:
-    # A forked child has no collector thread: let each profiler start its own.  The
-    # steps pending at the fork are the parent's, which writes them to the same log: the
-    # child drops its copies (and a harvest the parent's collector was in the middle of).
+    # A forked child (a DataLoader worker, say) inherits the parent's profilers, their
+    # pending steps and their log's descriptor.  A profiler records only in the process that
+    # made it: in the child it goes inert, so that nothing is written twice or mixed into
+    # the parent's log, and no device call is made (CUDA cannot be used after a fork).
     _HOST_RSS.forget()
     for prof in _open_profilers:
-        prof._pending = deque()
-        prof._memory_snaps = {}
-        prof._batch = None
-        prof._collector = None
-        prof._stop = threading.Event()
-        prof._harvest_lock = threading.Lock()
-        prof._close_lock = threading.RLock()
+        prof._forked()
 
 
 if hasattr(os, "register_at_fork"):

@@ -382,8 +382,8 @@ class SyncTracker:
                 _sites_by_code.clear()
             hit = _sites_by_code[key] = (code, _name_site(user, origin, hint))
         kind = hit[1][1]
-        if kind in PROBES and kind not in WAITS_PER_CALL:  # a multi-wait op's first wait: measure it
-            probe = PROBES.pop(kind)
+        probe = PROBES.pop(kind, None) if kind not in WAITS_PER_CALL else None
+        if probe is not None:  # a multi-wait op's first wait: measure it (once: popped)
             self._mute += 1  # (a WaitCounter gets the probe's own waits; this is a guard)
             try:
                 n = probe()

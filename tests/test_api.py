@@ -438,3 +438,23 @@ def test_bad_arguments_fail_before_the_log_is_opened(log, kwargs):
     assert not os.path.exists(log)
     if fds is not None:
         assert set(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_read_checks_its_arguments_at_the_call(tmp_path):
+    with pytest.raises(stepprof.ConfigError, match=r"'path' must be the path of a stepprof log.*got None"):
+        stepprof.read(None)
+    with pytest.raises(stepprof.ConfigError, match=r"'kind' must be a record kind.*got \['step'\]"):
+        stepprof.read(tmp_path / "x.jsonl", kind=["step"])
+
+
+def test_read_warns_about_a_kind_stepprof_never_writes(tmp_path):
+    log = tmp_path / "run.jsonl"
+    with stepprof.Profiler(log) as prof:
+        with prof.step():
+            pass
+    with pytest.warns(RuntimeWarning, match=r"no record of kind 'steps'.*of kind 'step', 'summary'"):
+        assert list(stepprof.read(log, kind="steps")) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # a kind stepprof writes, absent here: no warning
+        assert list(stepprof.read(log, kind="ranks")) == []
+        assert len(list(stepprof.read(log, kind="step"))) == 1

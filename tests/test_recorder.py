@@ -544,6 +544,45 @@ def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu)
     assert [r["step"] for r in steps(log)] == [0]
 
 
+def test_a_forked_child_records_nothing_into_the_parents_log(log, gpu):
+    """An inherited profiler is inert in a forked child: its steps and phases are not
+    recorded, its close writes no summary, and using it warns once with the remedy."""
+    import os
+    import warnings as w
+
+    prof = make(log, gpu, memory_every=0)
+    with prof.step():
+        pass
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with w.catch_warnings(record=True) as caught:
+                w.simplefilter("always")
+                for _ in range(2):
+                    with prof.step():
+                        with prof.measure("forward"):
+                            pass
+                s = prof.close()
+            warned = [str(c.message) for c in caught if "inherited by the forked process" in str(c.message)]
+            os.write(wr, f"{len(warned)} {s.steps}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wr)
+    _, status = os.waitpid(pid, 0)
+    got = os.read(r, 100).decode()
+    os.close(r)
+    assert status == 0, got
+    with prof.step():
+        pass
+    prof.close()
+    kinds = [(x["kind"], x.get("step")) for x in stepprof.read(log) if x["kind"] != "memory"]
+    assert kinds == [("step", 0), ("step", 1), ("summary", None)]   # the parent's only
+    assert got.split()[0] == "1"                 # one warning, at the first use
+
+
 def test_an_exception_that_cannot_be_printed_is_still_a_recorded_step_error(log, gpu):
     """The user's exception's own __str__ failing is not an internal error of stepprof's."""
 

@@ -610,3 +610,19 @@ def test_a_sync_debug_mode_the_user_set_during_a_step_is_left_in_place(monkeypat
         _syncs.detach()
     tracker.end()
     assert mode == [2]
+
+
+def test_a_probe_taken_by_another_thread_is_not_an_error(monkeypatch):
+    """Two threads meeting a multi-wait op's first wait at once: the second finds the probe
+    gone (the first took it) and counts on, rather than raising KeyError in the user's step."""
+    class Taken(dict):  # "in" still saw the probe; another thread popped it since
+        def __contains__(self, key):
+            return True
+
+    monkeypatch.setattr(_syncs, "PROBES", Taken())
+    monkeypatch.setattr(_syncs, "WAITS_PER_CALL", {})
+    tracker = _syncs.SyncTracker("fake")
+    tracker.begin([], None, "count", False)
+    frame = sys._getframe()
+    entry = tracker._new_location(frame.f_code, frame.f_lasti, "repeat_interleave", frame, frame)
+    assert entry[1][1] == "repeat_interleave" and entry[3] == 1
