@@ -200,7 +200,15 @@ with stepprof.Profiler(sys.argv[1], syncs="trace") as prof:
         ev.record()
         ev.synchronize()
 rec = [r for r in stepprof.read(sys.argv[1]) if r["kind"] == "step"][0]
+raised = None
+with stepprof.Profiler(None, syncs="trace") as p2:
+    try:
+        with p2.step(max_syncs=0, on_sync="raise"):
+            s.item()
+    except stepprof.SyncBudgetExceeded as e:
+        raised = [e.kind, e.where.rsplit(":", 1)[1], e.count]
 print(json.dumps(rec["syncs"]))
+print(json.dumps(raised))
 """
 
 
@@ -215,8 +223,11 @@ def test_trace_mechanism_self_tests_and_counts(tmp_path):
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode == 0, out.stderr
-    syncs = json.loads(out.stdout.strip().splitlines()[-1])
+    syncs, raised = (json.loads(x) for x in out.stdout.strip().splitlines()[-2:])
     assert syncs["mechanism"] == "trace"
+    # A budget error found in a trace callback (which torch calls from C++ and which cannot
+    # raise into the user's code) is raised at the step's exit, naming the line.
+    assert raised == ["item", "15", 1]
     assert sorted((s["kind"], s["where"].rsplit(":", 1)[1]) for s in syncs["sites"]) == [
         ("device_synchronize", "7"), ("event_synchronize", "9"), ("item", "6"),
     ]
