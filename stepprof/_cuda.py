@@ -100,6 +100,7 @@ class Backend(Protocol):
     def reset_peak(self) -> None: ...
     def read_memory(self) -> tuple[int, int, _Counters | None] | None: ...
     def synchronize(self) -> None: ...
+    def wait(self, marks: list[Any]) -> None: ...
     def range_push(self, name: str) -> None: ...
     def range_pop(self) -> None: ...
     def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None: ...
@@ -141,6 +142,9 @@ class HostBackend:
         return None
 
     def synchronize(self) -> None:
+        pass
+
+    def wait(self, marks: list[Any]) -> None:
         pass
 
     def range_push(self, name: str) -> None:
@@ -283,6 +287,16 @@ class CudaBackend:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)
+
+    def wait(self, marks: list[Any]) -> None:
+        """Block until these events have completed (``cudaEventSynchronize`` on each).
+
+        Unlike :meth:`synchronize`, it waits for nothing else on the device: not for a
+        collective on NCCL's stream that another rank never joins.
+        """
+        for m in marks:
+            if m is not None:
+                m.synchronize()
 
     def range_push(self, name: str) -> None:
         if self._nvtx:

@@ -21,7 +21,7 @@ top-level phase's peak also covers the (normally empty) gap since the previous
 read, which saves one raw-stats read per phase.  Events are only *queried*, never
 waited on: the collector thread writes a step's record once its end event (and
 each of its phases' end events) has completed.  :meth:`Profiler.close`
-synchronises once and writes whatever is still pending.
+waits once for the pending steps' events and writes whatever is still pending.
 
 Memory records (:mod:`stepprof._memory`) cost one integer comparison per step
 at step exit.  At the step that is due one (the first after warm-up, then
@@ -491,7 +491,7 @@ class Profiler:
         return self._summary is not None
 
     def close(self) -> Summary:
-        """Synchronise once, write every pending record and the summary, close the log.
+        """Wait for the pending steps' events, write every record and the summary, close the log.
 
         Calling it again returns the same summary.
         """
@@ -514,9 +514,19 @@ class Profiler:
             collector.join()
         with self._harvest_lock:
             try:
-                if self._pending and self._backend is not None:
-                    # Steps that finished before any internal error are still written.
-                    self._backend.synchronize()
+                if self._pending:
+                    # Steps that finished before any internal error are still written.  Wait on
+                    # their own events, not the whole device: a collective that another rank
+                    # never joins (an exchange, or the user's own) would hold a device-wide
+                    # synchronize forever, and sync-debug mode "error" would refuse it.
+                    waits: dict[int, tuple[Backend, list[Any]]] = {}
+                    for s in self._pending:
+                        marks = waits.setdefault(id(s.backend), (s.backend, []))[1]
+                        marks.append(s.end_mark)
+                        for total in s.phases.values():
+                            marks.extend(end for _, end in total.marks)
+                    for b, marks in waits.values():
+                        b.wait(marks)
                     self._harvest()
             except Exception as e:  # noqa: BLE001 - close must always produce a summary
                 self._fail(e)

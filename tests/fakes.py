@@ -177,6 +177,9 @@ class FakeGpu:
         self.syncs += 1
         self.wait_idle()
 
+    def wait(self, marks) -> None:  # waits for the events' completion: the fake's device idles
+        self.synchronize()
+
     def range_push(self, name: str) -> None:
         self.ranges.append("+" + name)
 

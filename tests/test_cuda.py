@@ -271,3 +271,34 @@ def test_cuda_graph_capture_inside_a_step_is_left_intact(tmp_path):
     assert "capturing a CUDA graph" in captured["unavailable"]["phases.gpu_ms"]
     assert captured["gpu_ms"] > 0          # the step's own events are outside the capture
     assert replayed["phases"]["replay"]["gpu_ms"] > 0
+
+
+def test_close_waits_for_the_steps_events_not_the_whole_device(tmp_path):
+    """close() waits on the pending steps' own events: work on another stream (here a
+    ~1 s spin; in a real job, a collective another rank never joins) does not hold it,
+    and a sync-debug mode "error" left on does not make it drop the pending records."""
+    import time
+
+    log = tmp_path / "close.jsonl"
+    x = torch.randn(1024, 1024, device="cuda")
+    prof = stepprof.Profiler(log)
+    for _ in range(3):
+        with prof.step():
+            x = torch.tanh(x @ x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about 1 s of spinning on the side stream
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        t0 = time.perf_counter()
+        prof.close()
+        waited_s = time.perf_counter() - t0
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    side_done = side.query()
+    torch.cuda.synchronize()
+    steps = list(stepprof.read(log, kind="step"))
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert all(r["gpu_ms"] is not None for r in steps)
+    assert not side_done, "the side stream finished before close returned: the test proves nothing"
+    assert waited_s < 0.5, f"close() waited {waited_s:.2f} s: it waited for the side stream"
