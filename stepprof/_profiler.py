@@ -591,6 +591,10 @@ class Profiler:
             raise
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
+            if open_step is None and self._exchange is not None:
+                # The step that failed to open still counts: its exit takes part in the exchange.
+                self._exchange.unrecorded_open = False
+                return self._unrecorded_step()
             return None
 
     def _exit(self, token: Any, exc: BaseException | None) -> None:
@@ -602,6 +606,8 @@ class Profiler:
             if isinstance(token, _Step):
                 if token is self._step:
                     self._end_step(token, exc)
+                if self._broken is not None and self._exchange is not None:
+                    self._exchange.unrecorded_open = False  # recording stopped inside the step
             elif self._step is not None:
                 self._end_phase(self._step, token, exc)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
@@ -1315,8 +1321,12 @@ class Profiler:
         assert ex is not None
         if token is _UNRECORDED:
             ex.unrecorded_open = False
-        elif not (isinstance(token, _Step) and ex.exits == token.index):
-            return  # a phase, or a step whose exchange already ran
+        elif not isinstance(token, _Step):
+            return  # a phase
+        else:
+            ex.unrecorded_open = False  # the step that was open when recording stopped
+            if ex.exits != token.index:
+                return  # its exchange already ran
         try:
             ex.step_exit(None if token is _UNRECORDED else token.index, getattr(self._backend, "index", None))
         except Exception:  # noqa: BLE001, S110 - Exchange warns about its own failures
@@ -1354,6 +1364,10 @@ class Profiler:
                     b.range_pop()
                 except Exception:  # noqa: BLE001
                     break
+        if self._step is not None and self._exchange is not None:
+            # The step stays open for the exchange until its own exit: the phases entered
+            # in it from now on are not steps of their own.
+            self._exchange.unrecorded_open = True
         self._step = None
         self._stack.clear()
 

@@ -221,6 +221,24 @@ def test_a_rank_whose_recording_failed_still_takes_part(rank0, log, gpu):
     assert len(gather.calls) == 4  # steps 1, 3 (failed inside), 5 and 7
 
 
+@pytest.mark.parametrize("fail_on", ["reset_peak", "mark", "read_memory", "unwatch_syncs"])
+@pytest.mark.parametrize("phases", [0, 1, 3])
+def test_a_step_where_recording_fails_counts_once_in_the_exchange(rank0, gpu, fail_on, phases):
+    # Recording fails inside step 3 (as it opens, in a phase, or as it ends).  That step
+    # must still count exactly once: not zero times (no token), nor once per later phase.
+    gather = FakeGather()
+    prof = make(None, gpu, ranks_every=1, phase_peaks_every=1, _gather=gather)
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        for i in range(6):
+            gpu.fail_on = fail_on if i == 3 else None
+            with prof.step():
+                for p in range(phases):
+                    with prof.measure(f"phase{p}"):
+                        pass
+    prof.close()
+    assert [int(v[_dist._EXCHANGE]) for v in gather.calls] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_failed_collective_is_recorded(rank0, log, gpu):
     def gather(vec):
         def pending():
