@@ -1279,7 +1279,8 @@ class Profiler:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
             if self._rank_fields is not None:
-                record.update(self._rank_fields)
+                # A ranks record keeps its own world_size: its group's (the same by default).
+                record.update({k: v for k, v in self._rank_fields.items() if k not in record})
             if self._batch is not None:  # inside _harvest: written with the others
                 self._batch.append(record)
             else:

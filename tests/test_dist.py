@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -255,8 +256,18 @@ def test_a_failed_collective_is_recorded(rank0, log, gpu):
 # -- real processes on gloo ------------------------------------------------------------
 
 
-def _spawn(fn, world, tmp_path, slow):
-    mp.spawn(fn, args=(world, str(tmp_path / "store"), str(tmp_path), slow), nprocs=world)
+def _spawn(fn, world, tmp_path, slow, timeout=120.0):
+    """Run ``fn`` in ``world`` processes; fail (never hang) if they have not ended in ``timeout`` s."""
+    ctx = mp.start_processes(fn, args=(world, str(tmp_path / "store"), str(tmp_path), slow),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            pytest.fail(f"{fn.__name__}: {world} processes still running after {timeout:g} s")
 
 
 def _logs(tmp_path, name, world):
@@ -307,3 +318,16 @@ def test_four_processes_in_lockstep_name_the_forward_straggler(tmp_path):
         assert (r["straggler_rank"], r["straggler_basis"]) == (2, "forward"), r["unavailable"]
     d = build_report(_logs(tmp_path, "ddp", 4))["distributed"]
     assert (d["from_medians"]["straggler_rank"], d["from_medians"]["basis"]) == (2, "forward")
+
+
+def test_a_subgroup_names_the_straggler_by_its_global_rank(tmp_path):
+    # Ranks 1 and 2 exchange on a group of their own; rank 2 is slow.  Group rank 0 is
+    # global rank 1, which writes the ranks records; they must name global rank 2.
+    _spawn(dist_workers.subgroup, 3, tmp_path, 2)
+    ranks = list(stepprof.read(str(tmp_path / "sub.rank1.jsonl"), kind="ranks"))
+    assert len(ranks) == dist_workers.STEPS // dist_workers.EVERY
+    for r in ranks:
+        assert r["world_size"] == 2 and r["group_ranks"] == [1, 2] and r["rank"] == 1
+        assert (r["straggler_rank"], r["straggler_basis"]) == (2, "step"), r["unavailable"]
+        assert r["figures"]["wall_ms"]["slowest_rank"] == 2
+    assert not list(stepprof.read(str(tmp_path / "sub.rank2.jsonl"), kind="ranks"))
