@@ -42,6 +42,7 @@ __all__ = [
     "Exchange",
     "Identity",
     "Window",
+    "check_group",
     "check_log_ranks",
     "check_ranks_every",
     "find_straggler",
@@ -138,6 +139,28 @@ def check_log_ranks(log_ranks: Any) -> str:
             f"(only rank 0 writes a log) (got {log_ranks!r})"
         )
     return log_ranks
+
+
+def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
+    """``group`` if it is None or a process group this rank belongs to, else a ConfigError."""
+    if group is None:
+        return None
+    dist = _torch_dist()
+    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    if isinstance(group, int) and not isinstance(group, bool) and group == non_member:
+        if ident is None or not ranks_every:
+            return group  # no exchange: the group is not used
+        raise ConfigError(
+            f"this rank ({ident.rank}) is not a member of 'group' (got {group!r}: what "
+            f"torch.distributed.new_group returns to the ranks outside the group); on those ranks "
+            f"pass ranks_every=0 (or group=None to exchange on the default group)"
+        )
+    if dist is None or not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(
+            f"'group' must be a torch.distributed process group (got {group!r}); pass the group "
+            f"that torch.distributed.new_group(...) returns, or None for the default group"
+        )
+    return group
 
 
 # -- the window: this rank's figures since the last exchange ------------------------

@@ -381,6 +381,7 @@ class Profiler:
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
         # Distributed: rank fields on every record, a log per rank, the exchange.
         ident = _dist.identify()
+        group = _dist.check_group(group, ident, ranks_every)
         self._rank_fields = ident.fields() if ident is not None else None
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)

@@ -119,6 +119,20 @@ def test_bad_arguments(kw, message):
         stepprof.Profiler(None, **kw)
 
 
+@pytest.mark.parametrize("group, message", [
+    ("gloo", "'group' must be a torch.distributed process group"),
+    (0, "'group' must be a torch.distributed process group"),
+    (-100, "this rank (0) is not a member of 'group'"),  # what new_group returns to non-members
+])
+def test_bad_group(monkeypatch, tmp_path, group, message):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(stepprof.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        stepprof.Profiler(str(tmp_path / "run.jsonl"), group=group)
+    assert repr(group) in str(e.value)
+    assert os.listdir(tmp_path) == []  # before the log was opened
+
+
 # -- in-process, with torchrun's variables and a fake gather ------------------------------
 
 
