@@ -349,14 +349,19 @@ def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | 
     step_key = "gpu_ms" if gpu_basis and _finite(col(_GPU)) else "wall_ms"
     segments: list[tuple[str, list[float]]] = [("gap", col(_GAP))]
     phases: dict[str, Any] = {}
-    crcs = set(col(_CRC))
-    if len(crcs) == 1 and len(set(col(_GPU_BASIS))) == 1:
+    # Only ranks with a measured step in the window say anything about phase names and basis.
+    measured = [r for r in rows if math.isfinite(float(r[_STEPS])) and float(r[_STEPS]) > 0]
+    crcs = {float(r[_CRC]) for r in measured}
+    if len(crcs) <= 1 and len({float(r[_GPU_BASIS]) for r in measured}) <= 1:
         for k, name in enumerate(names[:MAX_PHASES]):
             vals = col(_PH0 + k)
             segments.append((name, vals))
             phases[name] = _stats(vals, ranks)
         if len(names) > MAX_PHASES:
             unavailable["phases"] = f"only the first {MAX_PHASES} top-level phases are exchanged"
+        elif not names and any(float(r[_NPH]) > 0 for r in measured):
+            unavailable["phases"] = ("the recording rank had no measured step in this window, so "
+                                     "the phase names are unknown and phases are not compared")
     elif len(crcs) > 1:
         unavailable["phases"] = "the ranks' top-level phase names differ, so phases are not compared"
     else:

@@ -103,6 +103,20 @@ def test_ranks_record_mismatched_phases_and_counts():
     assert "call profile_step the same number of times" in rec["unavailable"]["straggler_rank"]
 
 
+def test_ranks_record_a_rank_with_an_empty_window():
+    # Rank 1 finalised no measured step in this window (its steps still running, say): its
+    # empty vector is not evidence that the phase names or the timing basis differ.
+    empty, _ = _dist.summarise_window([], 1)
+    rec = _dist.ranks_record([_row(), empty], ["forward"], step=4)
+    assert "rank(s) 1 had no measured step" in rec["unavailable"]["straggler_rank"]
+    assert "phases" not in rec["unavailable"], rec["unavailable"]
+    assert rec["phases"]["forward"] == {"min": 4.0, "median": 4.0, "max": 4.0, "slowest_rank": 0}
+    rec = _dist.ranks_record([empty, _dist.summarise_window([], 1)[0]], [], step=4)
+    assert "phases" not in rec["unavailable"], rec["unavailable"]
+    rec = _dist.ranks_record([empty, _row()], [], step=4)
+    assert "recording rank had no measured step" in rec["unavailable"]["phases"]
+
+
 def test_rank_log_path():
     assert _dist.rank_log_path("run.jsonl", 3) == "run.rank3.jsonl"
     assert _dist.rank_log_path(os.path.join("a.b", "run"), 0) == os.path.join("a.b", "run.rank0")
