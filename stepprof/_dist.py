@@ -42,6 +42,7 @@ __all__ = [
     "Exchange",
     "Identity",
     "Window",
+    "check_group",
     "check_log_ranks",
     "check_ranks_every",
     "find_straggler",
@@ -140,6 +141,28 @@ def check_log_ranks(log_ranks: Any) -> str:
     return log_ranks
 
 
+def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
+    """``group`` if it is None or a process group this rank belongs to, else a ConfigError."""
+    if group is None:
+        return None
+    dist = _torch_dist()
+    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    if isinstance(group, int) and not isinstance(group, bool) and group == non_member:
+        if ident is None or not ranks_every:
+            return group  # no exchange: the group is not used
+        raise ConfigError(
+            f"this rank ({ident.rank}) is not a member of 'group' (got {group!r}: what "
+            f"torch.distributed.new_group returns to the ranks outside the group); on those ranks "
+            f"pass ranks_every=0 (or group=None to exchange on the default group)"
+        )
+    if dist is None or not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(
+            f"'group' must be a torch.distributed process group (got {group!r}); pass the group "
+            f"that torch.distributed.new_group(...) returns, or None for the default group"
+        )
+    return group
+
+
 # -- the window: this rank's figures since the last exchange ------------------------
 
 
@@ -216,6 +239,7 @@ def find_straggler(
     step_ms: Sequence[float],
     segments: Sequence[tuple[str, Sequence[float]]],
     threshold: float = STRAGGLER_RATIO,
+    ranks: Sequence[int] | None = None,
 ) -> Straggler:
     """Name the straggler from per-rank figures (index = rank; NaN = unavailable).
 
@@ -226,7 +250,17 @@ def find_straggler(
     median step time, *and* its time from the step's start through that segment
     exceeds the median by as much.  The second test rejects waiting: a rank that
     reached a collective early waits longest in it, but it was faster before.
+
+    ``ranks``: the rank of each position (a subgroup's global ranks); default the position.
     """
+    if ranks is not None:
+        found = find_straggler(step_ms, segments, threshold)
+        if found.rank is not None:
+            found = found._replace(rank=ranks[found.rank])
+        missing = [ranks[r] for r, x in enumerate(step_ms) if not math.isfinite(x)]
+        if missing:
+            found = found._replace(reason=f"rank(s) {_ranks(missing)} had no measured step in this window")
+        return found
     missing = [r for r, x in enumerate(step_ms) if not math.isfinite(x)]
     if missing:
         return Straggler(None, None, None, None,
@@ -266,8 +300,8 @@ def _ranks(rs: Sequence[int]) -> str:
     return s + (f" and {len(rs) - 8} more" if len(rs) > 8 else "")
 
 
-def _stats(vals: Sequence[float]) -> dict[str, Any] | None:
-    ok = [(x, r) for r, x in enumerate(vals) if math.isfinite(x)]
+def _stats(vals: Sequence[float], ranks: Sequence[int] | None = None) -> dict[str, Any] | None:
+    ok = [(x, r if ranks is None else ranks[r]) for r, x in enumerate(vals) if math.isfinite(x)]
     if not ok:
         return None
     xs = [x for x, _ in ok]
@@ -284,8 +318,12 @@ _FIGURES = (("gpu_ms", _GPU), ("wall_ms", _WALL), ("peak_allocated_bytes", _PEAK
 
 
 def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | None,
-                 threshold: float = STRAGGLER_RATIO) -> dict[str, Any]:
-    """The ``kind: "ranks"`` record from the gathered vectors (row = rank) and rank 0's phase names."""
+                 threshold: float = STRAGGLER_RATIO, ranks: Sequence[int] | None = None) -> dict[str, Any]:
+    """The ``kind: "ranks"`` record from the gathered vectors (row = rank) and rank 0's phase names.
+
+    ``ranks``: with a subgroup, the global rank of each row; the record names ranks by them
+    (``straggler_rank``, ``slowest_rank``) and lists them as ``group_ranks``.
+    """
     unavailable: dict[str, str] = {}
     world = len(rows)
     col = lambda i: [float(r[i]) for r in rows]  # noqa: E731
@@ -294,7 +332,7 @@ def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | 
     for key, i in _FIGURES:
         vals = col(i)
         per_rank[key] = [_json(x) for x in vals]
-        figures[key] = _stats(vals)
+        figures[key] = _stats(vals, ranks)
         if key == "peak_allocated_bytes":
             per_rank[key] = [None if v is None else int(v) for v in per_rank[key]]
             if figures[key] is not None:
@@ -311,28 +349,33 @@ def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | 
     step_key = "gpu_ms" if gpu_basis and _finite(col(_GPU)) else "wall_ms"
     segments: list[tuple[str, list[float]]] = [("gap", col(_GAP))]
     phases: dict[str, Any] = {}
-    crcs = set(col(_CRC))
-    if len(crcs) == 1 and len(set(col(_GPU_BASIS))) == 1:
+    # Only ranks with a measured step in the window say anything about phase names and basis.
+    measured = [r for r in rows if math.isfinite(float(r[_STEPS])) and float(r[_STEPS]) > 0]
+    crcs = {float(r[_CRC]) for r in measured}
+    if len(crcs) <= 1 and len({float(r[_GPU_BASIS]) for r in measured}) <= 1:
         for k, name in enumerate(names[:MAX_PHASES]):
             vals = col(_PH0 + k)
             segments.append((name, vals))
-            phases[name] = _stats(vals)
+            phases[name] = _stats(vals, ranks)
         if len(names) > MAX_PHASES:
             unavailable["phases"] = f"only the first {MAX_PHASES} top-level phases are exchanged"
+        elif not names and any(float(r[_NPH]) > 0 for r in measured):
+            unavailable["phases"] = ("the recording rank had no measured step in this window, so "
+                                     "the phase names are unknown and phases are not compared")
     elif len(crcs) > 1:
         unavailable["phases"] = "the ranks' top-level phase names differ, so phases are not compared"
     else:
         unavailable["phases"] = "some ranks timed on the GPU and others on the host"
-    found = find_straggler(col(_GPU) if step_key == "gpu_ms" else col(_WALL), segments, threshold)
+    found = find_straggler(col(_GPU) if step_key == "gpu_ms" else col(_WALL), segments, threshold, ranks)
     if "straggler_rank" in unavailable:
         found = Straggler(None, None, None, found.ratio, unavailable["straggler_rank"])
     elif found.reason is not None:
         unavailable["straggler_rank"] = found.reason
-    return {
+    record: dict[str, Any] = {
         "kind": "ranks",
         "step": step,
         "world_size": world,
-        "window_steps": _stats(col(_STEPS)),
+        "window_steps": _stats(col(_STEPS), ranks),
         "step_basis": step_key,
         "figures": figures,
         "phases": phases,
@@ -344,6 +387,9 @@ def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | 
         "threshold": threshold,
         "unavailable": unavailable,
     }
+    if ranks is not None:
+        record["group_ranks"] = list(ranks)
+    return record
 
 
 def unjoined_record(step: int | None, world: int, why: str) -> dict[str, Any]:
@@ -384,6 +430,7 @@ class Exchange:
         self._lock = threading.Lock()
         self.failed: str | None = None
         self._is_zero = ident.rank == 0 if group is None else None
+        self._members: list[int] | None = None  # a subgroup's global ranks (set with _is_zero)
 
     # training thread
     def due(self) -> bool:
@@ -428,7 +475,7 @@ class Exchange:
                 record = None if rows is None else self._record(rows, names, step)
             except Exception as e:  # noqa: BLE001 - a failed collective: say so, carry on
                 rows, record = [], unjoined_record(
-                    step, self.ident.world_size,
+                    step, self._world(),
                     f"the exchange failed: {type(e).__name__}: {str(e)[:500]}")
             if rows is None:
                 if deadline is None:
@@ -441,7 +488,7 @@ class Exchange:
                 if self._zero():
                     for step, _, _ in left:
                         write(unjoined_record(
-                            step, self.ident.world_size,
+                            step, self._world(),
                             f"rank(s) did not join the exchange within {self._close_wait_s:g} s of "
                             f"close (a rank that stopped calling profile_step, raised or died)"))
                 return
@@ -458,12 +505,19 @@ class Exchange:
         if self._is_zero is None:
             dist = _torch_dist()
             self._is_zero = dist.get_rank(self._group) == 0
+            members = list(dist.get_process_group_ranks(self._group))
+            if members != list(range(self.ident.world_size)):
+                self._members = members  # a subgroup: its records name global ranks
         return self._is_zero
+
+    def _world(self) -> int:
+        self._zero()
+        return self.ident.world_size if self._members is None else len(self._members)
 
     def _record(self, rows: list[list[float]], names: list[str], step: int | None) -> dict[str, Any] | None:
         if not self._zero():
             return None
-        return ranks_record(rows, names, step)
+        return ranks_record(rows, names, step, ranks=self._members)
 
 
 class _NotJoined(Exception):

@@ -381,6 +381,7 @@ class Profiler:
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
         # Distributed: rank fields on every record, a log per rank, the exchange.
         ident = _dist.identify()
+        group = _dist.check_group(group, ident, ranks_every)
         self._rank_fields = ident.fields() if ident is not None else None
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
@@ -601,6 +602,10 @@ class Profiler:
             raise
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
+            if open_step is None and self._exchange is not None:
+                # The step that failed to open still counts: its exit takes part in the exchange.
+                self._exchange.unrecorded_open = False
+                return self._unrecorded_step()
             return None
 
     def _exit(self, token: Any, exc: BaseException | None) -> None:
@@ -612,6 +617,8 @@ class Profiler:
             if isinstance(token, _Step):
                 if token is self._step:
                     self._end_step(token, exc)
+                if self._broken is not None and self._exchange is not None:
+                    self._exchange.unrecorded_open = False  # recording stopped inside the step
             elif self._step is not None:
                 self._end_phase(self._step, token, exc)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
@@ -1283,7 +1290,8 @@ class Profiler:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
             if self._rank_fields is not None:
-                record.update(self._rank_fields)
+                # A ranks record keeps its own world_size: its group's (the same by default).
+                record.update({k: v for k, v in self._rank_fields.items() if k not in record})
             if self._batch is not None:  # inside _harvest: written with the others
                 self._batch.append(record)
             else:
@@ -1325,8 +1333,12 @@ class Profiler:
         assert ex is not None
         if token is _UNRECORDED:
             ex.unrecorded_open = False
-        elif not (isinstance(token, _Step) and ex.exits == token.index):
-            return  # a phase, or a step whose exchange already ran
+        elif not isinstance(token, _Step):
+            return  # a phase
+        else:
+            ex.unrecorded_open = False  # the step that was open when recording stopped
+            if ex.exits != token.index:
+                return  # its exchange already ran
         try:
             ex.step_exit(None if token is _UNRECORDED else token.index, getattr(self._backend, "index", None))
         except Exception:  # noqa: BLE001, S110 - Exchange warns about its own failures
@@ -1364,6 +1376,10 @@ class Profiler:
                     b.range_pop()
                 except Exception:  # noqa: BLE001
                     break
+        if self._step is not None and self._exchange is not None:
+            # The step stays open for the exchange until its own exit: the phases entered
+            # in it from now on are not steps of their own.
+            self._exchange.unrecorded_open = True
         self._step = None
         self._stack.clear()
 

@@ -137,3 +137,21 @@ def nccl_ddp(rank: int, world: int, store: str, out: str, slow: int) -> None:
             json.dump(counts, fh)
     finally:
         dist.destroy_process_group()
+
+
+def subgroup(rank: int, world: int, store: str, out: str, slow: int) -> None:
+    """Ranks 1 and 2 exchange on a subgroup of their own; rank ``slow`` has longer steps.
+
+    Rank 0 is outside the group and keeps no profiler.  Logs: ``sub``.
+    """
+    _init(rank, world, store)
+    try:
+        sub = dist.new_group([1, 2], backend="gloo")
+        if rank != 0:
+            with stepprof.Profiler(os.path.join(out, "sub.jsonl"), ranks_every=EVERY, group=sub) as prof:
+                for _ in range(STEPS):
+                    with prof.step():
+                        time.sleep(0.004 + (0.012 if rank == slow else 0.0))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

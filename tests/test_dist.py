@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch.multiprocessing as mp
@@ -102,6 +103,20 @@ def test_ranks_record_mismatched_phases_and_counts():
     assert "call profile_step the same number of times" in rec["unavailable"]["straggler_rank"]
 
 
+def test_ranks_record_a_rank_with_an_empty_window():
+    # Rank 1 finalised no measured step in this window (its steps still running, say): its
+    # empty vector is not evidence that the phase names or the timing basis differ.
+    empty, _ = _dist.summarise_window([], 1)
+    rec = _dist.ranks_record([_row(), empty], ["forward"], step=4)
+    assert "rank(s) 1 had no measured step" in rec["unavailable"]["straggler_rank"]
+    assert "phases" not in rec["unavailable"], rec["unavailable"]
+    assert rec["phases"]["forward"] == {"min": 4.0, "median": 4.0, "max": 4.0, "slowest_rank": 0}
+    rec = _dist.ranks_record([empty, _dist.summarise_window([], 1)[0]], [], step=4)
+    assert "phases" not in rec["unavailable"], rec["unavailable"]
+    rec = _dist.ranks_record([empty, _row()], [], step=4)
+    assert "recording rank had no measured step" in rec["unavailable"]["phases"]
+
+
 def test_rank_log_path():
     assert _dist.rank_log_path("run.jsonl", 3) == "run.rank3.jsonl"
     assert _dist.rank_log_path(os.path.join("a.b", "run"), 0) == os.path.join("a.b", "run.rank0")
@@ -116,6 +131,20 @@ def test_rank_log_path():
 def test_bad_arguments(kw, message):
     with pytest.raises(stepprof.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         stepprof.Profiler(None, **kw)
+
+
+@pytest.mark.parametrize("group, message", [
+    ("gloo", "'group' must be a torch.distributed process group"),
+    (0, "'group' must be a torch.distributed process group"),
+    (-100, "this rank (0) is not a member of 'group'"),  # what new_group returns to non-members
+])
+def test_bad_group(monkeypatch, tmp_path, group, message):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(stepprof.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
+        stepprof.Profiler(str(tmp_path / "run.jsonl"), group=group)
+    assert repr(group) in str(e.value)
+    assert os.listdir(tmp_path) == []  # before the log was opened
 
 
 # -- in-process, with torchrun's variables and a fake gather ------------------------------
@@ -221,6 +250,24 @@ def test_a_rank_whose_recording_failed_still_takes_part(rank0, log, gpu):
     assert len(gather.calls) == 4  # steps 1, 3 (failed inside), 5 and 7
 
 
+@pytest.mark.parametrize("fail_on", ["reset_peak", "mark", "read_memory", "unwatch_syncs"])
+@pytest.mark.parametrize("phases", [0, 1, 3])
+def test_a_step_where_recording_fails_counts_once_in_the_exchange(rank0, gpu, fail_on, phases):
+    # Recording fails inside step 3 (as it opens, in a phase, or as it ends).  That step
+    # must still count exactly once: not zero times (no token), nor once per later phase.
+    gather = FakeGather()
+    prof = make(None, gpu, ranks_every=1, phase_peaks_every=1, _gather=gather)
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        for i in range(6):
+            gpu.fail_on = fail_on if i == 3 else None
+            with prof.step():
+                for p in range(phases):
+                    with prof.measure(f"phase{p}"):
+                        pass
+    prof.close()
+    assert [int(v[_dist._EXCHANGE]) for v in gather.calls] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_failed_collective_is_recorded(rank0, log, gpu):
     def gather(vec):
         def pending():
@@ -237,8 +284,18 @@ def test_a_failed_collective_is_recorded(rank0, log, gpu):
 # -- real processes on gloo ------------------------------------------------------------
 
 
-def _spawn(fn, world, tmp_path, slow):
-    mp.spawn(fn, args=(world, str(tmp_path / "store"), str(tmp_path), slow), nprocs=world)
+def _spawn(fn, world, tmp_path, slow, timeout=120.0):
+    """Run ``fn`` in ``world`` processes; fail (never hang) if they have not ended in ``timeout`` s."""
+    ctx = mp.start_processes(fn, args=(world, str(tmp_path / "store"), str(tmp_path), slow),
+                             nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            pytest.fail(f"{fn.__name__}: {world} processes still running after {timeout:g} s")
 
 
 def _logs(tmp_path, name, world):
@@ -289,3 +346,16 @@ def test_four_processes_in_lockstep_name_the_forward_straggler(tmp_path):
         assert (r["straggler_rank"], r["straggler_basis"]) == (2, "forward"), r["unavailable"]
     d = build_report(_logs(tmp_path, "ddp", 4))["distributed"]
     assert (d["from_medians"]["straggler_rank"], d["from_medians"]["basis"]) == (2, "forward")
+
+
+def test_a_subgroup_names_the_straggler_by_its_global_rank(tmp_path):
+    # Ranks 1 and 2 exchange on a group of their own; rank 2 is slow.  Group rank 0 is
+    # global rank 1, which writes the ranks records; they must name global rank 2.
+    _spawn(dist_workers.subgroup, 3, tmp_path, 2)
+    ranks = list(stepprof.read(str(tmp_path / "sub.rank1.jsonl"), kind="ranks"))
+    assert len(ranks) == dist_workers.STEPS // dist_workers.EVERY
+    for r in ranks:
+        assert r["world_size"] == 2 and r["group_ranks"] == [1, 2] and r["rank"] == 1
+        assert (r["straggler_rank"], r["straggler_basis"]) == (2, "step"), r["unavailable"]
+        assert r["figures"]["wall_ms"]["slowest_rank"] == 2
+    assert not list(stepprof.read(str(tmp_path / "sub.rank2.jsonl"), kind="ranks"))
