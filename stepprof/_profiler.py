@@ -846,6 +846,9 @@ class Profiler:
             if self._flop_attempts >= 3:
                 self._give_up_counting("the step raised in each of 3 attempts to count its FLOPs")
             return  # count again at the next step
+        if fc.error is not None:
+            self._give_up_counting(f"the counter failed in step {step.index}: {fc.error}")
+            return
         del self._begin_step, self._end_step  # back to the class's boundaries
         notes = list(fc.notes)
         if fc.flops == 0:

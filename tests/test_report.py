@@ -578,6 +578,51 @@ def test_flops_auto_keeps_torch_compile_compiled(log):
     assert next(stepprof.read(log, kind="flops"))["flops_per_step"] == 2 * 32 * 64 * 128 + 2 * 32 * 128 * 8
 
 
+@pytest.fixture
+def fp32_precision():
+    """Restores torch's TF32 flags of the API added in torch 2.9 after a test sets them."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision flags")
+    flags = [torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
+    saved = [f.fp32_precision for f in flags]
+    yield
+    for f, value in zip(flags, saved, strict=True):
+        f.fp32_precision = value
+
+
+def test_flops_auto_reads_torchs_fp32_precision_api_and_never_breaks_the_step(log, fp32_precision):
+    # torch >= 2.9's way to allow TF32; torch.get_float32_matmul_precision() and
+    # torch.backends.cudnn.allow_tf32 raise RuntimeError once it is used.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    model, _ = _mlp()
+    conv = torch.nn.Conv2d(3, 4, 3)
+    with stepprof.Profiler(log, warmup=0, flops="auto") as prof:
+        with prof.step():
+            model(torch.randn(32, 64)).square().mean().backward()
+            conv(torch.randn(1, 3, 8, 8))
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["flops_by_dtype"] == {"tf32": EXPECTED, "fp32": 2 * 4 * 6 * 6 * 3 * 3 * 3}
+    assert next(stepprof.read(log, kind="step"))["error"] is None
+
+
+def test_an_error_in_the_counter_is_a_reason_and_the_step_goes_on(log, monkeypatch):
+    from stepprof import _roofline
+
+    def broken(dtype, conv):
+        raise RuntimeError("no dtype")
+
+    monkeypatch.setattr(_roofline, "_dtype_key", broken)
+    model, _ = _mlp()
+    with stepprof.Profiler(log, warmup=0, flops="auto") as prof:
+        with prof.step():
+            model(torch.randn(32, 64)).sum()
+    assert "_begin_step" not in prof.__dict__
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["flops_per_step"] is None and "no dtype" in flops["unavailable"]["flops_per_step"]
+    assert next(stepprof.read(log, kind="step"))["error"] is None
+
+
 def _without_paths(rep):
     return orjson.loads(orjson.dumps(rep))
 
