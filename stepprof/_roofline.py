@@ -363,7 +363,9 @@ def roofline(
     peak = (calibration.get("matmul_tflops") or {}).get("bf16")
     if peak and bw:
         out["ridge"] = peak * 1e12 / (bw * 1e9)
-    if known:
+    # Without the compute bound (FLOPs in an uncalibrated dtype) the largest known bound
+    # cannot name the class: the unknown one may be larger.  The reason says why.
+    if known and compute_ms is not None:
         cls = max(known, key=lambda k: known[k])
         out["class"] = f"{cls}-bound"
         out["explained"] = known[cls] / step_ms if step_ms > 0 else None

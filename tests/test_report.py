@@ -68,6 +68,21 @@ def test_report_of_a_realistic_log_gives_figures_and_diagnoses(capsys, h200_log)
     assert phases["optimizer"]["syncs_per_step"] == 1
 
 
+def test_roofline_names_no_class_without_the_compute_bound(tmp_path):
+    # fp8 FLOPs have no calibrated rate: the compute bound is unknown, so the largest known
+    # bound (memory here) cannot name the class of a step that may well be compute-bound.
+    recs = fx.training_log()
+    for r in recs:
+        if r["kind"] == "flops":
+            r["flops_by_dtype"] = {"fp8": fx.FLOPS}
+    run = build_report([fx.write(str(tmp_path / "fp8.jsonl"), recs)])["logs"][0]["runs"][0]
+    roof = run["roofline"]
+    assert roof["compute_ms"] is None and roof["memory_ms"] is not None
+    assert roof["class"] is None and roof["explained"] is None and "fp8" in roof["reason"]
+    assert "roofline" not in [d["kind"] for d in run["diagnoses"]]
+    assert "fp8" in run["not_diagnosed"]["roofline"]
+
+
 def test_json_round_trips(capsys, h200_log):
     rc, out, _ = cli(capsys, "report", "--json", h200_log)
     assert rc == 0
