@@ -638,6 +638,27 @@ def test_an_error_in_the_counter_is_a_reason_and_the_step_goes_on(log, monkeypat
     assert next(stepprof.read(log, kind="step"))["error"] is None
 
 
+def test_a_step_that_ran_under_the_counter_is_flagged_although_the_count_failed(log, monkeypatch):
+    from stepprof import _roofline
+
+    stop = _roofline.FlopCount.stop
+
+    def stop_then_fail(self):
+        stop(self)
+        raise RuntimeError("left uncleanly")
+
+    monkeypatch.setattr(_roofline.FlopCount, "stop", stop_then_fail)
+    model, _ = _mlp()
+    with stepprof.Profiler(log, warmup=1, flops="auto") as prof:
+        for _ in range(3):
+            with prof.step():
+                model(torch.randn(32, 64)).sum()
+    steps = list(stepprof.read(log, kind="step"))
+    # Step 1 ran eagerly under FlopCounterMode: its times include the counter's cost.
+    assert [r.get("flops_counted") for r in steps] == [None, True, None]
+    assert "left uncleanly" in steps[1]["unavailable"]["flops"]
+
+
 def _without_paths(rep):
     return orjson.loads(orjson.dumps(rep))
 
