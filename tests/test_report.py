@@ -446,6 +446,22 @@ def test_env_prints_and_json(capsys):
     assert env["torch"] == torch.__version__ and env["syncs"]["default"] == "warn"
 
 
+def test_env_shows_a_calibration_figure_it_lacks_as_na_never_0(monkeypatch, tmp_path, capsys):
+    from stepprof import _cuda
+
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    save_calibration({"device_name": "NVIDIA H200", "matmul_tflops": {"bf16": 700.0, "fp32": None}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_cuda, "device_facts", lambda i: {
+        "name": "NVIDIA H200", "capability": "9.0", "total_memory_bytes": 140 * 2**30, "multiprocessors": 132})
+    rc, out, err = cli(capsys, "env")
+    assert rc == 0 and "Traceback" not in err, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("calibration ") and "bf16" in x)
+    assert "bf16 700 TFLOP/s" in line and "fp32 n/a" in line
+    assert "copy n/a" in line and "n/a µs/op" in line and " 0 GB/s" not in line
+
+
 def test_env_reads_the_allocator_config(monkeypatch, capsys):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env = json.loads(cli(capsys, "env", "--json")[1])
