@@ -89,6 +89,11 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _num(x: Any, spec: str) -> str:
+    """A calibration figure, or n/a where the file lacks it (never 0)."""
+    return format(x, spec) if type(x) in (int, float) else "n/a"
+
+
 def render_env(env: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [
         ("stepprof", env["stepprof"]),
@@ -117,8 +122,8 @@ def render_env(env: dict[str, Any]) -> str:
             rows.append(
                 (
                     "  calibration",
-                    ", ".join(f"{k} {v:,.0f} TFLOP/s" for k, v in t.items())
-                    + f", copy {c.get('copy_gbps') or 0:,.0f} GB/s, {c.get('launch_us') or 0:.1f} µs/op"
+                    ", ".join(f"{k} {_num(v, ',.0f')} TFLOP/s" for k, v in t.items())
+                    + f", copy {_num(c.get('copy_gbps'), ',.0f')} GB/s, {_num(c.get('launch_us'), '.1f')} µs/op"
                     + f" ({c['path']})",
                 )
             )

@@ -445,6 +445,7 @@ class Profiler:
         self._flop_count: FlopCount | None = None
         self._flop_attempts = 0
         self._flop_index = -1
+        self._under_counter: set[int] = set()  # steps that ran under FlopCounterMode
         self._ideal_ms: float | None = None
         self._mfu_reason: str | None = None
         self._tflops: list[float] = []
@@ -837,6 +838,7 @@ class Profiler:
             else:
                 self._flop_count = fc
                 self._flop_index = index
+                self._under_counter.add(index)
         return Profiler._begin_step(self, name, batch_size, budget)
 
     def _end_counting_step(self, step: _Step, exc: BaseException | None) -> None:
@@ -863,6 +865,9 @@ class Profiler:
             if self._flop_attempts >= 3:
                 self._give_up_counting("the step raised in each of 3 attempts to count its FLOPs")
             return  # count again at the next step
+        if fc.error is not None:
+            self._give_up_counting(f"the counter failed in step {step.index}: {fc.error}")
+            return
         del self._begin_step, self._end_step  # back to the class's boundaries
         notes = list(fc.notes)
         if fc.flops == 0:
@@ -1119,12 +1124,15 @@ class Profiler:
         self, s: _Step, record: dict[str, Any], unavailable: dict[str, str], span_ms: float
     ) -> None:
         f = self._flops
-        counted = f is not None and f.get("step") == s.index
+        # Also a step whose count failed or raised: it ran eagerly under the counter.
+        counted = s.index in self._under_counter
         if f is None or (f.get("step") is not None and s.index < f["step"]):
             why = (self._flops_reason if f is None
                    else f"FLOPs were counted at step {f['step']}, after this one")
             record["flops"] = record["tflops_per_s"] = record["mfu"] = None
             unavailable["flops"] = unavailable["tflops_per_s"] = unavailable["mfu"] = why
+            if counted:
+                record["flops_counted"] = True  # its times include FlopCounterMode's own cost
             return
         flops = f["flops_per_step"]
         record["flops"] = flops

@@ -969,7 +969,7 @@ def _diagnose(
             }
         )
     # roofline
-    if roof is None:
+    if roof is None or roof["class"] is None:
         missing["roofline"] = roofline_reason
     else:
         cls = roof["class"]

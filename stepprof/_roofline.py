@@ -87,14 +87,28 @@ def _dtype_key(dtype: Any, conv: bool) -> str:
     if dtype == torch.float16:
         return "fp16"
     if dtype == torch.float32:
-        if conv:
-            return "tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
-        return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+        return "tf32" if _tf32(conv) else "fp32"
     if dtype == torch.float64:
         return "fp64"
     if "float8" in str(dtype):
         return "fp8"
     return str(dtype).replace("torch.", "")
+
+
+def _tf32(conv: bool) -> bool:
+    """Whether fp32 convolutions (``conv``) or matmuls run on the GPU in TF32 now."""
+    import torch
+
+    # torch >= 2.9: once its fp32_precision flags are used, the legacy getters
+    # (torch.get_float32_matmul_precision, cudnn.allow_tf32) raise RuntimeError; the
+    # flags themselves always answer, and follow the legacy setters too.
+    flags = getattr(torch.backends.cudnn, "conv", None) if conv else torch.backends.cuda.matmul
+    precision = getattr(flags, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    if conv:  # pragma: no cover - torch < 2.9
+        return bool(torch.backends.cudnn.allow_tf32)
+    return torch.get_float32_matmul_precision() != "highest"  # pragma: no cover - torch < 2.9
 
 
 class FlopCount:
@@ -109,6 +123,8 @@ class FlopCount:
         self.ops = 0
         self.op_bytes = 0
         self.notes: list[str] = []
+        #: Why the tally failed in the step, if it did (the step itself went on).
+        self.error: str | None = None
         self._mode: Any = None
         self._stance: Any = None
         self._filter: Any = None
@@ -123,7 +139,11 @@ class FlopCount:
             def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
                 before = sum(self.flop_counts["Global"].values())
                 result = super()._count_flops(func_packet, out, args, kwargs)
-                counter._tally(self, func_packet, out, args, kwargs, before, aliasing)
+                if counter.error is None:
+                    try:
+                        counter._tally(self, func_packet, out, args, kwargs, before, aliasing)
+                    except Exception as e:  # noqa: BLE001 - a reason, never the user's op failing
+                        counter.error = f"{type(e).__name__}: {e}"
                 return result
 
         import torch
@@ -343,7 +363,9 @@ def roofline(
     peak = (calibration.get("matmul_tflops") or {}).get("bf16")
     if peak and bw:
         out["ridge"] = peak * 1e12 / (bw * 1e9)
-    if known:
+    # Without the compute bound (FLOPs in an uncalibrated dtype) the largest known bound
+    # cannot name the class: the unknown one may be larger.  The reason says why.
+    if known and compute_ms is not None:
         cls = max(known, key=lambda k: known[k])
         out["class"] = f"{cls}-bound"
         out["explained"] = known[cls] / step_ms if step_ms > 0 else None

@@ -68,6 +68,21 @@ def test_report_of_a_realistic_log_gives_figures_and_diagnoses(capsys, h200_log)
     assert phases["optimizer"]["syncs_per_step"] == 1
 
 
+def test_roofline_names_no_class_without_the_compute_bound(tmp_path):
+    # fp8 FLOPs have no calibrated rate: the compute bound is unknown, so the largest known
+    # bound (memory here) cannot name the class of a step that may well be compute-bound.
+    recs = fx.training_log()
+    for r in recs:
+        if r["kind"] == "flops":
+            r["flops_by_dtype"] = {"fp8": fx.FLOPS}
+    run = build_report([fx.write(str(tmp_path / "fp8.jsonl"), recs)])["logs"][0]["runs"][0]
+    roof = run["roofline"]
+    assert roof["compute_ms"] is None and roof["memory_ms"] is not None
+    assert roof["class"] is None and roof["explained"] is None and "fp8" in roof["reason"]
+    assert "roofline" not in [d["kind"] for d in run["diagnoses"]]
+    assert "fp8" in run["not_diagnosed"]["roofline"]
+
+
 def test_json_round_trips(capsys, h200_log):
     rc, out, _ = cli(capsys, "report", "--json", h200_log)
     assert rc == 0
@@ -431,6 +446,22 @@ def test_env_prints_and_json(capsys):
     assert env["torch"] == torch.__version__ and env["syncs"]["default"] == "warn"
 
 
+def test_env_shows_a_calibration_figure_it_lacks_as_na_never_0(monkeypatch, tmp_path, capsys):
+    from stepprof import _cuda
+
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
+    save_calibration({"device_name": "NVIDIA H200", "matmul_tflops": {"bf16": 700.0, "fp32": None}})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(_cuda, "device_facts", lambda i: {
+        "name": "NVIDIA H200", "capability": "9.0", "total_memory_bytes": 140 * 2**30, "multiprocessors": 132})
+    rc, out, err = cli(capsys, "env")
+    assert rc == 0 and "Traceback" not in err, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("calibration ") and "bf16" in x)
+    assert "bf16 700 TFLOP/s" in line and "fp32 n/a" in line
+    assert "copy n/a" in line and "n/a µs/op" in line and " 0 GB/s" not in line
+
+
 def test_env_reads_the_allocator_config(monkeypatch, capsys):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env = json.loads(cli(capsys, "env", "--json")[1])
@@ -576,6 +607,72 @@ def test_flops_auto_keeps_torch_compile_compiled(log):
     assert len(compiles) == 1
     assert len(runs) == 3  # warm-up, then the two steps after the eagerly counted one
     assert next(stepprof.read(log, kind="flops"))["flops_per_step"] == 2 * 32 * 64 * 128 + 2 * 32 * 128 * 8
+
+
+@pytest.fixture
+def fp32_precision():
+    """Restores torch's TF32 flags of the API added in torch 2.9 after a test sets them."""
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision flags")
+    flags = [torch.backends, torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
+    saved = [f.fp32_precision for f in flags]
+    yield
+    for f, value in zip(flags, saved, strict=True):
+        f.fp32_precision = value
+
+
+def test_flops_auto_reads_torchs_fp32_precision_api_and_never_breaks_the_step(log, fp32_precision):
+    # torch >= 2.9's way to allow TF32; torch.get_float32_matmul_precision() and
+    # torch.backends.cudnn.allow_tf32 raise RuntimeError once it is used.
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    model, _ = _mlp()
+    conv = torch.nn.Conv2d(3, 4, 3)
+    with stepprof.Profiler(log, warmup=0, flops="auto") as prof:
+        with prof.step():
+            model(torch.randn(32, 64)).square().mean().backward()
+            conv(torch.randn(1, 3, 8, 8))
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["flops_by_dtype"] == {"tf32": EXPECTED, "fp32": 2 * 4 * 6 * 6 * 3 * 3 * 3}
+    assert next(stepprof.read(log, kind="step"))["error"] is None
+
+
+def test_an_error_in_the_counter_is_a_reason_and_the_step_goes_on(log, monkeypatch):
+    from stepprof import _roofline
+
+    def broken(dtype, conv):
+        raise RuntimeError("no dtype")
+
+    monkeypatch.setattr(_roofline, "_dtype_key", broken)
+    model, _ = _mlp()
+    with stepprof.Profiler(log, warmup=0, flops="auto") as prof:
+        with prof.step():
+            model(torch.randn(32, 64)).sum()
+    assert "_begin_step" not in prof.__dict__
+    flops = next(stepprof.read(log, kind="flops"))
+    assert flops["flops_per_step"] is None and "no dtype" in flops["unavailable"]["flops_per_step"]
+    assert next(stepprof.read(log, kind="step"))["error"] is None
+
+
+def test_a_step_that_ran_under_the_counter_is_flagged_although_the_count_failed(log, monkeypatch):
+    from stepprof import _roofline
+
+    stop = _roofline.FlopCount.stop
+
+    def stop_then_fail(self):
+        stop(self)
+        raise RuntimeError("left uncleanly")
+
+    monkeypatch.setattr(_roofline.FlopCount, "stop", stop_then_fail)
+    model, _ = _mlp()
+    with stepprof.Profiler(log, warmup=1, flops="auto") as prof:
+        for _ in range(3):
+            with prof.step():
+                model(torch.randn(32, 64)).sum()
+    steps = list(stepprof.read(log, kind="step"))
+    # Step 1 ran eagerly under FlopCounterMode: its times include the counter's cost.
+    assert [r.get("flops_counted") for r in steps] == [None, True, None]
+    assert "left uncleanly" in steps[1]["unavailable"]["flops"]
 
 
 def _without_paths(rep):
