@@ -415,6 +415,25 @@ def test_demo_command_runs(tmp_path):
     assert recs[-1]["kind"] == "summary" and len(recs) == 13
 
 
+@pytest.mark.parametrize(
+    "device", ["foo", "cuda", "cuda:0", "xpu"], ids=["typo", "cuda-absent", "cuda0-absent", "other-type"]
+)
+def test_demo_rejects_a_device_it_cannot_train_on_naming_the_argument(device, tmp_path, monkeypatch, capsys):
+    """A bad --device is a usage error (exit 2) that names the option, the value and the fix,
+    before any training or log: not a torch traceback."""
+    from stepprof import _cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = tmp_path / "demo.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--steps", "2", "--log", str(log), "--device", device])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert "--device" in err and repr(device) in err and "--device cpu" in err
+    assert "Traceback" not in err and out == ""
+    assert not log.exists()
+
+
 def test_interpreter_exit_flushes_the_default_profiler(tmp_path):
     path = tmp_path / "exit.jsonl"
     code = (
