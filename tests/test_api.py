@@ -415,6 +415,23 @@ def test_demo_command_runs(tmp_path):
     assert recs[-1]["kind"] == "summary" and len(recs) == 13
 
 
+def test_demo_measures_the_device_it_trains_on(tmp_path, monkeypatch):
+    """``--device cuda:1`` trains on cuda:1: the profiler must measure cuda:1 too, not the current
+    device (cuda:0), whose events and allocator see none of the demo's work."""
+    from stepprof import _demo
+
+    seen = []
+
+    class Spy(stepprof.Profiler):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("device"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_demo, "Profiler", Spy)
+    _demo.run_demo(steps=2, warmup=0, log=str(tmp_path / "demo.jsonl"), device="cpu", out=lambda _: None)
+    assert seen == [torch.device("cpu")]
+
+
 @pytest.mark.parametrize(
     "device", ["foo", "cuda", "cuda:0", "xpu"], ids=["typo", "cuda-absent", "cuda0-absent", "other-type"]
 )
