@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     cal.add_argument("--json", action="store_true", help="print as one JSON object")
+    for subparser in sub.choices.values():
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from ._errors import StepprofError
 
     try:
-        return _COMMANDS[args.command](parser, args)
+        # The subcommand's own parser: its errors show its usage ("stepprof demo: error: ...").
+        return _COMMANDS[args.command](args.subparser, args)
     except StepprofError as e:
         print(f"stepprof: {e}", file=sys.stderr)
         return 2

@@ -451,6 +451,21 @@ def test_demo_rejects_a_device_it_cannot_train_on_naming_the_argument(device, tm
     assert not log.exists()
 
 
+@pytest.mark.parametrize(
+    "argv", [["demo", "--steps", "0"], ["demo", "--device", "foo"], ["plot", "x.jsonl", "-o", "x.png", "--run", "-1"]]
+)
+def test_a_subcommand_argument_error_shows_that_subcommand_usage(argv, capsys):
+    """As argparse does for `--steps abc`: the usage and the prefix are the subcommand's, not
+    the top level's `usage: stepprof [-h] COMMAND ...`, which names none of its options."""
+    from stepprof import _cli
+
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith(f"usage: stepprof {argv[0]} ") and f"\nstepprof {argv[0]}: error: " in err
+
+
 def test_interpreter_exit_flushes_the_default_profiler(tmp_path):
     path = tmp_path / "exit.jsonl"
     code = (
