@@ -78,6 +78,8 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (got {args.steps})")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0 (got {args.warmup}); pass --warmup 0 to keep every step")
     _check_demo_device(parser, args.device)
     run_demo(steps=args.steps, warmup=args.warmup, log=args.log, device=args.device)
     return 0

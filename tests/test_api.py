@@ -451,6 +451,17 @@ def test_demo_rejects_a_device_it_cannot_train_on_naming_the_argument(device, tm
     assert not log.exists()
 
 
+def test_demo_rejects_a_negative_warmup_before_it_starts(tmp_path, capsys):
+    from stepprof import _cli
+
+    log = tmp_path / "demo.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--warmup", "-1", "--log", str(log)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and not log.exists()
+    assert "--warmup must be >= 0 (got -1)" in err and "--warmup 0" in err
+
+
 @pytest.mark.parametrize(
     "argv", [["demo", "--steps", "0"], ["demo", "--device", "foo"], ["plot", "x.jsonl", "-o", "x.png", "--run", "-1"]]
 )
