@@ -125,10 +125,13 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
     runs, sweep_records, stats = _read(path)
     if sweep or not runs:
         if not sweep_records:
-            raise ConfigError(
-                f"{path!r} has no step or sweep records to plot"
-                + (f" ({stats.skipped} unreadable lines)" if stats.skipped else "")
-            )
+            skipped = f" ({stats.skipped} unreadable lines)" if stats.skipped else ""
+            if runs:  # --sweep asked for, but the log holds only steps
+                raise ConfigError(
+                    f"{path!r} has no sweep records{skipped}, only steps; run the same command "
+                    f"without --sweep to plot its steps"
+                )
+            raise ConfigError(f"{path!r} has no step or sweep records to plot{skipped}")
         return _plot_sweep(path, sweep_records, out)
     if not -len(runs) <= run < len(runs):
         raise ConfigError(f"'--run' must be between 1 and {len(runs)} for {path!r} (got {run + 1})")

@@ -411,6 +411,15 @@ def test_plot_step_and_sweep_logs(capsys, h200_log, tmp_path):
     assert os.path.getsize(tmp_path / "sweep.png") > 10_000
 
 
+def test_plot_sweep_of_a_log_without_a_sweep_says_so(capsys, h200_log, tmp_path):
+    """The log has steps: the error must not say it has none, and must say how to plot them."""
+    pytest.importorskip("matplotlib")
+    rc, out, err = cli(capsys, "plot", h200_log, "--sweep", "-o", str(tmp_path / "x.png"))
+    assert rc == 2 and "Traceback" not in err
+    assert "no sweep records" in err and "no step" not in err and "without --sweep" in err
+    assert not os.path.exists(tmp_path / "x.png")
+
+
 # -- env and calibrate on a CPU -------------------------------------------------------
 
 
