@@ -122,6 +122,12 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
     log with only sweep records, draws the last sweep's curve.
     """
     Figure, Canvas, Fmt = _matplotlib()
+    ext = os.path.splitext(os.fspath(out))[1].lstrip(".").lower()
+    if ext and ext not in Canvas.get_supported_filetypes():
+        raise ConfigError(
+            f"'-o' {out!r}: matplotlib cannot write .{ext} files; name a .png file "
+            f"(or one of .{', .'.join(sorted(Canvas.get_supported_filetypes()))})"
+        )
     runs, sweep_records, stats = _read(path)
     if sweep or not runs:
         if not sweep_records:

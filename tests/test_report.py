@@ -420,6 +420,15 @@ def test_plot_sweep_of_a_log_without_a_sweep_says_so(capsys, h200_log, tmp_path)
     assert not os.path.exists(tmp_path / "x.png")
 
 
+def test_plot_to_a_format_matplotlib_cannot_write_is_a_clear_error(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps.pgn")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "-o" in err and repr(out_path) in err and ".png" in err
+    assert not os.path.exists(out_path)
+
+
 # -- env and calibrate on a CPU -------------------------------------------------------
 
 
