@@ -277,7 +277,8 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
         mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
     mem.set_xlabel("step")
     mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
-    fig.savefig(out)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if ext else "png")
     return out
 
 

@@ -420,6 +420,16 @@ def test_plot_sweep_of_a_log_without_a_sweep_says_so(capsys, h200_log, tmp_path)
     assert not os.path.exists(tmp_path / "x.png")
 
 
+def test_plot_to_a_path_without_extension_writes_the_path_it_names(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 0, err
+    assert out == f"stepprof: wrote {out_path}\n"
+    with open(out_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_to_a_format_matplotlib_cannot_write_is_a_clear_error(capsys, h200_log, tmp_path):
     pytest.importorskip("matplotlib")
     out_path = str(tmp_path / "steps.pgn")
