@@ -18,7 +18,7 @@ def _parser() -> argparse.ArgumentParser:
         "--warmup", type=int, default=5, help="warm-up steps left out of the summary (default 5)"
     )
     demo.add_argument("--log", default="stepprof-demo.jsonl", help="JSON-lines log to append to")
-    demo.add_argument("--device", default=None, help="'cuda', 'cpu', ... (default: CUDA if present)")
+    demo.add_argument("--device", default=None, help="'cpu', 'cuda' or 'cuda:N' (default: CUDA if present)")
     report = sub.add_parser(
         "report", help="figures and diagnoses (with evidence and remedies) of one or more logs"
     )
@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     cal.add_argument("--json", action="store_true", help="print as one JSON object")
+    for subparser in sub.choices.values():
+        subparser.set_defaults(subparser=subparser)
     return parser
 
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     from ._errors import StepprofError
 
     try:
-        return _COMMANDS[args.command](parser, args)
+        # The subcommand's own parser: its errors show its usage ("stepprof demo: error: ...").
+        return _COMMANDS[args.command](args.subparser, args)
     except StepprofError as e:
         print(f"stepprof: {e}", file=sys.stderr)
         return 2
@@ -75,8 +78,36 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.steps < 1:
         parser.error(f"--steps must be >= 1 (got {args.steps})")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0 (got {args.warmup}); pass --warmup 0 to keep every step")
+    _check_demo_device(parser, args.device)
     run_demo(steps=args.steps, warmup=args.warmup, log=args.log, device=args.device)
     return 0
+
+
+def _check_demo_device(parser: argparse.ArgumentParser, device: str | None) -> None:
+    """The demo trains on the CPU or a CUDA GPU: refuse anything else before training starts."""
+    if device is None:
+        return
+    import torch
+
+    fix = "pass --device cpu, or leave --device out to use CUDA if present"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        parser.error(f"--device {device!r} is not a torch device; {fix}")
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        parser.error(f"--device {device!r}: the demo runs on 'cpu' or 'cuda[:N]'; {fix}")
+    if not torch.cuda.is_available():
+        parser.error(f"--device {device!r} needs CUDA, which is not available here; {fix}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        parser.error(
+            f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+            f"pass one of those, or --device cpu"
+        )
 
 
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

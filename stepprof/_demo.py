@@ -38,7 +38,11 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
     out(f"stepprof demo: {steps} steps of a {width}-wide MLP, batch {batch}, on {dev} -> {log}")
     first_loss = last_loss = None
     t0 = time.perf_counter()
-    with Profiler(log, warmup=warmup) as prof:
+    # Measure the device the model trains on: with device=None the profiler would read the
+    # current CUDA device, which is not the model's under --device cuda:1.  Left to None on a
+    # CPU-only run that asked for nothing, so the records say why CUDA figures are missing.
+    measured = dev if device is not None or dev.type == "cuda" else None
+    with Profiler(log, warmup=warmup, device=measured) as prof:
         for i in range(steps):
             x, y = batches[i % len(batches)]
             with prof.step(batch_size=batch):

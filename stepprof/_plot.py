@@ -122,13 +122,22 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
     log with only sweep records, draws the last sweep's curve.
     """
     Figure, Canvas, Fmt = _matplotlib()
+    ext = os.path.splitext(os.fspath(out))[1].lstrip(".").lower()
+    if ext and ext not in Canvas.get_supported_filetypes():
+        raise ConfigError(
+            f"'-o' {out!r}: matplotlib cannot write .{ext} files; name a .png file "
+            f"(or one of .{', .'.join(sorted(Canvas.get_supported_filetypes()))})"
+        )
     runs, sweep_records, stats = _read(path)
     if sweep or not runs:
         if not sweep_records:
-            raise ConfigError(
-                f"{path!r} has no step or sweep records to plot"
-                + (f" ({stats.skipped} unreadable lines)" if stats.skipped else "")
-            )
+            skipped = f" ({stats.skipped} unreadable lines)" if stats.skipped else ""
+            if runs:  # --sweep asked for, but the log holds only steps
+                raise ConfigError(
+                    f"{path!r} has no sweep records{skipped}, only steps; run the same command "
+                    f"without --sweep to plot its steps"
+                )
+            raise ConfigError(f"{path!r} has no step or sweep records to plot{skipped}")
         return _plot_sweep(path, sweep_records, out)
     if not -len(runs) <= run < len(runs):
         raise ConfigError(f"'--run' must be between 1 and {len(runs)} for {path!r} (got {run + 1})")
@@ -268,7 +277,8 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
         mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
     mem.set_xlabel("step")
     mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
-    fig.savefig(out)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if ext else "png")
     return out
 
 

@@ -129,5 +129,6 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     bottom.set_xlabel("batch size (log scale)")
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
     out = os.fspath(path)
-    fig.savefig(out)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
     return out

@@ -415,6 +415,68 @@ def test_demo_command_runs(tmp_path):
     assert recs[-1]["kind"] == "summary" and len(recs) == 13
 
 
+def test_demo_measures_the_device_it_trains_on(tmp_path, monkeypatch):
+    """``--device cuda:1`` trains on cuda:1: the profiler must measure cuda:1 too, not the current
+    device (cuda:0), whose events and allocator see none of the demo's work."""
+    from stepprof import _demo
+
+    seen = []
+
+    class Spy(stepprof.Profiler):
+        def __init__(self, *args, **kwargs):
+            seen.append(kwargs.get("device"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_demo, "Profiler", Spy)
+    _demo.run_demo(steps=2, warmup=0, log=str(tmp_path / "demo.jsonl"), device="cpu", out=lambda _: None)
+    assert seen == [torch.device("cpu")]
+
+
+@pytest.mark.parametrize(
+    "device", ["foo", "cuda", "cuda:0", "xpu"], ids=["typo", "cuda-absent", "cuda0-absent", "other-type"]
+)
+def test_demo_rejects_a_device_it_cannot_train_on_naming_the_argument(device, tmp_path, monkeypatch, capsys):
+    """A bad --device is a usage error (exit 2) that names the option, the value and the fix,
+    before any training or log: not a torch traceback."""
+    from stepprof import _cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    log = tmp_path / "demo.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--steps", "2", "--log", str(log), "--device", device])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert "--device" in err and repr(device) in err and "--device cpu" in err
+    assert "Traceback" not in err and out == ""
+    assert not log.exists()
+
+
+def test_demo_rejects_a_negative_warmup_before_it_starts(tmp_path, capsys):
+    from stepprof import _cli
+
+    log = tmp_path / "demo.jsonl"
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(["demo", "--warmup", "-1", "--log", str(log)])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "" and not log.exists()
+    assert "--warmup must be >= 0 (got -1)" in err and "--warmup 0" in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["demo", "--steps", "0"], ["demo", "--device", "foo"], ["plot", "x.jsonl", "-o", "x.png", "--run", "-1"]]
+)
+def test_a_subcommand_argument_error_shows_that_subcommand_usage(argv, capsys):
+    """As argparse does for `--steps abc`: the usage and the prefix are the subcommand's, not
+    the top level's `usage: stepprof [-h] COMMAND ...`, which names none of its options."""
+    from stepprof import _cli
+
+    with pytest.raises(SystemExit) as exc:
+        _cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith(f"usage: stepprof {argv[0]} ") and f"\nstepprof {argv[0]}: error: " in err
+
+
 def test_interpreter_exit_flushes_the_default_profiler(tmp_path):
     path = tmp_path / "exit.jsonl"
     code = (

@@ -426,6 +426,34 @@ def test_plot_step_and_sweep_logs(capsys, h200_log, tmp_path):
     assert os.path.getsize(tmp_path / "sweep.png") > 10_000
 
 
+def test_plot_sweep_of_a_log_without_a_sweep_says_so(capsys, h200_log, tmp_path):
+    """The log has steps: the error must not say it has none, and must say how to plot them."""
+    pytest.importorskip("matplotlib")
+    rc, out, err = cli(capsys, "plot", h200_log, "--sweep", "-o", str(tmp_path / "x.png"))
+    assert rc == 2 and "Traceback" not in err
+    assert "no sweep records" in err and "no step" not in err and "without --sweep" in err
+    assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_plot_to_a_path_without_extension_writes_the_path_it_names(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 0, err
+    assert out == f"stepprof: wrote {out_path}\n"
+    with open(out_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_to_a_format_matplotlib_cannot_write_is_a_clear_error(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps.pgn")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "-o" in err and repr(out_path) in err and ".png" in err
+    assert not os.path.exists(out_path)
+
+
 # -- env and calibrate on a CPU -------------------------------------------------------
 
 

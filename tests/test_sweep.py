@@ -621,6 +621,17 @@ def test_plot_draws_a_png(tmp_path):
     assert out == str(tmp_path / "sweep.png") and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plot_to_a_path_without_extension_writes_that_path(tmp_path):
+    """The docstring's "a PNG at ``path``" and the returned path: matplotlib alone would write
+    ``sweep.png`` next to it and the returned ``sweep`` would not exist."""
+    pytest.importorskip("matplotlib")
+    gpu, step = setup()
+    r = run(step, gpu, progress=False, max_batch=8)
+    out = r.plot(tmp_path / "sweep")
+    assert out == str(tmp_path / "sweep")
+    assert (tmp_path / "sweep").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_without_matplotlib_names_the_install_command(tmp_path, monkeypatch):
     import builtins
 
