@@ -763,7 +763,7 @@ def select_sweep_backend(device: Any = None) -> CudaSweepBackend | HostSweepBack
 
 # -- calibration: this GPU's achieved rates, for MFU and the roofline ----------------
 #
-# Timed the way FINDINGS.md asks: random (non-zero) operands, warm-up first, CUDA
+# Timed by the project's measurement rules (docs/measurement.md): random (non-zero) operands, warm-up first, CUDA
 # events around a run of back-to-back calls long enough (about 40 ms) that launch
 # cost and event resolution do not matter, several runs, the median of the runs.
 
