@@ -130,12 +130,18 @@ def test_newer_schema_is_read_with_a_note(tmp_path):
     assert "newer stepprof (schema 2)" in render(rep)
 
 
-def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
+def _cpu_log(tmp_path) -> str:
+    """A 4-step CPU log (1 warm-up step)."""
     log = str(tmp_path / "cpu.jsonl")
     with stepprof.Profiler(log, warmup=1) as prof:
         for _ in range(4):
             with prof.step(batch_size=8):
                 torch.ones(8, 8).sum()
+    return log
+
+
+def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
+    log = _cpu_log(tmp_path)
     rc, out, _ = cli(capsys, "report", log)
     assert rc == 0
     assert "GPU ms                    n/a  (CUDA is not available)" in out
@@ -146,11 +152,7 @@ def test_cpu_log_with_null_fields_names_the_reasons(tmp_path, capsys):
 
 
 def test_cpu_log_reports_the_host_rss_its_reasons_point_to(tmp_path, capsys):
-    log = str(tmp_path / "cpu.jsonl")
-    with stepprof.Profiler(log, warmup=1) as prof:
-        for _ in range(4):
-            with prof.step(batch_size=8):
-                torch.ones(8, 8).sum()
+    log = _cpu_log(tmp_path)
     last = list(stepprof.read(log, kind="step"))[-1]["host_rss_bytes"]
     assert type(last) is int and last > 0
     run = build_report([log])["logs"][0]["runs"][0]
