@@ -24,6 +24,28 @@ def per_call_us(fn: Callable[[], Any], n: int = 2000, rounds: int = 7, warmup: i
     return {"median_us": statistics.median(samples), "min_us": min(samples), "max_us": max(samples)}
 
 
+def timed_round(fn: Callable[[], Any], k: int, sync: Callable[[], Any],
+                settle: Callable[[], Any] | None = None) -> tuple[float, float]:
+    """Wall and process-CPU µs per call of ``k`` calls of ``fn``, between two ``sync()``.
+
+    ``settle`` runs after the closing ``sync()`` and inside the timing: it finishes the work
+    the round's calls left behind (a stepprof profiler's ``_drain``: the records its
+    collector thread has not written yet), so that each round pays for its own ``k`` steps
+    and none of that work runs during the next variant's round.
+    """
+    sync()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    for _ in range(k):
+        fn()
+    sync()
+    if settle is not None:
+        settle()
+    t1 = time.perf_counter()
+    c1 = time.process_time()
+    return (t1 - t0) / k * 1e6, (c1 - c0) / k * 1e6
+
+
 def run_info(script: str, gpu: str | None = None) -> dict[str, Any]:
     """Date, GPU, torch and Python versions, and the command line: the header of a result."""
     return {

@@ -64,6 +64,8 @@ def run(width, batch, rounds, k, every, device, tmp, name):
         for _ in range(every):  # warm-up; the exchange variant makes its first exchange here
             fn()
     sync()
+    for p in profs.values():  # the warm-up's records, before any round
+        p._drain()
     per_step = {v: [] for v in variants}
     rng = random.Random(0)  # the same order on every rank: the collectives must match
     for _ in range(rounds):
@@ -76,6 +78,8 @@ def run(width, batch, rounds, k, every, device, tmp, name):
             for _ in range(k):
                 variants[v]()
             sync()
+            if v in profs:  # this round's last records, before the clock stops (not in the next round)
+                profs[v]._drain()
             per_step[v].append((time.perf_counter() - t0) / k * 1e6)
     summaries = {v: p.close() for v, p in profs.items()}
     exchanges = len(list(stepprof.read(profs["exchange"].log, kind="ranks"))) if profs["exchange"].log else 0

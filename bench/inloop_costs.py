@@ -191,6 +191,12 @@ variants = {"bare": bare, "bare-again": bare, "ev2": ev(2), "ev5": ev(5), "mem1"
 for fn in variants.values():
     for _ in range(10): fn()
 torch.cuda.synchronize()
+# stepprof's variants write a round's last records before the clock stops (and the warm-up's
+# before the first round): left to the collector thread, they would be written during the
+# next variant's round.
+drains = {"step": p_step._drain, "full": p_full._drain, "full-nogc": p_full_ng._drain,
+          "full-inline": p_full_inl._drain}
+for d in drains.values(): d()
 per = {v: [] for v in variants}; cpu = {v: [] for v in variants}
 rng = random.Random(0)
 for _ in range(rounds):
@@ -202,7 +208,9 @@ for _ in range(rounds):
         if v == "full-nogc": gc.disable()
         torch.cuda.synchronize(); c0 = time.process_time(); t0 = time.perf_counter()
         for _ in range(k): fn()
-        torch.cuda.synchronize(); t1 = time.perf_counter(); c1 = time.process_time()
+        torch.cuda.synchronize()
+        if v in drains: drains[v]()
+        t1 = time.perf_counter(); c1 = time.process_time()
         gc.enable(); coll_on.clear(); py_on.clear()
         per[v].append((t1 - t0) / k * 1e6); cpu[v].append((c1 - c0) / k * 1e6)
 coll_stop.set()

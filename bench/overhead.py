@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
 import stepprof  # noqa: E402
-from _common import run_info  # noqa: E402
+from _common import run_info, timed_round  # noqa: E402
 
 
 def make_workload(width: int, batch: int, depth: int = 8, device: str | torch.device = "cuda",
@@ -140,6 +140,8 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
         for _ in range(10):
             fn()
     torch.cuda.synchronize()
+    for prof in profs.values():  # the warm-up's records, before any round
+        prof._drain()
 
     per_step = {v: [] for v in variants}
     cpu_per_step = {v: [] for v in variants}
@@ -154,21 +156,18 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
                 acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
                 p = torch.profiler.profile(activities=acts)
                 p.__enter__()
-            torch.cuda.synchronize()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            c1 = time.process_time()
+            # stepprof's variants write their round's last records before the clock stops:
+            # left to the collector thread, they would be written during the next round.
+            prof = profs.get(v)
+            wall_us, cpu_us = timed_round(fn, k, torch.cuda.synchronize,
+                                          prof._drain if prof is not None else None)
             if v == "profiler":
                 p.__exit__(None, None, None)
                 t2 = time.perf_counter()
                 p.key_averages()
                 post_s.append(time.perf_counter() - t2)
-            per_step[v].append((t1 - t0) / k * 1e6)
-            cpu_per_step[v].append((c1 - c0) / k * 1e6)
+            per_step[v].append(wall_us)
+            cpu_per_step[v].append(cpu_us)
     summaries = {v: p.close() for v, p in profs.items()}
 
     out = {"width": width, "batch": batch, "rounds": rounds, "steps_per_round": k,
@@ -185,7 +184,8 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
             "process_cpu_added_us": quantiles(cpu_added),
         }
     out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
-    out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median for v, s in summaries.items()}
+    out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median if s.gpu_ms is not None else None
+                                     for v, s in summaries.items()}
     if not profiler:
         return out
     out["profiler_postprocess_s_median"] = statistics.median(post_s)

@@ -38,29 +38,30 @@ import stepprof  # noqa: E402
 from stepprof import _syncs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_info  # noqa: E402
+from _common import run_info, timed_round  # noqa: E402
 from overhead import make_workload, median_ci, phased_step, quantiles  # noqa: E402
 
 
-def interleave(variants: dict, rounds: int, k: int, base: str) -> dict:
-    """Median µs per call of each variant and its ratio to ``base`` in the same round."""
+def interleave(variants: dict, rounds: int, k: int, base: str, profs: dict) -> dict:
+    """Median µs per call of each variant and its ratio to ``base`` in the same round.
+
+    ``profs`` maps each variant to its profiler, whose pending records are written at the
+    end of the variant's round (inside its timing), not during the next variant's round.
+    """
     for fn in variants.values():
         for _ in range(5):
             fn()
     torch.cuda.synchronize()
+    for p in profs.values():
+        p._drain()
     per = {v: [] for v in variants}
     rng = random.Random(0)
     for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
         for v in order:
-            fn = variants[v]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(k):
-                fn()
-            torch.cuda.synchronize()
-            per[v].append((time.perf_counter() - t0) / k * 1e6)
+            wall_us, _ = timed_round(variants[v], k, torch.cuda.synchronize, profs[v]._drain)
+            per[v].append(wall_us)
     out = {}
     for v, xs in per.items():
         ratios = [x / b for x, b in zip(xs, per[base])]
@@ -107,7 +108,7 @@ def main() -> int:
              "warn": prof("warn")}
     res["launch_bound"] = interleave(
         {v: (lambda p=p: phased_step(p, 64, fwd, bwd, opt)) for v, p in profs.items()},
-        args.rounds, args.steps, "off",
+        args.rounds, args.steps, "off", profs,
     )
     for p in profs.values():
         p.close()
@@ -148,7 +149,7 @@ def main() -> int:
     per_sync = interleave(
         {**{v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()},
          **{v: floor(p, int(v.split("-")[1])) for v, p in pf.items()}},
-        args.rounds, 40, "off-0",
+        args.rounds, 40, "off-0", {**ps, **pf},
     )
     for p in pf.values():
         p.close()
@@ -195,7 +196,7 @@ def main() -> int:
     trace = interleave(
         {"off (trace active)": lambda: phased_step(p_off, 64, fwd, bwd, opt),
          "trace": lambda: phased_step(p_trace, 64, fwd, bwd, opt)},
-        args.rounds, args.steps, "off (trace active)",
+        args.rounds, args.steps, "off (trace active)", {"off (trace active)": p_off, "trace": p_trace},
     )
     p_off.close()
     mechanism = p_trace.close().sync_mechanism
