@@ -9,7 +9,7 @@ Variants, interleaved in a shuffled order every round:
   full         ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
   full-inline  the same, records built on the training thread instead of the collector thread;
   profiler     the bare step under torch.profiler (CPU+CUDA activities), trace
-               post-processing excluded and reported apart;
+               post-processing (its exit and key_averages()) excluded and reported apart;
   with --ablate, the full loop with one setting changed (ABLATIONS below).
 Each round times K steps of one variant between two synchronisations (the
 host clock is honest there: the queue is drained at both ends).  The table
@@ -162,8 +162,10 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
             wall_us, cpu_us = timed_round(fn, k, torch.cuda.synchronize,
                                           prof._drain if prof is not None else None)
             if v == "profiler":
-                p.__exit__(None, None, None)
+                # The post-processing: the exit stops the trace and collects its events
+                # (CUPTI's buffers flushed, kineto's results built), key_averages() parses them.
                 t2 = time.perf_counter()
+                p.__exit__(None, None, None)
                 p.key_averages()
                 post_s.append(time.perf_counter() - t2)
             per_step[v].append(wall_us)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 
 import pytest
 import torch
@@ -62,3 +63,24 @@ def test_overhead_leaves_no_records_for_the_next_round(overhead, monkeypatch, tm
     assert len(made) == 3
     assert leftovers == []
 
+
+def test_overhead_post_processing_counts_the_profilers_exit(overhead, monkeypatch, tmp_path):
+    """torch.profiler's post-processing is its exit (the trace stopped and collected) plus
+    ``key_averages()``: the docs report it as the trace's processing at exit."""
+
+    class FakeProfile:
+        def __init__(self, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            time.sleep(0.05)  # stopping the trace
+
+        def key_averages(self):
+            return []
+
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    out = overhead.run("cpu", 16, 4, rounds=2, k=2, tmp=str(tmp_path), profiler=True)
+    assert out["profiler_postprocess_s_median"] >= 0.05
