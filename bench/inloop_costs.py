@@ -127,19 +127,28 @@ def patches():
 # a simulated collector: every 20 ms, elapsed_time on 4 completed pairs per step since the last wake
 done_ev = [torch.Event(device="cuda", enable_timing=True) for _ in range(2)]
 done_ev[0].record(); done_ev[1].record(); torch.cuda.synchronize()
-coll_on = threading.Event(); coll_stop = threading.Event()
-coll_jobs = [0, 0]  # elapsed_time calls, query calls owed
+coll_stop = threading.Event()
+# Per variant, the calls its steps owe the simulated collector and those done, as running
+# totals (only the training thread adds to owed, only the thread to done).  The thread works
+# only for the variant being timed, and stops mid-batch when its round ends: a share left
+# at a round's end waits for that variant's next round, never another variant's.
+coll_on = [None]  # the variant being timed, if it has a simulated collector
+coll_owed = {v: [0, 0] for v in ("collsim", "floor-step", "floor-full")}  # elapsed_time, query
+coll_done = {v: [0, 0] for v in coll_owed}
 def coll_loop():
     while not coll_stop.wait(0.02):
-        if coll_on.is_set():
-            n_el, n_q = coll_jobs; coll_jobs[0] = coll_jobs[1] = 0
-            for _ in range(n_el):
-                done_ev[0].elapsed_time(done_ev[1])
-            for _ in range(n_q):
-                done_ev[1].query()
+        v = coll_on[0]
+        if v not in coll_owed:
+            continue
+        owed, done = coll_owed[v], coll_done[v]
+        while done[0] < owed[0] and coll_on[0] == v:
+            done_ev[0].elapsed_time(done_ev[1]); done[0] += 1
+        while done[1] < owed[1] and coll_on[0] == v:
+            done_ev[1].query(); done[1] += 1
 threading.Thread(target=coll_loop, daemon=True).start()
+_cs, _fs, _ff = coll_owed["collsim"], coll_owed["floor-step"], coll_owed["floor-full"]
 def collsim():
-    fwd(); bwd(); opt(); coll_jobs[0] += 4; coll_jobs[1] += 1
+    fwd(); bwd(); opt(); _cs[0] += 4; _cs[1] += 1
 # The floor: only the CUDA calls the issue asks for, with none of stepprof's bookkeeping.
 def floor_step():
     j = i[0]; i[0] = (j + 2) % 60
@@ -148,7 +157,7 @@ def floor_step():
     fwd(); bwd(); opt()
     pool[j + 1].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
     _syncs.detach(); tracker.end()
-    coll_jobs[0] += 1; coll_jobs[1] += 1
+    _fs[0] += 1; _fs[1] += 1
 def floor_full():
     j = i[0]; i[0] = (j + 5) % 60
     tracker.begin([], None, "count", False); _syncs.attach(tracker, _cuda._install_warn_route)
@@ -156,23 +165,27 @@ def floor_full():
     fwd(); pool[j + 1].record(); bwd(); pool[j + 2].record(); opt(); pool[j + 3].record()
     pool[j + 4].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
     _syncs.detach(); tracker.end()
-    coll_jobs[0] += 4; coll_jobs[1] += 1
+    _ff[0] += 4; _ff[1] += 1
 
-py_on = threading.Event(); py_count = [0, 0]
+# The same for pure Python work: owed and done per variant, worked only in its own rounds.
+py_on = [None]
+py_owed = {"collpy": [0], "collpy-yield": [0]}
+py_done = {v: [0] for v in py_owed}
 def collpy_loop():
     while not coll_stop.wait(0.02):
-        if not py_on.is_set():
-            continue  # a step's share left at the round's end waits for the variant's next round
-        for slot, yield_ in ((0, False), (1, True)):
-            n = py_count[slot]; py_count[slot] = 0
-            for _ in range(n):
-                _work(PYWORK_N)
-                if yield_: time.sleep(0)
+        v = py_on[0]
+        if v not in py_owed:
+            continue
+        owed, done, yield_ = py_owed[v], py_done[v], v == "collpy-yield"
+        while done[0] < owed[0] and py_on[0] == v:
+            _work(PYWORK_N); done[0] += 1
+            if yield_: time.sleep(0)
 threading.Thread(target=collpy_loop, daemon=True).start()
+_cp, _cy = py_owed["collpy"], py_owed["collpy-yield"]
 def collpy():
-    fwd(); bwd(); opt(); py_count[0] += 1
+    fwd(); bwd(); opt(); _cp[0] += 1
 def collpy_yield():
-    fwd(); bwd(); opt(); py_count[1] += 1
+    fwd(); bwd(); opt(); _cy[0] += 1
 
 def prof(**kw):
     return stepprof.Profiler(os.path.join(tmp, f"p{len(os.listdir(tmp))}.jsonl"), **kw)
@@ -197,21 +210,23 @@ torch.cuda.synchronize()
 drains = {"step": p_step._drain, "full": p_full._drain, "full-nogc": p_full_ng._drain,
           "full-inline": p_full_inl._drain}
 for d in drains.values(): d()
+for owed, done in [*zip(coll_owed.values(), coll_done.values()), *zip(py_owed.values(), py_done.values())]:
+    done[:] = owed  # the warm-up's simulated-collector work is not any round's
 per = {v: [] for v in variants}; cpu = {v: [] for v in variants}
 rng = random.Random(0)
 for _ in range(rounds):
     order = list(variants); rng.shuffle(order)
     for v in order:
         fn = variants[v]
-        if v == "collsim" or v.startswith("floor"): coll_on.set()
-        if v.startswith("collpy"): py_on.set()
+        coll_on[0] = v if v in coll_owed else None
+        py_on[0] = v if v in py_owed else None
         if v == "full-nogc": gc.disable()
         torch.cuda.synchronize(); c0 = time.process_time(); t0 = time.perf_counter()
         for _ in range(k): fn()
         torch.cuda.synchronize()
         if v in drains: drains[v]()
         t1 = time.perf_counter(); c1 = time.process_time()
-        gc.enable(); coll_on.clear(); py_on.clear()
+        gc.enable(); coll_on[0] = py_on[0] = None
         per[v].append((t1 - t0) / k * 1e6); cpu[v].append((c1 - c0) / k * 1e6)
 coll_stop.set()
 summ = {"step": p_step.close(), "full": p_full.close(), "full-nogc": p_full_ng.close(), "full-inline": p_full_inl.close()}
