@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import time
 
 import pytest
@@ -84,3 +85,37 @@ def test_overhead_post_processing_counts_the_profilers_exit(overhead, monkeypatc
     monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
     out = overhead.run("cpu", 16, 4, rounds=2, k=2, tmp=str(tmp_path), profiler=True)
     assert out["profiler_postprocess_s_median"] >= 0.05
+
+
+def test_boundary_costs_times_every_records_write(monkeypatch, tmp_path):
+    """bench/boundary_costs.py's log-write row covers the step records the collector writes
+    (in batches, through ``JsonlWriter.write_many``), not only single ``write()`` calls."""
+    import json
+    import types
+
+    from stepprof import _log
+    from stepprof._cuda import HostBackend
+
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("boundary_costs")
+    make = importlib.import_module("overhead").make_workload
+    monkeypatch.setattr(mod, "make_workload",
+                        lambda width, batch: make(16, 4, depth=2, device="cpu", dtype=torch.float32))
+    monkeypatch.setattr(mod, "CudaBackend", lambda index: HostBackend("a CPU check"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    real = _log.orjson
+
+    def slow_dumps(obj, option=None):  # 2 ms a record: a floor for the write's time
+        time.sleep(0.002)
+        return real.dumps(obj, option=option)
+
+    monkeypatch.setattr(_log, "orjson", types.SimpleNamespace(dumps=slow_dumps, OPT_APPEND_NEWLINE=real.OPT_APPEND_NEWLINE))
+    out = tmp_path / "costs.json"
+    monkeypatch.setattr(sys, "argv", ["boundary_costs.py", "--steps", "30", "--log-dir", str(tmp_path),
+                                      "--out", str(out)])
+    assert mod.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    (write,) = [r for k, r in rows.items() if k.startswith("log write")]
+    assert write["us_per_step"] >= 2000  # every step's record went through the timed write
