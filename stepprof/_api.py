@@ -210,6 +210,10 @@ class _Measure:
         prof._exit(token, exc)
 
     def __call__(self, fn: F) -> F:
+        if isinstance(fn, (staticmethod, classmethod)):
+            # @measure above @staticmethod/@classmethod: measure the function inside and
+            # wrap it again, so that it still binds as a static or class method.
+            return type(fn)(self(fn.__func__))  # type: ignore[return-value]
         if not callable(fn):
             raise UsageError(
                 f"measure({self._name!r}) decorates a function; got {fn!r}. "
@@ -249,7 +253,7 @@ class _Measure:
 def make_measure(name: Any, profiler: Profiler | None) -> Any:
     if name is None or isinstance(name, str):
         return _Measure(name, profiler)
-    if callable(name):  # bare decorator: @measure
+    if callable(name) or isinstance(name, (staticmethod, classmethod)):  # bare decorator: @measure
         return _Measure(None, profiler)(name)
     raise UsageError(
         f"measure() takes a name (str) or a function (got {name!r}); "

@@ -111,6 +111,32 @@ def test_recursive_measured_function(log, gpu):
     assert r["phases"]["fib"]["count"] == 2
 
 
+def test_measure_above_staticmethod_and_classmethod(log, gpu):
+    class Model:
+        @stepprof.measure
+        @staticmethod
+        def loss(x):
+            return x + 1
+
+        @stepprof.measure("make")
+        @classmethod
+        def make(cls, x):
+            return cls, x
+
+        @stepprof.measure
+        @classmethod
+        def name(cls):
+            return cls.__name__
+
+    with make(log, gpu) as prof:
+        assert Model.loss(1) == 2 and Model().loss(1) == 2
+        assert Model.make(3) == (Model, 3) and Model().make(3) == (Model, 3)
+        assert Model.name() == "Model"
+    assert prof.summary.steps == 5
+    local = "test_measure_above_staticmethod_and_classmethod.<locals>.Model."
+    assert [r["name"] for r in steps(log)] == [local + "loss"] * 2 + ["make"] * 2 + [local + "name"]
+
+
 def test_profile_step_inside_a_step_is_a_clear_error(log, gpu):
     with make(log, gpu):
         with stepprof.profile_step("outer"):
