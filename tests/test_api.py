@@ -15,6 +15,7 @@ import torch
 import stepprof
 
 from .conftest import make
+from .fakes import FakeGpu
 
 
 def steps(log):
@@ -292,6 +293,40 @@ def test_other_threads_do_not_disturb_the_open_step(log, gpu):
             t.join()
     (r,) = steps(log)
     assert seen and r["name"] == "main" and r["phases"] == {}
+
+
+def test_each_thread_records_into_its_own_innermost_profiler(tmp_path):
+    """Two threads, each with its own ``with Profiler``: the active profiler is per thread, so
+    the first thread's steps do not go to the profiler the second thread opened meanwhile."""
+    a_open, b_open, a_done = threading.Event(), threading.Event(), threading.Event()
+    gpus = {"a": FakeGpu(), "b": FakeGpu()}
+    summaries, errors = {}, []
+
+    def run(name, opened, wait_for, done=None):
+        try:
+            with make(str(tmp_path / f"{name}.jsonl"), gpus[name]) as prof:
+                opened.set()
+                wait_for.wait(5)
+                with stepprof.profile_step(name):
+                    pass
+                if done is not None:
+                    done.set()
+                elif not a_done.wait(5):
+                    errors.append("thread a never finished its step")
+            summaries[name] = prof.summary.steps
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ta = threading.Thread(target=run, args=("a", a_open, b_open, a_done))
+    tb = threading.Thread(target=run, args=("b", b_open, a_open))
+    ta.start()
+    tb.start()
+    ta.join()
+    tb.join()
+    assert not errors
+    assert summaries == {"a": 1, "b": 1}
+    assert [r["name"] for r in steps(str(tmp_path / "a.jsonl"))] == ["a"]
+    assert [r["name"] for r in steps(str(tmp_path / "b.jsonl"))] == ["b"]
 
 
 def test_log_lines_are_whole_and_flushed_while_running(log, gpu):
