@@ -192,6 +192,17 @@ def test_bad_profiler_arguments(log, kwargs, match):
         stepprof.Profiler(log, **kwargs)
 
 
+def test_sync_budget_exceeded_survives_pickle_and_copy():
+    """Exceptions cross process boundaries pickled (multiprocessing, ProcessPoolExecutor)."""
+    import copy
+    import pickle
+
+    e = stepprof.SyncBudgetExceeded("over budget", where="train.py:12", kind="item", count=2)
+    for back in (pickle.loads(pickle.dumps(e)), copy.copy(e)):
+        assert type(back) is stepprof.SyncBudgetExceeded and str(back) == "over budget"
+        assert (back.where, back.kind, back.count) == ("train.py:12", "item", 2)
+
+
 def test_unwritable_log_fails_at_construction(tmp_path):
     bad = tmp_path / "no" / "such" / "dir" / "run.jsonl"
     with pytest.raises(stepprof.ConfigError, match=r"'log' cannot be written: .*run.jsonl.*writable"):
