@@ -1107,6 +1107,8 @@ class Profiler:
             self._reasons.setdefault("gpu_ms", unavailable["gpu_ms"])
         if gpu_busy is not None:
             self._busy.append(gpu_busy)
+        else:
+            self._reasons.setdefault("gpu_busy_median", unavailable["gpu_busy"])
         if samples_per_s is not None:
             self._sps.append(samples_per_s)
         else:
