@@ -175,28 +175,30 @@ def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
 
 def check_name(name: Any, argument: str = "name") -> str | None:
     if name is not None and not isinstance(name, str):
-        hint = (
-            "; to make a function a step, decorate it with @stepprof.measure"
-            if callable(name) else ""
-        )
+        if callable(name):
+            hint = "; to make a function a step, decorate it with @stepprof.measure"
+        elif isinstance(name, int) and not isinstance(name, bool):
+            hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
+        else:
+            hint = "; pass a name such as 'train', or nothing for the default"
         raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
     return name
 
 
 def check_batch_size(batch_size: Any) -> int | None:
+    fix = "pass the number of samples in the step, e.g. batch_size=len(batch), or None"
     if batch_size is None:
         return None
     if isinstance(batch_size, bool):
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r})")
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}")
     try:
         n = int(batch_size.__index__())
     except (AttributeError, TypeError):
         raise ConfigError(
-            f"'batch_size' must be a positive int or None (got {batch_size!r}); "
-            f"pass the number of samples in the step, e.g. batch_size=len(batch)"
+            f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}"
         ) from None
     if n <= 0:
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {n})")
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {n}); {fix}")
     return n
 
 

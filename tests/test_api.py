@@ -216,6 +216,19 @@ def test_bad_batch_size(bs, match):
         stepprof.profile_step(batch_size=bs)
 
 
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stepprof.profile_step(8), r"'name' must be a str or None \(got 8\); .*batch_size=8"),
+        (lambda: stepprof.profile_step(batch_size=0), r"\(got 0\); pass the number of samples"),
+        (lambda: stepprof.profile_step(batch_size=True), r"\(got True\); pass the number of samples"),
+    ],
+)
+def test_bad_step_arguments_name_the_fix(call, match):
+    with pytest.raises(stepprof.StepprofError, match=match):
+        call()
+
+
 def test_innermost_profiler_is_the_active_one(tmp_path, gpu):
     a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     with make(a, gpu):
