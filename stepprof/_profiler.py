@@ -54,7 +54,7 @@ from ._cuda import (
     select_backend,
 )
 from ._errors import ConfigError, StepprofError, UsageError, check_count
-from ._log import SCHEMA_VERSION, JsonlWriter
+from ._log import SCHEMA_VERSION, JsonlWriter, check_log
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
 from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
@@ -352,6 +352,7 @@ class Profiler:
         _gather: Any = None,
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
+        log = check_log(log)
         self.warmup = check_warmup(warmup)
         flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
         ranks_every = _dist.check_ranks_every(ranks_every)
