@@ -37,32 +37,52 @@ __all__ = ["configure", "current", "measure", "memory_report", "profile_step"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 _lock = threading.Lock()
-_active: list[Profiler] = []
+# Entered profilers, innermost last, each with the thread that entered it.
+_active: list[tuple[int, Profiler]] = []
 _default: Profiler | None = None
 _warned_no_log = False
 
 
 def push_active(prof: Profiler) -> None:
-    _active.append(prof)
+    with _lock:
+        _active.append((threading.get_ident(), prof))
 
 
 def pop_active(prof: Profiler) -> None:
-    # Remove the innermost occurrence; tolerate out-of-order exits.
-    for i in range(len(_active) - 1, -1, -1):
-        if _active[i] is prof:
-            del _active[i]
-            return
+    # Remove the innermost occurrence, this thread's first; tolerate out-of-order exits.
+    tid = threading.get_ident()
+    with _lock:
+        for mine in (True, False):
+            for i in range(len(_active) - 1, -1, -1):
+                t, p = _active[i]
+                if p is prof and (t == tid or not mine):
+                    del _active[i]
+                    return
+
+
+def _innermost() -> Profiler | None:
+    """The calling thread's innermost entered profiler; else the innermost of any thread."""
+    entered = _active[:]
+    if not entered:
+        return None
+    tid = threading.get_ident()
+    for t, p in reversed(entered):
+        if t == tid:
+            return p
+    return entered[-1][1]
 
 
 def current() -> Profiler:
     """The profiler that ``profile_step``/``measure`` act on now.
 
-    The innermost active ``with Profiler(...)``; else the default profiler, made
+    The calling thread's innermost active ``with Profiler(...)`` (a thread that has
+    none uses the innermost one of another thread); else the default profiler, made
     by :func:`configure` or, on first use, from the ``STEPPROF_LOG`` and
     ``STEPPROF_WARMUP`` environment variables.
     """
-    if _active:
-        return _active[-1]
+    prof = _innermost()
+    if prof is not None:
+        return prof
     global _default
     with _lock:
         if _default is None or _default.closed:
@@ -210,6 +230,10 @@ class _Measure:
         prof._exit(token, exc)
 
     def __call__(self, fn: F) -> F:
+        if isinstance(fn, (staticmethod, classmethod)):
+            # @measure above @staticmethod/@classmethod: measure the function inside and
+            # wrap it again, so that it still binds as a static or class method.
+            return type(fn)(self(fn.__func__))  # type: ignore[return-value]
         if not callable(fn):
             raise UsageError(
                 f"measure({self._name!r}) decorates a function; got {fn!r}. "
@@ -249,7 +273,7 @@ class _Measure:
 def make_measure(name: Any, profiler: Profiler | None) -> Any:
     if name is None or isinstance(name, str):
         return _Measure(name, profiler)
-    if callable(name):  # bare decorator: @measure
+    if callable(name) or isinstance(name, (staticmethod, classmethod)):  # bare decorator: @measure
         return _Measure(None, profiler)(name)
     raise UsageError(
         f"measure() takes a name (str) or a function (got {name!r}); "
@@ -331,7 +355,9 @@ def memory_report(device: str | int | torch.device | None = None) -> MemoryRepor
                 f"'device' must name a torch device such as 'cuda:0' or 0 (got {device!r}); "
                 f"or pass nothing for the active profiler's device"
             ) from e
-    prof = _active[-1] if _active else _default
+    prof = _innermost()
+    if prof is None:
+        prof = _default
     if prof is not None and not prof.closed:
         return prof._memory_report(dev)
     return _memory.report(memory_backend(dev), trigger=_memory.ON_DEMAND)

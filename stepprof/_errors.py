@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StepprofError(Exception):
     """Base class of every error stepprof raises on purpose."""
@@ -28,6 +30,14 @@ class SyncBudgetExceeded(StepprofError, RuntimeError):
         self.where = where
         self.kind = kind
         self.count = count
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle and copy call cls(*self.args) by default, which lacks the keyword arguments.
+        return (_rebuild_sync_budget_exceeded, (str(self), self.where, self.kind, self.count))
+
+
+def _rebuild_sync_budget_exceeded(message: str, where: str, kind: str, count: int) -> SyncBudgetExceeded:
+    return SyncBudgetExceeded(message, where=where, kind=kind, count=count)
 
 
 def check_count(value: object, argument: str, fix: str) -> int:

@@ -17,6 +17,25 @@ __all__ = ["SCHEMA_VERSION", "JsonlWriter", "ScanStats", "read", "scan"]
 SCHEMA_VERSION = 1
 
 
+def check_log(path: Any, argument: str = "log") -> str | None:
+    """``path`` as a str (None stays None), or a ConfigError naming ``argument``.
+
+    A bytes path would be opened, then fail at the first record (which holds it as ``log``).
+    """
+    if path is None:
+        return None
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"{argument!r} must be a str path or None (got {path!r}); "
+            f"pass e.g. {argument}='run.jsonl', or None to keep no log"
+        )
+    return text
+
+
 class JsonlWriter:
     """Appends records to ``path``, one ``write()`` system call per whole line.
 
@@ -30,7 +49,7 @@ class JsonlWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, argument: str = "log") -> None:
-        self.path = os.fspath(path)
+        self.path: str = check_log(path, argument)  # type: ignore[assignment]
         try:
             self._fd: int | None = os.open(
                 self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644

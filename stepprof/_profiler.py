@@ -54,7 +54,7 @@ from ._cuda import (
     select_backend,
 )
 from ._errors import ConfigError, StepprofError, UsageError, check_count
-from ._log import SCHEMA_VERSION, JsonlWriter
+from ._log import SCHEMA_VERSION, JsonlWriter, check_log
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
 from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
@@ -175,28 +175,30 @@ def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
 
 def check_name(name: Any, argument: str = "name") -> str | None:
     if name is not None and not isinstance(name, str):
-        hint = (
-            "; to make a function a step, decorate it with @stepprof.measure"
-            if callable(name) else ""
-        )
+        if callable(name):
+            hint = "; to make a function a step, decorate it with @stepprof.measure"
+        elif isinstance(name, int) and not isinstance(name, bool):
+            hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
+        else:
+            hint = "; pass a name such as 'train', or nothing for the default"
         raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
     return name
 
 
 def check_batch_size(batch_size: Any) -> int | None:
+    fix = "pass the number of samples in the step, e.g. batch_size=len(batch), or None"
     if batch_size is None:
         return None
     if isinstance(batch_size, bool):
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r})")
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}")
     try:
         n = int(batch_size.__index__())
     except (AttributeError, TypeError):
         raise ConfigError(
-            f"'batch_size' must be a positive int or None (got {batch_size!r}); "
-            f"pass the number of samples in the step, e.g. batch_size=len(batch)"
+            f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}"
         ) from None
     if n <= 0:
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {n})")
+        raise ConfigError(f"'batch_size' must be a positive int or None (got {n}); {fix}")
     return n
 
 
@@ -350,6 +352,7 @@ class Profiler:
         _gather: Any = None,
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
+        log = check_log(log)
         self.warmup = check_warmup(warmup)
         flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
         ranks_every = _dist.check_ranks_every(ranks_every)
@@ -1107,6 +1110,8 @@ class Profiler:
             self._reasons.setdefault("gpu_ms", unavailable["gpu_ms"])
         if gpu_busy is not None:
             self._busy.append(gpu_busy)
+        else:
+            self._reasons.setdefault("gpu_busy_median", unavailable["gpu_busy"])
         if samples_per_s is not None:
             self._sps.append(samples_per_s)
         else:

@@ -15,6 +15,7 @@ import torch
 import stepprof
 
 from .conftest import make
+from .fakes import FakeGpu
 
 
 def steps(log):
@@ -111,6 +112,32 @@ def test_recursive_measured_function(log, gpu):
     assert r["phases"]["fib"]["count"] == 2
 
 
+def test_measure_above_staticmethod_and_classmethod(log, gpu):
+    class Model:
+        @stepprof.measure
+        @staticmethod
+        def loss(x):
+            return x + 1
+
+        @stepprof.measure("make")
+        @classmethod
+        def make(cls, x):
+            return cls, x
+
+        @stepprof.measure
+        @classmethod
+        def name(cls):
+            return cls.__name__
+
+    with make(log, gpu) as prof:
+        assert Model.loss(1) == 2 and Model().loss(1) == 2
+        assert Model.make(3) == (Model, 3) and Model().make(3) == (Model, 3)
+        assert Model.name() == "Model"
+    assert prof.summary.steps == 5
+    local = "test_measure_above_staticmethod_and_classmethod.<locals>.Model."
+    assert [r["name"] for r in steps(log)] == [local + "loss"] * 2 + ["make"] * 2 + [local + "name"]
+
+
 def test_profile_step_inside_a_step_is_a_clear_error(log, gpu):
     with make(log, gpu):
         with stepprof.profile_step("outer"):
@@ -165,6 +192,25 @@ def test_bad_profiler_arguments(log, kwargs, match):
         stepprof.Profiler(log, **kwargs)
 
 
+def test_sync_budget_exceeded_survives_pickle_and_copy():
+    """Exceptions cross process boundaries pickled (multiprocessing, ProcessPoolExecutor)."""
+    import copy
+    import pickle
+
+    e = stepprof.SyncBudgetExceeded("over budget", where="train.py:12", kind="item", count=2)
+    for back in (pickle.loads(pickle.dumps(e)), copy.copy(e)):
+        assert type(back) is stepprof.SyncBudgetExceeded and str(back) == "over budget"
+        assert (back.where, back.kind, back.count) == ("train.py:12", "item", 2)
+
+
+@pytest.mark.parametrize("bad", [b"run.jsonl", 3])
+def test_a_log_that_is_not_a_str_path_fails_at_construction(tmp_path, monkeypatch, bad):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(stepprof.ConfigError, match=rf"'log' must be a str path or None \(got {bad!r}\)"):
+        stepprof.Profiler(bad)
+    assert not os.listdir(tmp_path)        # nothing opened: a bytes path used to fail at close()
+
+
 def test_unwritable_log_fails_at_construction(tmp_path):
     bad = tmp_path / "no" / "such" / "dir" / "run.jsonl"
     with pytest.raises(stepprof.ConfigError, match=r"'log' cannot be written: .*run.jsonl.*writable"):
@@ -176,6 +222,19 @@ def test_unwritable_log_fails_at_construction(tmp_path):
 def test_bad_batch_size(bs, match):
     with pytest.raises(stepprof.ConfigError, match=r"'batch_size' must be a positive int.*" + match):
         stepprof.profile_step(batch_size=bs)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: stepprof.profile_step(8), r"'name' must be a str or None \(got 8\); .*batch_size=8"),
+        (lambda: stepprof.profile_step(batch_size=0), r"\(got 0\); pass the number of samples"),
+        (lambda: stepprof.profile_step(batch_size=True), r"\(got True\); pass the number of samples"),
+    ],
+)
+def test_bad_step_arguments_name_the_fix(call, match):
+    with pytest.raises(stepprof.StepprofError, match=match):
+        call()
 
 
 def test_innermost_profiler_is_the_active_one(tmp_path, gpu):
@@ -266,6 +325,40 @@ def test_other_threads_do_not_disturb_the_open_step(log, gpu):
             t.join()
     (r,) = steps(log)
     assert seen and r["name"] == "main" and r["phases"] == {}
+
+
+def test_each_thread_records_into_its_own_innermost_profiler(tmp_path):
+    """Two threads, each with its own ``with Profiler``: the active profiler is per thread, so
+    the first thread's steps do not go to the profiler the second thread opened meanwhile."""
+    a_open, b_open, a_done = threading.Event(), threading.Event(), threading.Event()
+    gpus = {"a": FakeGpu(), "b": FakeGpu()}
+    summaries, errors = {}, []
+
+    def run(name, opened, wait_for, done=None):
+        try:
+            with make(str(tmp_path / f"{name}.jsonl"), gpus[name]) as prof:
+                opened.set()
+                wait_for.wait(5)
+                with stepprof.profile_step(name):
+                    pass
+                if done is not None:
+                    done.set()
+                elif not a_done.wait(5):
+                    errors.append("thread a never finished its step")
+            summaries[name] = prof.summary.steps
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ta = threading.Thread(target=run, args=("a", a_open, b_open, a_done))
+    tb = threading.Thread(target=run, args=("b", b_open, a_open))
+    ta.start()
+    tb.start()
+    ta.join()
+    tb.join()
+    assert not errors
+    assert summaries == {"a": 1, "b": 1}
+    assert [r["name"] for r in steps(str(tmp_path / "a.jsonl"))] == ["a"]
+    assert [r["name"] for r in steps(str(tmp_path / "b.jsonl"))] == ["b"]
 
 
 def test_log_lines_are_whole_and_flushed_while_running(log, gpu):

@@ -303,6 +303,17 @@ def test_summary_is_null_with_reasons_when_nothing_was_measured(log, gpu):
     assert "no measured steps" in s.unavailable["wall_ms"]
 
 
+def test_summary_gpu_busy_that_no_step_had_is_null_with_the_reason(log, gpu):
+    prof = make(log, gpu)
+    for _ in range(3):
+        with prof.step(batch_size=2):
+            gpu.launch(1.0)         # device work, no host time: wall_ms is 0, gpu_busy null
+    s = prof.close()
+    assert all(r["gpu_busy"] is None and r["unavailable"]["gpu_busy"] for r in steps(log))
+    assert s.gpu_ms.median == pytest.approx(1.0) and s.gpu_busy_median is None
+    assert s.unavailable["gpu_busy_median"] == "wall time was zero"
+
+
 def test_close_is_idempotent_and_a_closed_profiler_refuses_steps(log, gpu):
     prof = make(log, gpu)
     with prof.step():
