@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -127,7 +126,7 @@ def main() -> int:
     # The floor: what torch and Python's warnings cost per sync before any counting --
     # sync-debug mode "warn", a front "always" filter for the message, and a hook in place
     # of warnings._showwarnmsg that does nothing (stepprof's own route minus its counting).
-    front = ("always", re.compile(re.escape(_syncs.SYNC_MESSAGE)), UserWarning, None, 0)
+    front = _syncs.WarningTap()._filter  # the same front filter as stepprof's, not its hook
 
     def floor(p, n):
         def step():

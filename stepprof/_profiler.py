@@ -261,8 +261,9 @@ _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing 
 COLLECT_EVERY_S = 0.02
 
 # Why an inherited profiler records nothing in a forked child (see _forget_collectors_in_child).
-_INHERITED = (
-    "this Profiler was inherited by the forked process {pid}: a profiler records only in the "
+_INHERITED_PREFIX = "this Profiler was inherited by the forked process"
+_INHERITED = _INHERITED_PREFIX + (
+    " {pid}: a profiler records only in the "
     "process that created it, so it records nothing here; open a new stepprof.Profiler in the "
     "child to profile it"
 )
@@ -582,7 +583,7 @@ class Profiler:
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
             )
         if self._broken is not None:
-            if self._broken.startswith("this Profiler was inherited") and self._broken not in self._warned:
+            if self._broken.startswith(_INHERITED_PREFIX) and self._broken not in self._warned:
                 self._warned.add(self._broken)
                 warnings.warn(f"stepprof: {self._broken}", RuntimeWarning, stacklevel=4)
             return self._unrecorded_step() if self._exchange is not None else None

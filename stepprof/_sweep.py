@@ -850,6 +850,8 @@ class _Sweep:
         t_end = clock()
         mem = self._read(b.read_memory, "peak_allocated_bytes")
         peak = None if mem is None or peak_reason is not None else int(mem[0])
+        if peak is None:
+            unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
         trial = len(self.points) + 1
         if failure is not None:
             batch = None
@@ -868,8 +870,6 @@ class _Sweep:
                     f"beyond the pre-trial baseline (something still refers to tensors from the failed "
                     f"step, or the step created state, such as optimizer moments, that stays)"
                 )
-            if peak is None:
-                unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
             return SweepPoint(
                 trial=trial, phase=phase, batch_size=n, oom=True, samples_per_s=None, step_ms=None,
                 step_ms_p10=None, step_ms_p90=None, timed_steps=timed, warmup_steps=self.warmup,
@@ -905,8 +905,6 @@ class _Sweep:
         else:
             reason = self.b.memory_reason or self.unavailable.get("alloc_retries", "not read")
             unavailable["alloc_retries"] = unavailable["device_allocs"] = reason
-        if peak is None:
-            unavailable["peak_allocated_bytes"] = peak_reason or self.b.memory_reason or "not read"
         return SweepPoint(
             trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
             step_ms_p10=p10, step_ms_p90=p90, timed_steps=timed, warmup_steps=self.warmup,
