@@ -88,6 +88,15 @@ class Backend(Protocol):
     """What the recorder needs from a device.  Marks are opaque to the recorder."""
 
     device: str
+    #: The CUDA device index, or None on the host.
+    index: int | None
+    #: Marks are device events: GPU time and gaps come from them (else from the host clock).
+    has_device_timing: bool
+    #: The caching allocator's figures (peak, reserved, counters) are real; without them
+    #: the recorder reads the host's RSS instead.
+    has_device_memory: bool
+    #: How syncs are counted on this backend ("warn", "trace"), or None when they are not.
+    sync_mechanism: str | None
     #: Why device timing is unavailable, or None when marks are real.
     gpu_reason: str | None
     #: Why allocator memory figures are unavailable, or None when they are real.
@@ -113,6 +122,10 @@ class Backend(Protocol):
 
 class HostBackend:
     """No device: marks are None, memory figures are unavailable with ``reason``."""
+
+    index = None
+    has_device_timing = False
+    has_device_memory = False
 
     def __init__(self, reason: str) -> None:
         self.device = "cpu"
@@ -178,8 +191,11 @@ class CudaBackend:
     ever in flight at once.
     """
 
+    has_device_timing = True
+    has_device_memory = True
+
     def __init__(self, device_index: int, *, nvtx: bool = True, syncs: str = "warn") -> None:
-        self.index = device_index
+        self.index: int | None = device_index
         self.device = f"cuda:{device_index}"
         self.gpu_reason = None
         self.memory_reason = None

@@ -37,6 +37,9 @@ class FakeEvent:
 
 class FakeGpu:
     device = "cuda:0"
+    index: int | None = None
+    has_device_timing = True
+    has_device_memory = True
     gpu_reason = None
     memory_reason = None
     sync_mechanism = "fake"
