@@ -45,6 +45,7 @@ import torch
 
 from . import _syncs
 from ._errors import SyncBudgetExceeded
+from ._stats import median
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
@@ -784,12 +785,6 @@ def select_sweep_backend(device: Any = None) -> CudaSweepBackend | HostSweepBack
 # cost and event resolution do not matter, several runs, the median of the runs.
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
 def _timed_ms(fn: Callable[[], Any], *, target_ms: float, runs: int) -> float:
     """Median device ms of one ``fn()`` call, over ``runs`` runs of back-to-back calls."""
     fn()  # warm-up: cuBLAS heuristics, workspace allocation
@@ -809,7 +804,7 @@ def _timed_ms(fn: Callable[[], Any], *, target_ms: float, runs: int) -> float:
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) / reps)
-    return _median(per_call)
+    return median(per_call)
 
 
 def calibrate(
@@ -879,7 +874,7 @@ def calibrate(
                 "matmul_tflops": tflops,
                 "matmul_n": shapes,
                 "copy_gbps": copy_gbps,
-                "launch_us": _median(launches),
+                "launch_us": median(launches),
                 "runs": runs,
                 "multiprocessors": getattr(props, "multi_processor_count", None),
                 "total_memory_bytes": getattr(props, "total_memory", None),

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import threading
 import time
 import warnings
@@ -33,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ._errors import ConfigError, check_count
+from ._stats import median
 
 __all__ = [
     "CLOSE_WAIT_S",
@@ -191,7 +191,7 @@ class Window:
 
 def _median(xs: Sequence[float | None]) -> float:
     vals = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(vals) if vals else _NAN
+    return median(vals) if vals else _NAN
 
 
 def summarise_window(steps: list[tuple[Any, ...]], exchange: int) -> tuple[list[float], list[str]]:
@@ -265,7 +265,7 @@ def find_straggler(
     if missing:
         return Straggler(None, None, None, None,
                          f"rank(s) {_ranks(missing)} had no measured step in this window")
-    med = statistics.median(step_ms)
+    med = median(step_ms)
     if med <= 0:
         return Straggler(None, None, None, None, "the median step took no measurable time")
     top = max(range(len(step_ms)), key=lambda r: step_ms[r])
@@ -280,7 +280,7 @@ def find_straggler(
             skipped.append(name)
             continue
         cum = [c + v for c, v in zip(cum, vals)]
-        m, mc = statistics.median(vals), statistics.median(cum)
+        m, mc = median(vals), median(cum)
         hits = [r for r in range(len(vals)) if vals[r] - m > bar and cum[r] - mc > bar]
         if hits:
             r = max(hits, key=lambda i: vals[i])
@@ -305,7 +305,7 @@ def _stats(vals: Sequence[float], ranks: Sequence[int] | None = None) -> dict[st
     if not ok:
         return None
     xs = [x for x, _ in ok]
-    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs),
+    return {"min": min(xs), "median": median(xs), "max": max(xs),
             "slowest_rank": max(ok, key=lambda p: p[0])[1]}
 
 

@@ -33,11 +33,10 @@ import attrs
 from . import _nvml
 from ._cuda import AllocatorFigures, Backend
 from ._nvml import NvmlReading
+from ._units import GiB, MiB, format_bytes_in, unit_for
 
 __all__ = ["MemoryReport", "Snapshot", "reconcile", "report", "take_snapshot"]
 
-MiB = 2**20
-GiB = 2**30
 
 PROCESS_BASIS = "process"
 DEVICE_BASIS = "device (assumes exclusive GPU)"
@@ -62,15 +61,6 @@ _FIGURE_FIELDS = _ALLOCATOR_FIELDS + (
     "nvml_process_bytes", "nvml_device_used_bytes", "mem_get_info_used_bytes", "total_bytes",
     "residual_bytes", "context_baseline_bytes", "basis",
 )
-
-
-def _fmt(n: int, unit: int) -> str:
-    return f"{n / GiB:.2f} GiB" if unit == GiB else f"{n / MiB:.1f} MiB"
-
-
-def _unit(*figures: int | None) -> int:
-    """GiB when the largest figure of a sentence reaches 1 GiB, else MiB: one unit per sentence."""
-    return GiB if max((abs(f) for f in figures if f is not None), default=0) >= GiB else MiB
 
 
 @attrs.frozen
@@ -126,19 +116,19 @@ class MemoryReport:
             why = self.unavailable.get("allocated_bytes") or self.unavailable.get("residual_bytes")
             return f"{where}: unavailable ({why})"
         total = self.nvml_process_bytes if self.basis == PROCESS_BASIS else self.mem_get_info_used_bytes
-        u = _unit(total, self.reserved_bytes)
+        u = unit_for(total, self.reserved_bytes)
         parts = []
         if self.allocated_bytes is not None and self.fragmentation_bytes is not None:
-            parts += [f"{_fmt(self.allocated_bytes, u)} tensors", f"{_fmt(self.fragmentation_bytes, u)} cached"]
+            parts += [f"{format_bytes_in(self.allocated_bytes, u)} tensors", f"{format_bytes_in(self.fragmentation_bytes, u)} cached"]
         if self.residual_bytes is not None:
-            parts.append(f"{_fmt(self.residual_bytes, u)} context and other")
+            parts.append(f"{format_bytes_in(self.residual_bytes, u)} context and other")
         if total is None:
             line = " + ".join(parts)
         else:
             label = "nvidia-smi" if self.basis == PROCESS_BASIS else "device (assumed exclusive)"
-            line = f"{label} {_fmt(total, u)} = " + " + ".join(parts)
+            line = f"{label} {format_bytes_in(total, u)} = " + " + ".join(parts)
         if self.peak_allocated_bytes is not None:
-            line += f"; peak {_fmt(self.peak_allocated_bytes, u)}"
+            line += f"; peak {format_bytes_in(self.peak_allocated_bytes, u)}"
         if self.notes:
             line += f"; {len(self.notes)} note{'s' if len(self.notes) > 1 else ''}"
         return f"{where}: {line}"
@@ -292,15 +282,15 @@ def reconcile(
                 f"on {basis!r}: compare them with care"
             )
 
-    u = _unit(seen, reserved, residual)
+    u = unit_for(seen, reserved, residual)
     if (
         reference is not None and residual is not None and reference.residual_bytes is not None
         and reference.basis == basis and residual - reference.residual_bytes >= GROWTH_NOTE_BYTES
     ):
         grown = residual - reference.residual_bytes
         notes.append(
-            f"the residual grew by {_fmt(grown, u)} since {reference.label} "
-            f"({_fmt(reference.residual_bytes, u)} to {_fmt(residual, u)}): memory outside PyTorch's "
+            f"the residual grew by {format_bytes_in(grown, u)} since {reference.label} "
+            f"({format_bytes_in(reference.residual_bytes, u)} to {format_bytes_in(residual, u)}): memory outside PyTorch's "
             f"allocator is growing (NCCL, cuDNN, another library, or CUDA memory allocated directly); "
             f"torch.cuda.empty_cache() cannot release it"
         )
@@ -319,9 +309,9 @@ def reconcile(
                     "usually shrinks it"
                 )
             notes.append(
-                f"reserved ({_fmt(reserved, u)}) is {_fmt(gap, u)} above the peak of live tensors "
-                f"({_fmt(peak, u)}): the allocator holds cached blocks it cannot reuse for the sizes "
-                f"asked for (fragmentation; {_fmt(split or 0, u)} in inactive split blocks); {hint}. "
+                f"reserved ({format_bytes_in(reserved, u)}) is {format_bytes_in(gap, u)} above the peak of live tensors "
+                f"({format_bytes_in(peak, u)}): the allocator holds cached blocks it cannot reuse for the sizes "
+                f"asked for (fragmentation; {format_bytes_in(split or 0, u)} in inactive split blocks); {hint}. "
                 f"torch.cuda.empty_cache() only hides it, and costs speed"
             )
     if ooms or retries:
@@ -333,7 +323,7 @@ def reconcile(
         )
     if residual is not None and residual < 0:
         notes.append(
-            f"the total is {_fmt(-residual, u)} below what the allocator reserves: the readings were "
+            f"the total is {format_bytes_in(-residual, u)} below what the allocator reserves: the readings were "
             f"microseconds apart and the driver counts differently here (MPS, MIG or a driver "
             f"change); treat the residual as about zero"
         )
@@ -376,30 +366,30 @@ def _explain(
             f"so stepprof cannot say how much of it is tensors."
         )
     tensors = (
-        f"{_fmt(allocated, u)} live tensors, {_fmt(reserved - allocated, u)} cached by PyTorch's "
+        f"{format_bytes_in(allocated, u)} live tensors, {format_bytes_in(reserved - allocated, u)} cached by PyTorch's "
         f"allocator for reuse (not a leak)"
     )
     if seen is None or residual is None:
         return (
-            f"PyTorch holds {_fmt(allocated, u)} in live tensors and {_fmt(reserved - allocated, u)} "
+            f"PyTorch holds {format_bytes_in(allocated, u)} in live tensors and {format_bytes_in(reserved - allocated, u)} "
             f"cached by its allocator for reuse (not a leak); the total that nvidia-smi shows could "
             f"not be read ({why_total})."
         )
     if residual < 0:
         return (
-            f"{_head(basis, seen, u)}: {tensors}; that is {_fmt(-residual, u)} less than the allocator "
+            f"{_head(basis, seen, u)}: {tensors}; that is {format_bytes_in(-residual, u)} less than the allocator "
             f"reserves (see the notes)."
         )
     rest = "CUDA context and libraries" if basis == PROCESS_BASIS else (
         "CUDA context, libraries and anything else on the GPU"
     )
-    return f"{_head(basis, seen, u)}: {tensors}, {_fmt(residual, u)} {rest}."
+    return f"{_head(basis, seen, u)}: {tensors}, {format_bytes_in(residual, u)} {rest}."
 
 
 def _head(basis: str | None, seen: int, u: int) -> str:
     if basis == PROCESS_BASIS:
-        return f"nvidia-smi shows {_fmt(seen, u)} for this process"
-    return f"The GPU has {_fmt(seen, u)} in use (device-wide; stepprof assumes this process is alone on it)"
+        return f"nvidia-smi shows {format_bytes_in(seen, u)} for this process"
+    return f"The GPU has {format_bytes_in(seen, u)} in use (device-wide; stepprof assumes this process is alone on it)"
 
 
 def unavailable_report(device: str, reason: str, *, trigger: str, step: int | None = None) -> MemoryReport:

@@ -9,15 +9,10 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Percentiles", "Summary", "SweepPoint", "SweepResult", "quantile"]
+from ._stats import quantile
+from ._units import format_bytes, format_count
 
-
-def quantile(sorted_xs: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of an already sorted, non-empty sequence (numpy's default)."""
-    pos = (len(sorted_xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+__all__ = ["Percentiles", "Summary", "SweepPoint", "SweepResult"]
 
 
 @attrs.frozen
@@ -37,12 +32,6 @@ class Percentiles:
 
     def __str__(self) -> str:
         return f"{self.median:.3f} [p10 {self.p10:.3f}, p90 {self.p90:.3f}]"
-
-
-def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @attrs.frozen
@@ -96,7 +85,7 @@ class Summary:
         if self.gpu_busy_median is not None:
             parts.append(f"busy {self.gpu_busy_median:.0%}")
         if self.peak_allocated_bytes_max is not None:
-            parts.append(f"peak {_fmt_bytes(self.peak_allocated_bytes_max)}")
+            parts.append(f"peak {format_bytes(self.peak_allocated_bytes_max)}")
         if self.samples_per_s_median is not None:
             parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
         if self.syncs_per_step_median:
@@ -108,10 +97,6 @@ class Summary:
         if self.overhead_us_median is not None:
             parts.append(f"stepprof {self.overhead_us_median:.0f} µs/step")
         return "stepprof: " + ", ".join(parts)
-
-
-def _fmt_int(n: int | None) -> str:
-    return "n/a" if n is None else f"{n:,}"
 
 
 @attrs.frozen
@@ -152,13 +137,13 @@ class SweepPoint:
 
     def __str__(self) -> str:
         if self.oom:
-            leak = "" if not self.leaked_bytes else f", {_fmt_bytes(self.leaked_bytes)} not freed"
+            leak = "" if not self.leaked_bytes else f", {format_bytes(self.leaked_bytes)} not freed"
             return f"batch {self.batch_size:,}: out of memory{leak}"
         parts = []
         if self.samples_per_s is not None and self.step_ms is not None:
             parts.append(f"{self.samples_per_s:,.0f} samples/s, {self.step_ms:.3f} ms/step")
         if self.peak_allocated_bytes is not None:
-            parts.append(f"peak {_fmt_bytes(self.peak_allocated_bytes)}")
+            parts.append(f"peak {format_bytes(self.peak_allocated_bytes)}")
         if self.alloc_retries:
             parts.append(f"{self.alloc_retries} alloc retries")
         return f"batch {self.batch_size:,}: " + ", ".join(parts)
@@ -267,24 +252,24 @@ class SweepResult:
             if zone is not None and p.batch_size in zone:
                 marks.append("thrash")
             if p.oom:
-                marks.append("OOM" + (f", {_fmt_bytes(p.leaked_bytes)} not freed" if p.leaked_bytes else ""))
+                marks.append("OOM" + (f", {format_bytes(p.leaked_bytes)} not freed" if p.leaked_bytes else ""))
             sps = "-" if p.samples_per_s is None else f"{p.samples_per_s:,.0f}"
             ms = "-" if p.step_ms is None else f"{p.step_ms:.3f}"
             spread = (
                 "-" if p.step_ms_p10 is None or p.step_ms_p90 is None
                 else f"{p.step_ms_p10:.3f}-{p.step_ms_p90:.3f}"
             )
-            peak = "-" if p.peak_allocated_bytes is None else _fmt_bytes(p.peak_allocated_bytes)
+            peak = "-" if p.peak_allocated_bytes is None else format_bytes(p.peak_allocated_bytes)
             retries = "-" if p.alloc_retries is None else str(p.alloc_retries)
             lines.append(
                 f"{p.batch_size:>9,} {sps:>12} {ms:>10} {spread:>17} {peak:>11} {retries:>7}  "
                 + ", ".join(marks)
             )
         lines.append(
-            f"knee {_fmt_int(self.knee)} | max_fit {_fmt_int(self.max_fit)} | "
-            f"first_oom {_fmt_int(self.first_oom)} | predicted_max {_fmt_int(self.predicted_max)} | "
+            f"knee {format_count(self.knee)} | max_fit {format_count(self.max_fit)} | "
+            f"first_oom {format_count(self.first_oom)} | predicted_max {format_count(self.predicted_max)} | "
             f"thrash zone {_range_str(zone)}"
         )
-        lines.append(f"recommended {_fmt_int(self.recommended)}: {self.reason}")
+        lines.append(f"recommended {format_count(self.recommended)}: {self.reason}")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

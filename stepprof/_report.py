@@ -24,7 +24,9 @@ from typing import Any
 import attrs
 
 from ._log import SCHEMA_VERSION, ScanStats, scan
-from ._records import SweepPoint, SweepResult, _fmt_bytes, quantile
+from ._records import SweepPoint, SweepResult
+from ._stats import quantile
+from ._units import format_bytes
 from ._roofline import load_calibration, roofline
 
 __all__ = ["REPORT_VERSION", "Dist", "build_report", "render"]
@@ -1056,12 +1058,12 @@ def _memory_diagnoses(
         context = (
             "CUDA context and other unknown: the last memory record has no residual"
             if residual is None
-            else f"{_fmt_bytes(int(residual))} CUDA context and other"
+            else f"{format_bytes(int(residual))} CUDA context and other"
         )
         ev.append(
-            f"peak {_fmt_bytes(int(peak))} of {'at most ' if residual is None else ''}"
-            f"{_fmt_bytes(int(usable))} usable by the allocator ({_fmt_bytes(int(total))} total, {context}"
-            + (f", {_fmt_bytes(int(others))} other processes" if others else "")
+            f"peak {format_bytes(int(peak))} of {'at most ' if residual is None else ''}"
+            f"{format_bytes(int(usable))} usable by the allocator ({format_bytes(int(total))} total, {context}"
+            + (f", {format_bytes(int(others))} other processes" if others else "")
             + ")"
         )
         base = mem["allocated_bytes"]
@@ -1069,8 +1071,8 @@ def _memory_diagnoses(
             per_sample = (peak - base) / bs
             fits = int(bs + headroom / per_sample) if headroom > 0 else bs
             ev.append(
-                f"at batch {bs:,} the step adds {_fmt_bytes(int(peak - base))} over the "
-                f"{_fmt_bytes(int(base))} held between steps ({_fmt_bytes(int(per_sample))} per sample): "
+                f"at batch {bs:,} the step adds {format_bytes(int(peak - base))} over the "
+                f"{format_bytes(int(base))} held between steps ({format_bytes(int(per_sample))} per sample): "
                 f"about batch {fits:,} fits ({fits / bs:.1f}x), if that grows linearly with the batch"
             )
         if sweep is None:
@@ -1099,13 +1101,13 @@ def _memory_diagnoses(
         extra = reserved - peak
         if extra > 0.25 * reserved and extra > 512 * 2**20:
             frag_ev.append(
-                f"reserved {_fmt_bytes(int(reserved))} against a peak of {_fmt_bytes(int(peak))}: "
-                f"{_fmt_bytes(int(extra))} cached that no step needed at once"
+                f"reserved {format_bytes(int(reserved))} against a peak of {format_bytes(int(peak))}: "
+                f"{format_bytes(int(extra))} cached that no step needed at once"
             )
     split = mem["inactive_split_bytes"]
     if split is not None and split > 256 * 2**20:
         frag_ev.append(
-            f"{_fmt_bytes(int(split))} in inactive split blocks (pieces of segments that cannot be freed)"
+            f"{format_bytes(int(split))} in inactive split blocks (pieces of segments that cannot be freed)"
         )
     if retries:
         frag_ev.append(
@@ -1443,7 +1445,7 @@ def _p(d: dict[str, float] | None, fmt: str = "{:.2f}", unit: str = "") -> str:
 
 
 def _b(x: float | None) -> str:
-    return "n/a" if x is None else _fmt_bytes(int(x))
+    return "n/a" if x is None else format_bytes(int(x))
 
 
 def render(report: dict[str, Any]) -> str:

@@ -51,7 +51,9 @@ from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._profiler import check_device
-from ._records import SweepPoint, SweepResult, _fmt_bytes, quantile
+from ._records import SweepPoint, SweepResult
+from ._stats import quantile
+from ._units import format_bytes
 
 __all__ = ["find_knee", "find_thrash_zone", "is_oom", "sweep"]
 
@@ -575,7 +577,7 @@ class _Sweep:
         self.t0 = self.clock()
         self.capacity = self._read(self.b.capacity_bytes, "capacity_bytes")
         if self.say is not None:
-            cap = "" if self.capacity is None else f", {_fmt_bytes(self.capacity)} usable by torch's allocator"
+            cap = "" if self.capacity is None else f", {format_bytes(self.capacity)} usable by torch's allocator"
             self.say(
                 f"stepprof.sweep: on {self.b.device}{cap}; per batch size: make_batch once, {self.warmup} "
                 f"warm-up step(s), then timed steps (at least {self.steps} and {self.min_time_ns / 1e9:g} s)"
@@ -775,7 +777,7 @@ class _Sweep:
             if point.oom:
                 tail = (
                     "; memory back to the pre-trial baseline" if point.leaked_bytes == 0
-                    else f"; {_fmt_bytes(point.leaked_bytes)} still allocated after clean-up"
+                    else f"; {format_bytes(point.leaked_bytes)} still allocated after clean-up"
                     if point.leaked_bytes else ""
                 )
             self.say(f"stepprof.sweep: [{point.trial:>2} {phase:<8}] {point}{tail} ({point.wall_s:.2f} s)")
@@ -866,7 +868,7 @@ class _Sweep:
                 unavailable["leaked_bytes"] = self.b.memory_reason or "allocated bytes could not be read"
             elif leaked:
                 self.notes.append(
-                    f"after running out of memory at batch {n:,}, {_fmt_bytes(leaked)} stayed allocated "
+                    f"after running out of memory at batch {n:,}, {format_bytes(leaked)} stayed allocated "
                     f"beyond the pre-trial baseline (something still refers to tensors from the failed "
                     f"step, or the step created state, such as optimizer moments, that stays)"
                 )
@@ -993,8 +995,8 @@ class _Sweep:
             )
             if r.peak_allocated_bytes is not None and best.peak_allocated_bytes:
                 text += (
-                    f", at {_fmt_bytes(r.peak_allocated_bytes)} peak memory against "
-                    f"{_fmt_bytes(best.peak_allocated_bytes)}"
+                    f", at {format_bytes(r.peak_allocated_bytes)} peak memory against "
+                    f"{format_bytes(best.peak_allocated_bytes)}"
                 )
             text += "."
         if max_fit is not None and self.stopped == "boundary":

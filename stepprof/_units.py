@@ -1,0 +1,28 @@
+"""Units and their formatting: the one place that turns a figure into text."""
+
+from __future__ import annotations
+
+__all__ = ["GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "unit_for"]
+
+MiB = 2**20
+GiB = 2**30
+
+
+def unit_for(*figures: int | float | None) -> int:
+    """GiB when the largest figure reaches 1 GiB, else MiB: one unit for figures shown together."""
+    return GiB if max((abs(f) for f in figures if f is not None), default=0) >= GiB else MiB
+
+
+def format_bytes_in(n: int | float, unit: int) -> str:
+    """``n`` bytes in ``unit`` (:data:`GiB` with two decimals, :data:`MiB` with one)."""
+    return f"{n / GiB:.2f} GiB" if unit == GiB else f"{n / MiB:.1f} MiB"
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``n`` bytes in GiB or MiB, whichever suits it; ``n/a`` for None."""
+    return "n/a" if n is None else format_bytes_in(n, unit_for(n))
+
+
+def format_count(n: int | None) -> str:
+    """An integer with thousands separators; ``n/a`` for None."""
+    return "n/a" if n is None else f"{n:,}"
