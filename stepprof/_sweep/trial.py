@@ -19,6 +19,7 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from .._stats import quantile
@@ -148,31 +149,75 @@ class TrialRunner:
                 that names the batch size; a :class:`stepprof.ConfigError` for a batch
                 of the wrong size.
         """
-        b, clock = self.backend, self.clock
-        t_in = clock()
+        t_in = self.clock()
         unavailable: dict[str, str] = {}
-        b.synchronize()
+        base, peak_reason = self._start_clean()
+        steps = _TimedSteps()
+        failure = self._run_steps(n, steps, unavailable, smaller_batch_ran=smaller_batch_ran)
+        # Returned from _run_steps: the exception, its traceback and the failed step's frames
+        # (holding the batch and its activations) are gone once nothing refers to them.
+        t_end = self.clock()
+        mem = self.read(self.backend.read_memory, "peak_allocated_bytes")
+        peak = None if mem is None or peak_reason is not None else int(mem[0])
+        if peak is None:
+            unavailable["peak_allocated_bytes"] = peak_reason or self.backend.memory_reason or "not read"
+        if failure is not None:
+            leaked = self._clean_up_after_oom(steps, base, unavailable)
+            return SweepPoint(
+                trial=trial, phase=phase, batch_size=n, oom=True, samples_per_s=None, step_ms=None,
+                step_ms_p10=None, step_ms_p90=None, timed_steps=steps.timed, warmup_steps=self.warmup,
+                peak_allocated_bytes=peak, alloc_retries=None, device_allocs=None,
+                leaked_bytes=leaked, error=failure, wall_s=(self.clock() - t_in) / 1e9,
+                unavailable=unavailable,
+            )
+        step_ms, p10, p90 = self._step_times(steps, t_end, unavailable)
+        sps = n / (step_ms / 1e3) if step_ms is not None and step_ms > 0 else None
+        if sps is None:
+            unavailable["samples_per_s"] = "the timed steps took no measurable time"
+        retries, device_allocs = self._allocator_events(steps, unavailable)
+        return SweepPoint(
+            trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
+            step_ms_p10=p10, step_ms_p90=p90, timed_steps=steps.timed, warmup_steps=self.warmup,
+            peak_allocated_bytes=peak, alloc_retries=retries, device_allocs=device_allocs,
+            leaked_bytes=None, error=None, wall_s=(self.clock() - t_in) / 1e9, unavailable=unavailable,
+        )
+
+    def _start_clean(self) -> tuple[int | None, str | None]:
+        """Empty the allocator's cache and reset the peak counter before a trial.
+
+        Returns:
+            The bytes allocated now (the baseline an out-of-memory clean-up is held to),
+            and why the peak counter could not be reset (None when it was).
+        """
+        backend = self.backend
+        backend.synchronize()
         # Each trial starts from a clean allocator, as a training run at this batch size would:
         # blocks cached by earlier, smaller trials fragment the pool and can make a batch run
         # out of memory that fits from a clean start (see bench/sweep.py).  No gc.collect()
         # here: the previous trial's batch is already released (an OOM's clean-up collects),
         # and a full collection is costly with torch loaded.
-        self.read(b.empty_cache, "empty_cache")
-        base = self.read(b.allocated_bytes, "allocated_bytes")
+        self.read(backend.empty_cache, "empty_cache")
+        base = self.read(backend.allocated_bytes, "allocated_bytes")
         # A peak counter that was not reset holds an earlier trial's (or the user's) peak.
         peak_reason: str | None = None
         try:
-            b.reset_peak()
+            backend.reset_peak()
         except Exception as e:  # noqa: BLE001 - a missing figure, never a failed sweep
             peak_reason = f"resetting the peak counter failed: {type(e).__name__}: {e}"
             self.unavailable.setdefault("peak_allocated_bytes", peak_reason)
-        marks: list[Any] = []
-        stamps: list[int] = []
-        counters: list[tuple[int, int] | None] = []
-        timed = 0
+        return base, peak_reason
+
+    def _run_steps(
+        self, n: int, steps: _TimedSteps, unavailable: dict[str, str], *, smaller_batch_ran: bool
+    ) -> str | None:
+        """Make the batch, run the warm-up and the timed steps; fills ``steps``.
+
+        Returns:
+            None, or the first line of the out-of-memory error that ended the trial.
+        """
+        backend, clock = self.backend, self.clock
         batch: Any = None
         stage = "make_batch"
-        failure: str | None = None
         try:
             batch = self.make_batch(n)
             stage = "check"
@@ -180,92 +225,93 @@ class TrialRunner:
             stage = "train_step"
             for _ in range(self.warmup):
                 self.train_step(batch)
-            counters.append(self.read(b.allocator_counters, "alloc_retries"))
-            marks.append(b.mark())
-            if marks[0] is None and b.has_device_timing:
+            steps.counters.append(self.read(backend.allocator_counters, "alloc_retries"))
+            steps.marks.append(backend.mark())
+            if steps.marks[0] is None and backend.has_device_timing:
                 # No event: the fallback times the synchronised span from here, so the
                 # warm-up's queued GPU work must be done before the span starts.
-                b.synchronize()
-            stamps.append(clock())
+                backend.synchronize()
+            steps.stamps.append(clock())
             while True:
                 self.train_step(batch)
-                marks.append(b.mark())
-                stamps.append(clock())
-                timed += 1
-                if timed >= self.max_steps:
+                steps.marks.append(backend.mark())
+                steps.stamps.append(clock())
+                steps.timed += 1
+                if steps.timed >= self.max_steps:
                     break
-                if timed >= self.steps and stamps[-1] - stamps[0] >= self.min_time_ns:
+                if steps.timed >= self.steps and steps.stamps[-1] - steps.stamps[0] >= self.min_time_ns:
                     break
                 if self.over_budget():
-                    unavailable["timed_steps"] = f"the time budget ran out after {timed} timed step(s)"
+                    unavailable["timed_steps"] = f"the time budget ran out after {steps.timed} timed step(s)"
                     break
-            counters.append(self.read(b.allocator_counters, "alloc_retries"))
+            steps.counters.append(self.read(backend.allocator_counters, "alloc_retries"))
             batch = None
             stage = "synchronize"
-            b.synchronize()
+            backend.synchronize()
         except Exception as e:
             if stage == "check" or not is_oom(e, smaller_batch_ran=smaller_batch_ran):
                 if stage != "check":
                     where = f"make_batch({n}) raised" if stage == "make_batch" else f"{stage} raised at batch size {n}"
                     _annotate(e, f"stepprof.sweep: {where}; the sweep stopped (it catches only out-of-memory errors)")
                 raise
-            failure = _first_line(e)
-        # Outside the except block: the exception, its traceback and the failed step's
-        # frames (holding its activations) are gone once nothing refers to them.
-        t_end = clock()
-        mem = self.read(b.read_memory, "peak_allocated_bytes")
-        peak = None if mem is None or peak_reason is not None else int(mem[0])
-        if peak is None:
-            unavailable["peak_allocated_bytes"] = peak_reason or b.memory_reason or "not read"
-        if failure is not None:
-            batch = None
-            for m in marks:
-                b.release(m)
-            marks.clear()
-            gc.collect()
-            self.read(b.empty_cache, "empty_cache")
-            after = self.read(b.allocated_bytes, "allocated_bytes")
-            leaked = None if after is None or base is None else max(0, int(after) - int(base))
-            if leaked is None:
-                unavailable["leaked_bytes"] = b.memory_reason or "allocated bytes could not be read"
-            return SweepPoint(
-                trial=trial, phase=phase, batch_size=n, oom=True, samples_per_s=None, step_ms=None,
-                step_ms_p10=None, step_ms_p90=None, timed_steps=timed, warmup_steps=self.warmup,
-                peak_allocated_bytes=peak, alloc_retries=None, device_allocs=None,
-                leaked_bytes=leaked, error=failure, wall_s=(clock() - t_in) / 1e9,
-                unavailable=unavailable,
-            )
+            return _first_line(e)
+        return None
+
+    def _clean_up_after_oom(self, steps: _TimedSteps, base: int | None, unavailable: dict[str, str]) -> int | None:
+        """Free what the failed trial held; the bytes still allocated beyond ``base``, or None."""
+        backend = self.backend
+        for mark in steps.marks:
+            backend.release(mark)
+        steps.marks.clear()
+        gc.collect()
+        self.read(backend.empty_cache, "empty_cache")
+        after = self.read(backend.allocated_bytes, "allocated_bytes")
+        leaked = None if after is None or base is None else max(0, int(after) - int(base))
+        if leaked is None:
+            unavailable["leaked_bytes"] = backend.memory_reason or "allocated bytes could not be read"
+        return leaked
+
+    def _step_times(
+        self, steps: _TimedSteps, t_end: int, unavailable: dict[str, str]
+    ) -> tuple[float | None, float | None, float | None]:
+        """(median, p10, p90) ms of the timed steps: from the events, or the host clock's
+        spans; only the mean over the synchronised span when device events are missing."""
+        backend, marks, timed = self.backend, steps.marks, steps.timed
         spans: list[float] | None = None
         if marks and all(m is not None for m in marks):
             try:
-                spans = [b.elapsed_ms(marks[i], marks[i + 1]) for i in range(timed)]
+                spans = [backend.elapsed_ms(marks[i], marks[i + 1]) for i in range(timed)]
             except RuntimeError as e:
                 unavailable["step_ms"] = f"reading CUDA events failed ({e}); the synchronised span was used"
-        elif b.has_device_timing:
+        elif backend.has_device_timing:
             unavailable["step_ms"] = "a CUDA event could not be recorded; the synchronised span was used"
         else:
-            spans = [(stamps[i + 1] - stamps[i]) / 1e6 for i in range(timed)]
-        for m in marks:
-            b.release(m)
+            spans = [(steps.stamps[i + 1] - steps.stamps[i]) / 1e6 for i in range(timed)]
+        for mark in marks:
+            backend.release(mark)
         if spans is None:  # CUDA without events: the average over the synchronised span
-            step_ms: float | None = (t_end - stamps[0]) / 1e6 / timed
-            p10 = p90 = None
-        else:
-            s = sorted(spans)
-            step_ms, p10, p90 = quantile(s, 0.5), quantile(s, 0.1), quantile(s, 0.9)
-        sps = n / (step_ms / 1e3) if step_ms is not None and step_ms > 0 else None
-        if sps is None:
-            unavailable["samples_per_s"] = "the timed steps took no measurable time"
-        c0, c1 = counters if len(counters) == 2 else (None, None)
-        retries = device_allocs = None
-        if c0 is not None and c1 is not None:
-            retries, device_allocs = c1[0] - c0[0], c1[1] - c0[1]
-        else:
-            reason = b.memory_reason or self.unavailable.get("alloc_retries", "not read")
-            unavailable["alloc_retries"] = unavailable["device_allocs"] = reason
-        return SweepPoint(
-            trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
-            step_ms_p10=p10, step_ms_p90=p90, timed_steps=timed, warmup_steps=self.warmup,
-            peak_allocated_bytes=peak, alloc_retries=retries, device_allocs=device_allocs,
-            leaked_bytes=None, error=None, wall_s=(clock() - t_in) / 1e9, unavailable=unavailable,
-        )
+            return (t_end - steps.stamps[0]) / 1e6 / timed, None, None
+        ordered = sorted(spans)
+        return quantile(ordered, 0.5), quantile(ordered, 0.1), quantile(ordered, 0.9)
+
+    def _allocator_events(
+        self, steps: _TimedSteps, unavailable: dict[str, str]
+    ) -> tuple[int | None, int | None]:
+        """(alloc_retries, device_allocs) during the timed steps, or Nones with the reason."""
+        before, after = steps.counters if len(steps.counters) == 2 else (None, None)
+        if before is not None and after is not None:
+            return after[0] - before[0], after[1] - before[1]
+        reason = self.backend.memory_reason or self.unavailable.get("alloc_retries", "not read")
+        unavailable["alloc_retries"] = unavailable["device_allocs"] = reason
+        return None, None
+
+
+@attrs.define
+class _TimedSteps:
+    """What a trial's steps left for the figures: a mark and a host stamp around each
+    timed step, the allocator's counters before and after, and how many were timed."""
+
+    marks: list[Any] = attrs.field(factory=list)
+    stamps: list[int] = attrs.field(factory=list)
+    counters: list[tuple[int, int] | None] = attrs.field(factory=list)
+    timed: int = 0
