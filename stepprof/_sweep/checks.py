@@ -16,6 +16,7 @@ __all__ = [
     "check_callable",
     "check_fraction",
     "check_int",
+    "check_max_batch",
     "check_progress",
     "check_restore",
     "check_seconds",
@@ -29,6 +30,18 @@ def check_int(value: Any, name: str, minimum: int, hint: str) -> int:
     if value < minimum:
         raise ConfigError(f"{name!r} must be >= {minimum} (got {value}); {hint}")
     return value
+
+
+def check_max_batch(max_batch: Any, start: int) -> None:
+    """``max_batch`` must be None, or an int >= 1 and >= ``start``."""
+    if max_batch is None:
+        return
+    check_int(max_batch, "max_batch", 1, "pass None for no limit")
+    if max_batch < start:
+        raise ConfigError(
+            f"'max_batch' must be >= 'start' ({start}) (got {max_batch}); raise max_batch, "
+            f"lower start, or pass max_batch=None"
+        )
 
 
 def check_seconds(value: Any, name: str, *, allow_zero: bool) -> float:

@@ -36,7 +36,6 @@ import torch
 
 from .._api import pop_active, push_active
 from .._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
-from .._errors import ConfigError
 from .._log import SCHEMA_VERSION, JsonlWriter
 from .._profiler import check_device
 from .._units import format_bytes
@@ -44,6 +43,7 @@ from .checks import (
     check_callable,
     check_fraction,
     check_int,
+    check_max_batch,
     check_progress,
     check_restore,
     check_seconds,
@@ -142,13 +142,7 @@ def sweep(
     check_callable(train_step, "train_step", "pass the function that runs one training step")
     check_callable(make_batch, "make_batch", "pass a function n -> batch of n samples, e.g. lambda n: x[:n]")
     check_int(start, "start", 1, "the first batch size to try, e.g. start=1")
-    if max_batch is not None:
-        check_int(max_batch, "max_batch", 1, "pass None for no limit")
-        if max_batch < start:
-            raise ConfigError(
-                f"'max_batch' must be >= 'start' ({start}) (got {max_batch}); raise max_batch, "
-                f"lower start, or pass max_batch=None"
-            )
+    check_max_batch(max_batch, start)
     budget_s = None if time_budget_s is None else check_seconds(time_budget_s, "time_budget_s", allow_zero=False)
     check_int(warmup, "warmup", 0, "pass e.g. warmup=1")
     check_int(steps, "steps", 1, "pass e.g. steps=3")
