@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import stepprof
 from _common import run_info  # bench/ is on sys.path when a script in it runs
-from stepprof._sweep import is_oom
+from stepprof._sweep.trial import is_oom
 
 # -- workloads -------------------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._log import SCHEMA_VERSION, read
-from ._records import Percentiles, Summary, SweepPoint, SweepResult
+from ._records import Percentiles, Summary
+from ._sweep.result import SweepPoint, SweepResult
 
 if _TYPE_CHECKING:
     from ._api import configure, measure, memory_report, profile_step
     from ._memory import MemoryReport
     from ._profiler import Profiler
-    from ._sweep import sweep
+    from ._sweep.search import sweep
 
 __version__ = "0.1.0"
 
@@ -32,7 +33,7 @@ _LAZY = {
     "measure": "._api",
     "memory_report": "._api",
     "profile_step": "._api",
-    "sweep": "._sweep",
+    "sweep": "._sweep.search",
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
+from ._sweep.plot import plot_sweep
 
 __all__ = ["plot_log"]
 
@@ -298,6 +299,4 @@ def _plot_sweep(path: str, records: list[dict[str, Any]], out: str) -> str:
     obj = built.get("_object") if built else None
     if obj is None:
         raise ConfigError(f"the last sweep in {path!r} has no readable sweep_result record to plot")
-    from ._sweep_plot import plot_sweep
-
     return plot_sweep(obj, out)

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from ._log import SCHEMA_VERSION, ScanStats, scan
-from ._records import SweepPoint, SweepResult
+from ._sweep.result import SweepPoint, SweepResult
 from ._stats import quantile
 from ._units import format_bytes
 from ._roofline import load_calibration, roofline

@@ -1,7 +1,8 @@
 """``SweepResult.plot``: samples/s and peak memory against batch size, in one PNG.
 
 matplotlib is imported here only, through the object API (no pyplot, so no global
-figure state and no GUI backend is touched).
+figure state and no GUI backend is touched).  It is imported inside
+:func:`plot_sweep` because it is an optional dependency (``stepprof[plot]``).
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ._errors import MissingExtraError
+from .._errors import MissingExtraError
+from .._units import GiB, MiB
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ._records import SweepResult
+if TYPE_CHECKING:  # pragma: no cover - for the annotation only; result.py imports this module
+    from .result import SweepResult
 
-_GIB = 2**30
+__all__ = ["plot_sweep"]
 
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
@@ -101,22 +103,22 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     if mem is not None:
         with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
         if with_peak:
-            mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / _GIB for p in with_peak],
+            mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / GiB for p in with_peak],
                      "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
         oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
         if oom_peaks:
-            mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / _GIB for p in oom_peaks],
+            mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / GiB for p in oom_peaks],
                      "x", color="tab:red", ms=8, mew=2, ls="none", label="held when out of memory")
         if result.fit_bytes_per_sample and result.fit_base_bytes is not None:
             top = max(hi, result.predicted_max or hi)
             line_x = [lo * (top / lo) ** (i / 100) for i in range(101)]  # straight in n, curved on log x
-            mem.plot(line_x, [(result.fit_base_bytes + result.fit_bytes_per_sample * x) / _GIB for x in line_x],
+            mem.plot(line_x, [(result.fit_base_bytes + result.fit_bytes_per_sample * x) / GiB for x in line_x],
                      "--", color="tab:purple", lw=1, alpha=0.6,
-                     label=f"fit: {result.fit_base_bytes / _GIB:.2f} GiB + "
-                           f"{result.fit_bytes_per_sample / 2**20:.2f} MiB x batch")
+                     label=f"fit: {result.fit_base_bytes / GiB:.2f} GiB + "
+                           f"{result.fit_bytes_per_sample / MiB:.2f} MiB x batch")
         if result.capacity_bytes is not None:
-            mem.axhline(result.capacity_bytes / _GIB, color="tab:red", lw=1, alpha=0.7,
-                        label=f"usable by the allocator: {result.capacity_bytes / _GIB:.1f} GiB")
+            mem.axhline(result.capacity_bytes / GiB, color="tab:red", lw=1, alpha=0.7,
+                        label=f"usable by the allocator: {result.capacity_bytes / GiB:.1f} GiB")
         if result.predicted_max is not None:
             mem.axvline(result.predicted_max, color="tab:purple", ls="-.", lw=1,
                         label=f"predicted_max {result.predicted_max:,}")

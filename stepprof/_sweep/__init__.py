@@ -1,0 +1,14 @@
+"""The batch-size sweep behind :func:`stepprof.sweep`.
+
+- ``search``: ``sweep()`` and the search that grows, refines the memory boundary
+  and backfills.
+- ``trial``: one trial at one batch size (steps, timing, out-of-memory detection
+  and clean-up, the peak read).
+- ``rules``: pure decisions over the points (knee, thrash zone, memory fit,
+  recommendation and its reason).
+- ``restore``: saving and restoring the user's state; the muted profiler.
+- ``checks``: the sweep's argument checks.
+- ``result`` and ``plot``: the records and their PNG.
+
+This file imports nothing, so that the records (``result``) load without torch.
+"""

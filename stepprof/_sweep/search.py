@@ -1,0 +1,516 @@
+"""``stepprof.sweep``: samples/s and peak memory over batch sizes; the knee, the
+largest batch that fits, the thrash zone; survives out-of-memory errors.
+
+How it searches (docs/sweep.md has the reasoning and the evidence):
+
+1. **Grow.** From ``start``, double the batch, or quadruple it while samples/s
+   still rises almost in proportion (the step is launch-bound there, and a size
+   skipped that way is measured later only if it could be the knee).  Growth
+   stops at an out-of-memory error, at ``max_batch``, at the time budget, at a
+   plateau (two growth steps in a row that raised the best samples/s by < 5%),
+   or when the next size would pass the boundary that the memory fit predicts.
+2. **Refine.** A straight line through the peaks of the two largest batches that
+   ran (``peak = base + bytes_per_sample * n``), set against the bytes the
+   allocator can hold, predicts the largest batch that fits.  Probes aim just
+   under it, then just above the largest fit, so that usually two probes bracket
+   the boundary within 3%: a batch that ran, and one at most 3% larger that ran
+   out of memory.  After an out-of-memory error, the bytes that trial held at
+   once bound the limit from below and set the next probe.  A probe whose
+   outcome contradicts the fit makes the next probe a bisection, so a poor fit
+   costs probes but never correctness.
+3. **Backfill** sizes skipped by quadrupling that could be the knee.
+
+One trial at one batch size is :mod:`stepprof._sweep.trial`; the decisions over
+the points (knee, thrash zone, fit, recommendation) are :mod:`stepprof._sweep.rules`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._api import pop_active, push_active
+from .._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
+from .._log import SCHEMA_VERSION, JsonlWriter
+from .._profiler import check_device
+from .._units import format_bytes
+from .checks import (
+    check_callable,
+    check_fraction,
+    check_int,
+    check_max_batch,
+    check_progress,
+    check_restore,
+    check_seconds,
+)
+from .restore import MutedProfiler, SavedRngState, SavedState
+from .result import SweepPoint, SweepResult
+from .rules import (
+    DROP,
+    explain_recommendation,
+    find_knee,
+    find_recommended,
+    find_thrash_zone,
+    largest_certifying_oom,
+    memory_fit,
+    outside_zone,
+    ran_points,
+    smallest_certified_fit,
+)
+from .trial import Clock, TrialRunner, leak_note
+
+__all__ = ["BatchSearch", "sweep"]
+
+#: Probes aim this far under the boundary the memory fit predicts from the bytes
+#: the device can give: the allocator never hands all of them to tensors, and
+#: aiming 3% low makes (fit here, out of memory 3% higher) the likely outcome.
+AIM = 0.97
+#: Quadruple instead of double while the last growth raised samples/s by at least
+#: 90% of the batch ratio (near-linear: the step time hardly grew).
+LINEAR = 0.9
+#: A plateau: two growth steps in a row that raised the best samples/s by < 5%.
+PLATEAU_GAIN = 0.05
+#: The most probes after growth stops (refining, searching down, backfilling).
+MAX_PROBES = 24
+
+
+def sweep(
+    train_step: Callable[[Any], Any],
+    make_batch: Callable[[int], Any],
+    *,
+    start: int = 1,
+    max_batch: int | None = None,
+    time_budget_s: float | None = None,
+    log: Any = None,
+    restore: Any = None,
+    device: Any = None,
+    progress: bool | Callable[[str], Any] = True,
+    warmup: int = 1,
+    steps: int = 3,
+    min_time_s: float = 0.05,
+    max_steps: int = 50,
+    knee_within: float = 0.10,
+    _backend: Any = None,
+    _clock: Clock | None = None,
+) -> SweepResult:
+    """Measure samples/s and peak memory over batch sizes, and recommend one.
+
+    The sweep trains: every trial runs real steps, so weights and optimizer state
+    change unless you pass ``restore``.  ``make_batch`` must give realistic data
+    (real samples, or random data of the real distribution), never zeros: kernels
+    and sparsity can run faster on zeros.  The batch is made once per trial, and
+    making it is not timed.
+
+    Args:
+        train_step: ``train_step(batch)`` runs one full training step (forward,
+            backward, optimizer step); its return value is dropped.
+        make_batch: ``make_batch(n)`` returns a batch of ``n`` samples, on the
+            device that ``train_step`` expects.
+        start: the first batch size tried.
+        max_batch: the largest batch size tried; None for no limit.
+        time_budget_s: stop starting trials after this many seconds; None for none.
+        log: a JSON-lines path: one ``sweep_point`` record per trial, then a
+            ``sweep_result`` record (appended).
+        restore: a module, optimizer, scheduler or scaler, or a tuple of them. Their
+            state dicts (and a module's gradients) are copied to host memory first
+            and loaded back afterwards, also when the sweep raises.
+        device: ``"cuda:N"`` or ``"cpu"``; None uses CUDA if this process has
+            initialised it (the model is on the GPU), else the CPU.
+        progress: True prints a line per trial to stderr, False prints nothing, and a
+            callable receives each line.
+        warmup: untimed steps per trial, before the timed ones.
+        steps: the fewest timed steps per trial.
+        min_time_s: the least time of timed steps per trial.
+        max_steps: the most timed steps per trial.
+        knee_within: the knee is the smallest batch within this fraction of the best
+            samples/s.
+
+    Returns:
+        A :class:`stepprof.SweepResult`; ``str()`` of it is a table.
+
+    Raises:
+        stepprof.ConfigError: a bad argument, or a batch of the wrong size.
+        stepprof.UsageError: ``train_step`` or ``make_batch`` is not callable.
+        Exception: any error of ``train_step`` or ``make_batch`` that is not an
+            out-of-memory error, unchanged but for a note that names the batch size.
+    """
+    check_callable(train_step, "train_step", "pass the function that runs one training step")
+    check_callable(make_batch, "make_batch", "pass a function n -> batch of n samples, e.g. lambda n: x[:n]")
+    check_int(start, "start", 1, "the first batch size to try, e.g. start=1")
+    check_max_batch(max_batch, start)
+    budget_s = None if time_budget_s is None else check_seconds(time_budget_s, "time_budget_s", allow_zero=False)
+    check_int(warmup, "warmup", 0, "pass e.g. warmup=1")
+    check_int(steps, "steps", 1, "pass e.g. steps=3")
+    check_int(max_steps, "max_steps", steps, f"max_steps bounds the timed steps and must be >= steps ({steps})")
+    min_time = check_seconds(min_time_s, "min_time_s", allow_zero=True)
+    within = check_fraction(knee_within, "knee_within", "0.10")
+    check_progress(progress)
+    objs = check_restore(restore)
+    device = check_device(device)
+
+    say: Callable[[str], Any] | None
+    if progress is True:
+        def say(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+    else:
+        say = progress or None  # type: ignore[assignment]
+    backend = _backend if _backend is not None else select_sweep_backend(device)
+    search = BatchSearch(
+        train_step, make_batch, backend=backend, auto_backend=_backend is None and device is None,
+        start=start, max_batch=max_batch, budget_s=budget_s, say=say, warmup=warmup,
+        steps=steps, min_time_s=min_time, max_steps=max_steps, knee_within=within,
+        clock=_clock or time.perf_counter_ns,
+    )
+    saved = SavedState(objs)
+    # isinstance, not ``backend.index``: the test fakes carry an index without a CUDA RNG.
+    rng = SavedRngState(backend.index if isinstance(backend, CudaSweepBackend) else None)
+    writer = search.writer = JsonlWriter(log) if log is not None else None  # opened last: nothing can leak it
+    muted = MutedProfiler()
+    push_active(muted)  # type: ignore[arg-type]
+    try:
+        return search.run()
+    finally:
+        pop_active(muted)  # type: ignore[arg-type]
+        try:
+            saved.restore()
+        finally:
+            rng.restore()
+            if writer is not None:
+                writer.close()
+
+
+class BatchSearch:
+    """One sweep's state: the points so far and the search over them."""
+
+    def __init__(
+        self,
+        train_step: Callable[[Any], Any],
+        make_batch: Callable[[int], Any],
+        *,
+        backend: Any,
+        auto_backend: bool,
+        start: int,
+        max_batch: int | None,
+        budget_s: float | None,
+        say: Callable[[str], Any] | None,
+        warmup: int,
+        steps: int,
+        min_time_s: float,
+        max_steps: int,
+        knee_within: float,
+        clock: Clock,
+    ) -> None:
+        self.trials = TrialRunner(
+            train_step, make_batch, backend=backend, clock=clock, warmup=warmup, steps=steps,
+            min_time_s=min_time_s, max_steps=max_steps, over_budget=self._over_budget,
+        )
+        self.auto_backend = auto_backend
+        self.start = start
+        self.max_batch = max_batch
+        self.budget_ns = None if budget_s is None else int(budget_s * 1e9)
+        self.writer: JsonlWriter | None = None
+        self.say = say
+        self.knee_within = knee_within
+        self.clock = clock
+        self.t0 = 0
+        self.points: list[SweepPoint] = []
+        self.fits: dict[int, SweepPoint] = {}
+        self.ooms: dict[int, SweepPoint] = {}
+        self.skipped: list[tuple[int, int]] = []  # (a measured batch, a size skipped above it)
+        self.notes: list[str] = []
+        self.capacity: int | None = None
+        self.stopped = ""
+        self.probes = 0
+
+    @property
+    def backend(self) -> Any:
+        """The backend the trials run on (it can change once: see :meth:`_cuda_backend_if_initialised`)."""
+        return self.trials.backend
+
+    def _over_budget(self) -> bool:
+        return self.budget_ns is not None and self.clock() - self.t0 >= self.budget_ns
+
+    # -- the search ------------------------------------------------------------------------
+
+    def run(self) -> SweepResult:
+        """Grow, refine, backfill; then log and return the result."""
+        self.t0 = self.clock()
+        self.capacity = self.trials.read(self.backend.capacity_bytes, "capacity_bytes")
+        if self.say is not None:
+            cap = "" if self.capacity is None else f", {format_bytes(self.capacity)} usable by torch's allocator"
+            self.say(
+                f"stepprof.sweep: on {self.backend.device}{cap}; per batch size: make_batch once, "
+                f"{self.trials.warmup} warm-up step(s), then timed steps (at least {self.trials.steps} "
+                f"and {self.trials.min_time_ns / 1e9:g} s)"
+            )
+        self._grow()
+        if not self.stopped:
+            self._refine()
+        self._backfill()
+        result = self._result()
+        if self.writer is not None:
+            self.writer.write({"schema_version": SCHEMA_VERSION, **result.to_record()})
+        if self.say is not None:
+            self.say(f"stepprof.sweep: recommended batch {result.recommended}: {result.reason}")
+        return result
+
+    def _grow(self) -> None:
+        n = self.start
+        grown: list[int] = []
+        while True:
+            if self._over_budget():
+                self.stopped = "time_budget"
+                return
+            if self._trial(n, "grow").oom:
+                return  # refine between the largest fit and this
+            grown.append(n)
+            if self.max_batch is not None and n >= self.max_batch:
+                self.stopped = "max_batch"
+                return
+            boundary = self._boundary()
+            if self._plateau(grown):
+                if boundary is not None:
+                    return  # growing further only measures the flat part: jump to the boundary
+                if self.max_batch is None:
+                    self.stopped = "plateau"  # no boundary to aim at, and no bound from the user
+                    return
+                # Without memory figures, max_batch is the user's bound: grow on to it.
+            factor = 4 if self._near_linear(grown) else 2
+            nxt = n * factor if self.max_batch is None else min(n * factor, self.max_batch)
+            if boundary is not None and nxt > boundary:
+                return  # the next size would likely run out of memory: refine instead
+            if nxt > 2 * n:
+                self.skipped.append((n, 2 * n))
+            n = nxt
+
+    def _sps(self, n: int) -> float:
+        return self.fits[n].samples_per_s or 0.0
+
+    def _near_linear(self, grown: list[int]) -> bool:
+        if len(grown) < 2:
+            return False
+        smaller, larger = grown[-2], grown[-1]
+        return self._sps(larger) >= LINEAR * (larger / smaller) * self._sps(smaller)
+
+    def _plateau(self, grown: list[int]) -> bool:
+        if len(grown) < 3:
+            return False
+        best_then = max(self._sps(m) for m in self.fits if m <= grown[-3])
+        best_now = max(self._sps(m) for m in self.fits if m <= grown[-1])
+        return best_now < (1 + PLATEAU_GAIN) * best_then
+
+    def _boundary(self, capacity: int | None = None) -> float | None:
+        """The largest batch the memory fit says fits in ``capacity`` bytes (default: the
+        allocator's capacity), or None."""
+        fit = memory_fit(self.fits)
+        capacity = self.capacity if capacity is None else capacity
+        if fit is None or capacity is None:
+            return None
+        base, slope = fit
+        return (capacity - base) / slope
+
+    def _held_at_once(self) -> int | None:
+        """The most bytes seen allocated at once: a lower bound on what fits.
+
+        An out-of-memory trial's peak is what was allocated when the failing request
+        came; a step allocates as it goes, so that is often close to the limit.
+        """
+        peaks = [p.peak_allocated_bytes for p in self.points if p.peak_allocated_bytes is not None]
+        return max(peaks) if peaks else None
+
+    def _refine(self) -> None:
+        last_miss = False
+        while True:
+            lo = max(self.fits) if self.fits else None
+            hi = min(self.ooms) if self.ooms else None
+            expect: str | None = None
+            if lo is None:
+                if hi is None or hi <= 1:
+                    self.stopped = "no_fit"
+                    return
+                probe, phase = hi // 2, "down"
+            else:
+                if hi is not None and hi <= largest_certifying_oom(lo):
+                    self.stopped = "boundary"
+                    return
+                if self.max_batch is not None and lo >= self.max_batch:
+                    self.stopped = "max_batch"
+                    return
+                probe, expect = self._choose(lo, hi, last_miss)
+                phase = "refine"
+            if self._over_budget():
+                self.stopped = "time_budget"
+                return
+            if self.probes >= MAX_PROBES:
+                self.stopped = "probe_limit"
+                return
+            self.probes += 1
+            point = self._trial(probe, phase)
+            last_miss = expect is not None and point.oom != (expect == "oom")
+
+    def _choose(self, lo: int, hi: int | None, last_miss: bool) -> tuple[int, str | None]:
+        """The next probe and the outcome the memory fit expects ("fit", "oom" or None)."""
+        up = largest_certifying_oom(lo)
+        boundary = self._boundary()
+        if boundary is not None and boundary <= lo:
+            boundary = None  # a batch above the predicted boundary ran: the fit is off here
+        goal = None if boundary is None else AIM * boundary
+        expect: str | None
+        if hi is None:
+            if goal is None or last_miss:
+                probe, expect = 2 * lo, None
+            elif goal <= up:
+                probe, expect = up, "oom"
+            else:
+                probe, expect = int(goal), "fit"
+        else:
+            down = smallest_certified_fit(hi)
+            # After an out-of-memory error, the bytes it held at once bound the limit from
+            # below: if that bound says a batch past the certifying point fits, aim there.
+            # The optimistic fit is not trusted again right after it was wrong; the bound is.
+            if last_miss:
+                goal = None
+            held = self._held_at_once()
+            floor_guess = None if held is None else self._boundary(held)
+            if floor_guess is not None and floor_guess > up:
+                goal = floor_guess
+            if goal is None:
+                probe, expect = round(math.sqrt(lo * hi)), None
+            elif goal >= down:
+                probe, expect = down, "fit"
+            elif goal <= up:
+                probe, expect = up, "oom"
+            else:
+                probe, expect = int(goal), "fit"
+            probe = min(max(probe, lo + 1), hi - 1)
+        if self.max_batch is not None and probe > self.max_batch:
+            probe, expect = self.max_batch, None
+        return probe, expect
+
+    def _backfill(self) -> None:
+        """Measure sizes skipped by quadrupling that could still be the recommended batch."""
+        for measured, skipped in self.skipped:
+            if skipped in self.fits or skipped in self.ooms or measured not in self.fits:
+                continue
+            zone = find_thrash_zone(self.points)
+            clean = outside_zone(self.points, zone)
+            rec = find_knee(clean, self.knee_within)
+            ran = ran_points(clean)
+            if rec is None or skipped >= rec or not ran:
+                continue
+            best = max(p.samples_per_s for p in ran)  # type: ignore[type-var]
+            # The step time does not shrink as the batch grows, so samples/s at the skipped
+            # size is at most skipped/measured times that at the measured one (plus noise).
+            bound = (skipped / measured) * self._sps(measured) * (1 + DROP)
+            if bound < (1 - self.knee_within) * best:
+                continue
+            if self._over_budget():
+                self.notes.append(
+                    f"the time budget ran out before batch {skipped:,}, skipped while growing, was measured"
+                )
+                return
+            if self.probes >= MAX_PROBES:
+                return
+            self.probes += 1
+            self._trial(skipped, "backfill")
+
+    # -- one trial ---------------------------------------------------------------------------
+
+    def _trial(self, n: int, phase: str) -> SweepPoint:
+        point = self._measure(n, phase)
+        if self.auto_backend:
+            self.auto_backend = False
+            cuda = self._cuda_backend_if_initialised()
+            if cuda is not None:
+                # The step initialised CUDA: the host clock cannot time asynchronous GPU work.
+                self.trials.backend = cuda
+                self.capacity = self.trials.read(cuda.capacity_bytes, "capacity_bytes")
+                self.notes.append(
+                    f"CUDA was initialised by the first trial, so the sweep switched to {cuda.device} "
+                    f"and measured batch {n:,} again"
+                )
+                point = self._measure(n, phase)
+        self.points.append(point)
+        (self.ooms if point.oom else self.fits)[n] = point
+        note = leak_note(point)
+        if note is not None:
+            self.notes.append(note)
+        if self.writer is not None:
+            self.writer.write({"schema_version": SCHEMA_VERSION, **point.to_record()})
+        if self.say is not None:
+            tail = ""
+            if point.oom:
+                tail = (
+                    "; memory back to the pre-trial baseline" if point.leaked_bytes == 0
+                    else f"; {format_bytes(point.leaked_bytes)} still allocated after clean-up"
+                    if point.leaked_bytes else ""
+                )
+            self.say(f"stepprof.sweep: [{point.trial:>2} {phase:<8}] {point}{tail} ({point.wall_s:.2f} s)")
+        return point
+
+    def _measure(self, n: int, phase: str) -> SweepPoint:
+        return self.trials.measure(
+            n, phase, trial=len(self.points) + 1, smaller_batch_ran=any(m < n for m in self.fits)
+        )
+
+    def _cuda_backend_if_initialised(self) -> CudaSweepBackend | None:
+        """The CUDA backend to switch to when the sweep started on the host and a trial
+        has since initialised CUDA (the model is on the GPU after all), else None."""
+        if (
+            isinstance(self.backend, HostSweepBackend)
+            and torch.cuda.is_available() and torch.cuda.is_initialized()
+        ):
+            return select_sweep_backend(None)
+        return None
+
+    # -- the result ---------------------------------------------------------------------------
+
+    def _result(self) -> SweepResult:
+        points = tuple(sorted(self.points, key=lambda p: p.batch_size))
+        zone = find_thrash_zone(points)
+        knee = find_knee(points, self.knee_within)
+        recommended = find_recommended(points, zone, self.knee_within)
+        max_fit = max(self.fits) if self.fits else None
+        first_oom = min(self.ooms) if self.ooms else None
+        fit = memory_fit(self.fits)
+        predicted = None
+        backend = self.backend
+        unavailable = dict(self.trials.unavailable)
+        if fit is not None and self.capacity is not None:
+            predicted = max(0, math.floor((self.capacity - fit[0]) / fit[1]))
+        elif fit is None:
+            unavailable["predicted_max"] = (
+                backend.memory_reason if backend.memory_reason
+                else "fewer than two batches ran with a peak that grew with the batch"
+            )
+        else:
+            unavailable["predicted_max"] = "the allocator's capacity could not be read"
+        notes = list(self.notes)
+        if self.stopped == "plateau":
+            notes.append(
+                "growth stopped at a plateau and there are no memory figures to predict the boundary, "
+                "so the largest batch that fits was not searched; pass max_batch to sweep further"
+            )
+        elif self.stopped in ("time_budget", "probe_limit") and max_fit is not None:
+            notes.append(
+                f"the search stopped ({self.stopped}) before max_fit was bracketed within 3%"
+                + (f": the bracket is {max_fit:,} (ran) to {first_oom:,} (out of memory)" if first_oom else "")
+            )
+        reason = explain_recommendation(
+            points, zone, recommended, max_fit=max_fit, first_oom=first_oom, stopped=self.stopped,
+            knee_within=self.knee_within, max_batch=self.max_batch,
+        )
+        return SweepResult(
+            points=points, knee=knee, max_fit=max_fit, first_oom=first_oom, predicted_max=predicted,
+            thrash_zone=zone, recommended=recommended, reason=reason,
+            stopped=self.stopped, device=backend.device, trials=len(points),
+            wall_s=(self.clock() - self.t0) / 1e9, capacity_bytes=self.capacity,
+            fit_base_bytes=None if fit is None else fit[0],
+            fit_bytes_per_sample=None if fit is None else fit[1],
+            knee_within=self.knee_within, notes=tuple(notes), unavailable=unavailable,
+        )

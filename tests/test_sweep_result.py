@@ -1,0 +1,49 @@
+"""stepprof._sweep.result: the logged records and the table."""
+
+from __future__ import annotations
+
+import stepprof
+
+from .sweep_helpers import run, setup
+
+
+# -- output: log, table, progress, plot ------------------------------------------------------------
+
+
+def test_log_has_a_point_per_trial_then_the_result(log):
+    gpu, step = setup(thrash_from=3000, thrash_factor=1.3)
+    r = run(step, gpu, log=log)
+    recs = list(stepprof.read(log))
+    assert [x["kind"] for x in recs] == ["sweep_point"] * r.trials + ["sweep_result"]
+    assert all(x["schema_version"] == stepprof.SCHEMA_VERSION for x in recs)
+    points, result = recs[:-1], recs[-1]
+    assert [x["trial"] for x in points] == list(range(1, r.trials + 1))
+    first = points[0]
+    assert set(first) == {
+        "schema_version", "kind", "trial", "phase", "batch_size", "oom", "samples_per_s", "step_ms",
+        "step_ms_p10", "step_ms_p90", "timed_steps", "warmup_steps", "peak_allocated_bytes",
+        "alloc_retries", "device_allocs", "leaked_bytes", "error", "wall_s", "unavailable",
+    }
+    oom = next(x for x in points if x["oom"])
+    assert oom["samples_per_s"] is None and oom["leaked_bytes"] == 0 and "out of memory" in oom["error"]
+    assert result["knee"] == r.knee and result["max_fit"] == r.max_fit
+    assert result["thrash_zone"] == [r.thrash_zone.start, r.thrash_zone[-1]]
+    assert result["recommended"] == r.recommended and result["reason"] == r.reason
+    assert result["stopped"] == "boundary" and result["predicted_max"] == r.predicted_max
+    assert "points" not in result
+
+
+def test_str_is_a_table(log):
+    gpu, step = setup(thrash_from=3000, thrash_factor=1.3)
+    r = run(step, gpu)
+    text = str(r)
+    lines = text.splitlines()
+    assert lines[0].startswith("stepprof.sweep on cuda:0:") and "trials" in lines[0]
+    assert "samples/s" in lines[1] and "peak alloc" in lines[1]
+    rows = lines[2:2 + r.trials]
+    assert [int(row.split()[0].replace(",", "")) for row in rows] == [p.batch_size for p in r.points]
+    assert any(row.rstrip().endswith("recommended") for row in rows)
+    assert any("OOM" in row for row in rows) and any("thrash" in row for row in rows)
+    assert f"knee {r.knee:,}" in text and f"max_fit {r.max_fit:,}" in text
+    assert f"recommended {r.recommended:,}: " in text
+    assert str(r.point(1)) .startswith("batch 1: ")
