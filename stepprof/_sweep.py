@@ -47,7 +47,8 @@ from typing import Any
 import torch
 
 from ._api import pop_active, push_active
-from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
+from ._device.backend import HostSweepBackend
+from ._device.cuda import CudaSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._profiler import check_device

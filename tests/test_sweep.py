@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stepprof
-from stepprof._cuda import HostSweepBackend
+from stepprof._device.backend import HostSweepBackend
 from stepprof._sweep import find_knee, find_thrash_zone, is_oom
 
 from .fakes import FakeGpu, FakeSweepGpu, SyntheticStep
@@ -222,7 +222,7 @@ def test_max_batch_stops_growth_without_an_oom():
 def test_without_cuda_events_the_fallback_span_starts_after_the_warm_up(monkeypatch):
     # An event that cannot be recorded falls back to the synchronised span / steps; the
     # warm-up's queued GPU work must not be in that span.
-    from stepprof._cuda import CudaSweepBackend
+    from stepprof._device.cuda import CudaSweepBackend
 
     class NoEventGpu(FakeSweepGpu, CudaSweepBackend):
         def mark(self):
@@ -668,29 +668,3 @@ def test_sweep_on_a_real_cpu_model():
     assert all(p.samples_per_s > 0 and p.step_ms > 0 for p in r.points)
     assert r.recommended is not None and r.knee is not None
     assert r.unavailable.get("predicted_max")
-
-
-def test_cuda_sweep_backend_reads_the_raw_allocator_stats(monkeypatch):
-    from stepprof._cuda import CudaSweepBackend
-
-    stats = {
-        "num_alloc_retries": 3, "num_device_alloc": 7,
-        "allocated_bytes": {"all": {"current": 100, "peak": 500}},
-        "reserved_bytes": {"all": {"current": 1000}},
-    }
-    emptied = []
-    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: stats, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: emptied.append(1), raising=False)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (4000, 10000))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
-    b = CudaSweepBackend(0)
-    assert b.device == "cuda:0" and b.memory_reason is None
-    assert b.allocator_counters() == (3, 7)
-    assert b.allocated_bytes() == 100
-    assert b.read_memory()[:2] == (500, 1000)
-    assert b.capacity_bytes() == 4000 + 1000          # free + what torch already reserved
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.3)
-    assert b.capacity_bytes() == 3000                 # a memory fraction caps it
-    b.empty_cache()
-    assert emptied == [1]
