@@ -120,7 +120,7 @@ NVML = _NvmlState()
 
 
 def _import_pynvml() -> Any:
-    import pynvml
+    import pynvml  # optional and slow to start: only at the first read of a CUDA job
 
     return pynvml
 
