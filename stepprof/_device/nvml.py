@@ -120,7 +120,7 @@ NVML = _NvmlState()
 
 
 def _import_pynvml() -> Any:
-    import pynvml  # optional and slow to start: only at the first read of a CUDA job
+    import pynvml  # optional: imported at the first read, never for a job without CUDA
 
     return pynvml
 
