@@ -52,7 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import stepprof  # noqa: E402
-from stepprof import _cuda, _syncs  # noqa: E402
+from stepprof import _syncs  # noqa: E402
+from stepprof._device import sync_routes  # noqa: E402
 from _common import run_info  # noqa: E402
 from overhead import make_workload, median_ci, phased_step  # noqa: E402
 
@@ -83,7 +84,7 @@ def mem1():
     rp(dev); fwd(); bwd(); opt(); s = ms(dev); s["allocated_bytes"]["all"]["peak"]
 def syncroute():
     tracker.begin([], None, "count", False)
-    _syncs.attach(tracker, _cuda._install_warn_route)
+    _syncs.attach(tracker, sync_routes.install_warn_route)
     fwd(); bwd(); opt()
     _syncs.detach(); tracker.end()
 def nvtx4():
@@ -114,7 +115,7 @@ PYWORK_N = _n
 print(f"pywork: {PYWORK_N} iterations, {per_call:.1f} us per call in a tight loop")
 def pywork():
     fwd(); bwd(); opt(); _work(PYWORK_N)
-route = _cuda._WarnRoute()
+route = sync_routes.WarnRoute()
 def mode():
     torch._C._cuda_set_sync_debug_mode(1); fwd(); bwd(); opt(); torch._C._cuda_set_sync_debug_mode(0)
 tap0 = _syncs.tap(False)
@@ -152,7 +153,7 @@ def collsim():
 # The floor: only the CUDA calls the issue asks for, with none of stepprof's bookkeeping.
 def floor_step():
     j = i[0]; i[0] = (j + 2) % 60
-    tracker.begin([], None, "count", False); _syncs.attach(tracker, _cuda._install_warn_route)
+    tracker.begin([], None, "count", False); _syncs.attach(tracker, sync_routes.install_warn_route)
     rp(dev); pool[j].record()
     fwd(); bwd(); opt()
     pool[j + 1].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
@@ -160,7 +161,7 @@ def floor_step():
     _fs[0] += 1; _fs[1] += 1
 def floor_full():
     j = i[0]; i[0] = (j + 5) % 60
-    tracker.begin([], None, "count", False); _syncs.attach(tracker, _cuda._install_warn_route)
+    tracker.begin([], None, "count", False); _syncs.attach(tracker, sync_routes.install_warn_route)
     rp(dev); pool[j].record()
     fwd(); pool[j + 1].record(); bwd(); pool[j + 2].record(); opt(); pool[j + 3].record()
     pool[j + 4].record(); ms(dev)["allocated_bytes"]["all"]["peak"]

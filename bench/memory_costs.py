@@ -18,8 +18,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from stepprof import _memory, _nvml
-from stepprof._cuda import CudaBackend
+from stepprof import _memory
+from stepprof._device import nvml
+from stepprof._device.cuda import CudaBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import per_call_us  # noqa: E402
@@ -38,7 +39,7 @@ def main() -> int:
     uuid, pci = b.identity()
 
     t0 = time.perf_counter_ns()
-    first = _nvml.read(uuid, pci)
+    first = nvml.read(uuid, pci)
     first_ms = (time.perf_counter_ns() - t0) / 1e6
     print(f"first NVML reading (nvmlInit + device lookup): {first_ms:.2f} ms -> {first}")
 
@@ -46,7 +47,7 @@ def main() -> int:
         "CudaBackend.read_allocator()": b.read_allocator,
         "CudaBackend.mem_get_info()": b.mem_get_info,
         "CudaBackend.identity()": b.identity,
-        "_nvml.read() (memory info + process query)": lambda: _nvml.read(uuid, pci),
+        "_nvml.read() (memory info + process query)": lambda: nvml.read(uuid, pci),
         "_memory.take_snapshot() (a due step's work)": lambda: _memory.take_snapshot(b),
     }
     snap = _memory.take_snapshot(b)
@@ -64,7 +65,7 @@ def main() -> int:
     results["torch"] = torch.__version__
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
-    _nvml.shutdown()
+    nvml.shutdown()
     return 0
 
 

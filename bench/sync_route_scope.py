@@ -9,7 +9,8 @@ import json, os, random, statistics, sys, time
 import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE); sys.path.insert(0, os.path.join(HERE, ".."))
-from stepprof import _syncs, _cuda
+from stepprof import _syncs
+from stepprof._device import sync_routes
 from overhead import make_workload, median_ci
 
 rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 200
@@ -19,11 +20,11 @@ tr = _syncs.SyncTracker("warn")
 outer = _syncs.SyncTracker("warn")
 def bare(): fwd(); bwd(); opt()
 def per_step():
-    tr.begin([], None, "count", False); _syncs.attach(tr, _cuda._install_warn_route)
+    tr.begin([], None, "count", False); _syncs.attach(tr, sync_routes.install_warn_route)
     fwd(); bwd(); opt()
     _syncs.detach(); tr.end()
 def session():  # the route stays installed (outer attach per round); per step: the tracker only
-    tr.begin([], None, "count", False); _syncs.attach(tr, _cuda._install_warn_route)
+    tr.begin([], None, "count", False); _syncs.attach(tr, sync_routes.install_warn_route)
     fwd(); bwd(); opt()
     _syncs.detach(); tr.end()
 variants = {"bare": bare, "bare-again": bare, "per-step": per_step, "session": session}
@@ -37,7 +38,7 @@ for _ in range(rounds):
     for v in order:
         fn = variants[v]
         if v == "session":
-            outer.begin([], None, "count", False); _syncs.attach(outer, _cuda._install_warn_route)
+            outer.begin([], None, "count", False); _syncs.attach(outer, sync_routes.install_warn_route)
         torch.cuda.synchronize(); t0 = time.perf_counter()
         for _ in range(k): fn()
         torch.cuda.synchronize(); per[v].append((time.perf_counter() - t0) / k * 1e6)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 import torch
 
 from . import _memory
-from ._cuda import memory_backend
+from ._device.cuda import memory_backend
 from ._errors import ConfigError, UsageError
 from ._dist import RANKS_EVERY
 from ._memory import MemoryReport

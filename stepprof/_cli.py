@@ -151,7 +151,7 @@ def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         raise ConfigError("calibrate measures a CUDA GPU, and CUDA is not available here")
     if not 0 <= args.device < torch.cuda.device_count():
         raise ConfigError(f"'--device' must be 0..{torch.cuda.device_count() - 1} (got {args.device})")
-    from ._cuda import calibrate
+    from ._device.calibrate import calibrate
     from ._roofline import save_calibration
 
     def say(msg: str) -> None:

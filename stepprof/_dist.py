@@ -17,7 +17,7 @@ before it, then each top-level phase in order) where some rank exceeds the
 median names the cause.  docs/distributed.md explains it.
 
 This module imports nothing from torch at import time (``stepprof report`` uses
-the pure functions); the CUDA buffers live in :mod:`stepprof._cuda`.
+the pure functions); the CUDA buffers live in :mod:`stepprof._device.exchange`.
 """
 
 from __future__ import annotations
@@ -542,7 +542,7 @@ def _real_gather(group: Any, device_index: int | None) -> Gather:
     backend = str(dist.get_backend(group)).lower()
     gather_into = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     if backend == "nccl":
-        from ._cuda import ExchangeSlots
+        from ._device.exchange import ExchangeSlots
 
         index = device_index if device_index is not None else torch.cuda.current_device()
         slots = ExchangeSlots(index, WIDTH, world)

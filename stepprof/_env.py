@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from . import _cuda, _nvml
+from ._device.backend import SYNC_MECHANISMS
+from ._device.facts import allocator_facts, device_facts
+from ._device.nvml import status as nvml_status
 from ._roofline import cache_dir, calibration_path, load_calibration
 
 __all__ = ["environment", "render_env"]
@@ -27,7 +29,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             try:
-                facts = _cuda.device_facts(i)
+                facts = device_facts(i)
             except Exception as e:  # noqa: BLE001 - report, never crash
                 gpus.append({"index": i, "error": f"{type(e).__name__}: {e}"})
                 continue
@@ -50,9 +52,9 @@ def environment() -> dict[str, Any]:
             " (this torch is a CPU build)" if torch.version.cuda is None else " (no GPU or driver is visible)"
         )
     nvml = (
-        _nvml.status()
+        nvml_status()
         if torch.cuda.is_available()
-        else {**_nvml.status(), "note": "NVML is only read for CUDA runs"}
+        else {**nvml_status(), "note": "NVML is only read for CUDA runs"}
     )
     sync_api = hasattr(torch._C, "_cuda_set_sync_debug_mode")
     return {
@@ -66,12 +68,12 @@ def environment() -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "cuda_reason": cuda_reason,
         "gpus": gpus,
-        "allocator": _cuda.allocator_facts(),
+        "allocator": allocator_facts(),
         "nvml": nvml,
         "calibration_dir": cache_dir(),
         "syncs": {
             "default": "warn",
-            "mechanisms": list(_cuda.SYNC_MECHANISMS),
+            "mechanisms": list(SYNC_MECHANISMS),
             "used": (
                 "warn: torch's sync-debug warnings plus wrappers for torch.cuda.synchronize and "
                 "Event.synchronize"

@@ -17,7 +17,7 @@ no other process uses the GPU, and ``basis`` says so.
 
 The reconciliation itself (:func:`reconcile`) is pure: it takes a
 :class:`Snapshot` of readings and returns a :class:`MemoryReport`.  The
-readings come from a backend (:mod:`stepprof._cuda`) and :mod:`stepprof._nvml`,
+readings come from a backend (:mod:`stepprof._device.cuda`) and :mod:`stepprof._device.nvml`,
 so tests drive every case on a CPU with fakes.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 
 import attrs
 
-from . import _nvml
-from ._cuda import AllocatorFigures, Backend
-from ._nvml import NvmlReading
+from ._device import nvml as _nvml
+from ._device.backend import AllocatorFigures, Backend
+from ._device.nvml import NvmlReading
 from ._units import GiB, MiB, format_bytes_in, unit_for
 
 __all__ = ["MemoryReport", "Snapshot", "reconcile", "report", "take_snapshot"]

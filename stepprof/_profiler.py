@@ -1,7 +1,7 @@
 """The recorder: steps, phases, lazy harvesting of device timings, the summary.
 
 This module is pure Python.  It reaches the device only through a backend
-(:mod:`stepprof._cuda`) and reads time only through an injected clock, so the
+(:mod:`stepprof._device`) and reads time only through an injected clock, so the
 tests drive all of it on a CPU with a fake device.
 
 How one step is measured (``B`` = a boundary, where stepprof does its work)::
@@ -44,15 +44,9 @@ from typing import Any
 import torch
 
 from . import _dist, _memory
-from ._cuda import (
-    ALLOCATOR_COUNTERS,
-    SYNC_MECHANISMS,
-    Backend,
-    HostBackend,
-    device_name,
-    memory_backend,
-    select_backend,
-)
+from ._device.backend import ALLOCATOR_COUNTERS, SYNC_MECHANISMS, Backend, HostBackend
+from ._device.cuda import memory_backend, select_backend
+from ._device.facts import device_name
 from ._errors import ConfigError, StepprofError, UsageError, check_count
 from ._log import SCHEMA_VERSION, JsonlWriter, check_log
 from ._memory import MemoryReport, Snapshot

@@ -12,7 +12,7 @@
   caches as they were.
 - **Calibration.**  ``stepprof calibrate`` measures the GPU's achieved dense
   matmul rate (bf16, tf32, fp32), its copy bandwidth and the host cost of one
-  small operation (:func:`stepprof._cuda.calibrate`), and :func:`save_calibration`
+  small operation (:func:`stepprof._device.calibrate.calibrate`), and :func:`save_calibration`
   caches them per GPU model under the user's cache directory.
 - **MFU** is the time the step's FLOPs need at the *calibrated* rate of their
   dtype, over the step's time.  A datasheet table is never used: its peaks are
@@ -262,7 +262,7 @@ def calibration_path(device_name: str) -> str:
 
 
 def save_calibration(record: dict[str, Any]) -> str:
-    """Write a calibration (as :func:`stepprof._cuda.calibrate` returns it) to the cache."""
+    """Write a calibration (as :func:`stepprof._device.calibrate.calibrate` returns it) to the cache."""
     path = calibration_path(record["device_name"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"

@@ -1,6 +1,6 @@
 """Sync points: which of the user's lines made the host wait for the GPU, and how often.
 
-This module is pure Python.  A *mechanism* (in :mod:`stepprof._cuda`) notices
+This module is pure Python.  A *mechanism* (in :mod:`stepprof._device.sync_routes`) notices
 each host-device synchronisation and calls :func:`dispatch` with a kind hint and
 the Python frame that made the call.  The :class:`SyncTracker` of the step open
 on that thread then

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import stepprof
-from stepprof import _api, _memory, _nvml
+from stepprof import _api, _memory
+from stepprof._device.nvml import shutdown as shutdown_nvml
 
 from .fakes import FakeGpu, FakeNvml
 
@@ -50,7 +51,7 @@ def clean_state(monkeypatch, request):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     if "cuda" not in request.keywords:
         monkeypatch.setitem(sys.modules, "pynvml", None)
-    _nvml.shutdown()
+    shutdown_nvml()
     _memory.reset()
     filters = list(warnings.filters)
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
@@ -61,7 +62,7 @@ def clean_state(monkeypatch, request):
         _api._default.close()
         _api._default = None
     _api._warned_no_log = False
-    _nvml.shutdown()
+    shutdown_nvml()
     _memory.reset()
     assert not leftover, f"a Profiler was left active: {leftover}"
     assert warnings.filters == filters, "warning filters were not restored"
@@ -76,7 +77,7 @@ def gpu() -> FakeGpu:
 
 @pytest.fixture
 def nvml(monkeypatch, gpu) -> FakeNvml:
-    """A fake NVML that sees ``gpu``, imported by stepprof._nvml as ``pynvml``."""
+    """A fake NVML that sees ``gpu``, imported by stepprof._device.nvml as ``pynvml``."""
     fake = FakeNvml(gpu)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return fake

@@ -7,7 +7,7 @@ an allocator's current/peak counters, and the memory the process holds outside
 the allocator (``outside``: the CUDA context, libraries).
 
 ``FakeNvml`` stands in for the ``pynvml`` module (tests put it in
-``sys.modules``, where ``stepprof._nvml`` imports it).  It sees a ``FakeGpu``:
+``sys.modules``, where ``stepprof._device.nvml`` imports it).  It sees a ``FakeGpu``:
 the process's NVML figure is the allocator's reserved bytes plus ``outside``.
 """
 
@@ -19,7 +19,7 @@ import sys
 from types import SimpleNamespace
 
 from stepprof import _syncs
-from stepprof._cuda import AllocatorFigures
+from stepprof._device.backend import AllocatorFigures
 
 GiB = 2**30
 MiB = 2**20
@@ -221,7 +221,7 @@ class NVMLError(Exception):
 
 
 class FakeNvml:
-    """Enough of the ``pynvml`` module for stepprof._nvml, seeing one ``FakeGpu``.
+    """Enough of the ``pynvml`` module for stepprof._device.nvml, seeing one ``FakeGpu``.
 
     ``fail[name] = code`` makes ``name`` raise ``NVMLError(code)``; ``calls``
     counts every call by name; ``pid_visible=False`` lists the process under a
@@ -458,11 +458,11 @@ class TracedGpu(FakeGpu):
         super().__init__()
         from torch._utils import CallbackRegistry
 
-        from stepprof import _cuda
+        from stepprof._device import sync_routes
 
         self.callbacks = CallbackRegistry("stream synchronization")
-        self.callbacks.add_callback(_cuda._on_stream_sync)
-        self._install = _cuda._install_trace_route
+        self.callbacks.add_callback(sync_routes.on_stream_sync)
+        self._install = sync_routes.install_trace_route
 
     def sync(self, hint: str | None = None, *, depth: int = 1) -> None:
         self.callbacks.fire_callbacks(0)

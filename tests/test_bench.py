@@ -94,7 +94,7 @@ def test_boundary_costs_times_every_records_write(monkeypatch, tmp_path):
     import types
 
     from stepprof import _log
-    from stepprof._cuda import HostBackend
+    from stepprof._device.backend import HostBackend
 
     monkeypatch.syspath_prepend(BENCH)
     mod = importlib.import_module("boundary_costs")

@@ -1,5 +1,5 @@
 """Memory reconciliation on a CPU: a FakeGpu for torch's side, a FakeNvml put where
-stepprof._nvml imports ``pynvml``, and every failure the issue names."""
+stepprof._device.nvml imports ``pynvml``, and every failure the issue names."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import sys
 import pytest
 
 import stepprof
-from stepprof import _memory, _nvml
-from stepprof._cuda import AllocatorFigures
+from stepprof import _memory
+from stepprof._device import nvml as _nvml
+from stepprof._device.backend import AllocatorFigures
+from stepprof._device.nvml import NvmlReading
 from stepprof._memory import DEVICE_BASIS, Mark, Snapshot, reconcile
-from stepprof._nvml import NvmlReading
 
 from .conftest import make
 from .fakes import FakeGpu, FakeNvml, GiB, MiB
@@ -451,7 +452,7 @@ def test_nvml_starts_lazily_once_and_shuts_down(log, nvml):
 def test_a_cpu_job_never_imports_pynvml(log, monkeypatch):
     touched: list[str] = []
 
-    class Tripwire:                             # stepprof._nvml swallows errors: record instead
+    class Tripwire:                             # stepprof._device.nvml swallows errors: record instead
         def __getattr__(self, name):
             touched.append(name)
             raise AttributeError(name)
@@ -536,7 +537,7 @@ def test_the_real_nvidia_ml_py_errors_are_translated(monkeypatch):
     reading = _nvml.read("00000000-0000-0000-0000-000000000000", None)
     m = sys.modules.get("pynvml")
     assert m is not None and hasattr(m, "_nvmlGetFunctionPointer"), "nvidia-ml-py is not installed"
-    if _nvml._module is None:   # no driver here: nvmlInit itself fails
+    if _nvml.NVML.module is None:   # no driver here: nvmlInit itself fails
         assert reading.process_reason.startswith("NVML could not start: nvmlInit: ")
         assert reading.process_reason.endswith(("(LibraryNotFound)", "(DriverNotLoaded)"))
     else:                       # a driver: the made-up UUID is not one of its GPUs

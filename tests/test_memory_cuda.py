@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import stepprof
-from stepprof import _nvml
-from stepprof._cuda import CudaBackend
+from stepprof._device import nvml as _nvml
+from stepprof._device.cuda import CudaBackend
 
 pytestmark = pytest.mark.cuda
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from stepprof import _memory
-from stepprof._cuda import AllocatorFigures
+from stepprof._device.backend import AllocatorFigures
+from stepprof._device.nvml import NvmlReading
 from stepprof._memory import DEVICE_BASIS, PROCESS_BASIS, Mark, Snapshot, reconcile
-from stepprof._nvml import NvmlReading
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies

@@ -460,7 +460,7 @@ def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, 
     import torch
 
     from stepprof import _profiler
-    from stepprof._cuda import HostBackend
+    from stepprof._device.backend import HostBackend
 
     cuda_up = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

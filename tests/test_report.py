@@ -477,13 +477,13 @@ def test_env_prints_and_json(capsys):
 
 
 def test_env_shows_a_calibration_figure_it_lacks_as_na_never_0(monkeypatch, tmp_path, capsys):
-    from stepprof import _cuda
+    from stepprof import _env
 
     monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
     save_calibration({"device_name": "NVIDIA H200", "matmul_tflops": {"bf16": 700.0, "fp32": None}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(_cuda, "device_facts", lambda i: {
+    monkeypatch.setattr(_env, "device_facts", lambda i: {
         "name": "NVIDIA H200", "capability": "9.0", "total_memory_bytes": 140 * 2**30, "multiprocessors": 132})
     rc, out, err = cli(capsys, "env")
     assert rc == 0 and "Traceback" not in err, err

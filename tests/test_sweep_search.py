@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import stepprof
-from stepprof._cuda import HostSweepBackend
+from stepprof._device.backend import HostSweepBackend
 
 from .fakes import FakeGpu, FakeSweepGpu, SyntheticStep
 from .sweep_helpers import GB, by_trial, expected_knee, run, setup

@@ -17,7 +17,7 @@ from .sweep_helpers import GB, run, setup
 def test_without_cuda_events_the_fallback_span_starts_after_the_warm_up(monkeypatch):
     # An event that cannot be recorded falls back to the synchronised span / steps; the
     # warm-up's queued GPU work must not be in that span.
-    from stepprof._cuda import CudaSweepBackend
+    from stepprof._device.cuda import CudaSweepBackend
 
     class NoEventGpu(FakeSweepGpu, CudaSweepBackend):
         def mark(self):
@@ -183,29 +183,3 @@ def test_oom_in_make_batch_counts_as_oom():
 
     r = stepprof.sweep(step, make_batch, _backend=gpu, _clock=gpu.clock, progress=False)
     assert 485 <= r.max_fit <= 500 and r.stopped == "boundary"
-
-
-def test_cuda_sweep_backend_reads_the_raw_allocator_stats(monkeypatch):
-    from stepprof._cuda import CudaSweepBackend
-
-    stats = {
-        "num_alloc_retries": 3, "num_device_alloc": 7,
-        "allocated_bytes": {"all": {"current": 100, "peak": 500}},
-        "reserved_bytes": {"all": {"current": 1000}},
-    }
-    emptied = []
-    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: stats, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: emptied.append(1), raising=False)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (4000, 10000))
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
-    b = CudaSweepBackend(0)
-    assert b.device == "cuda:0" and b.memory_reason is None
-    assert b.allocator_counters() == (3, 7)
-    assert b.allocated_bytes() == 100
-    assert b.read_memory()[:2] == (500, 1000)
-    assert b.capacity_bytes() == 4000 + 1000          # free + what torch already reserved
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.3)
-    assert b.capacity_bytes() == 3000                 # a memory fraction caps it
-    b.empty_cache()
-    assert emptied == [1]

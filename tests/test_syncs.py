@@ -426,38 +426,6 @@ def test_classify_falls_back_to_the_line_without_positions(monkeypatch):
     assert kind is None and "classify" in text
 
 
-def test_warn_route_wraps_what_is_there_and_restores_it(monkeypatch):
-    """The "warn" route's wrappers: made once, but a function the user replaced is wrapped anew."""
-    import torch
-
-    from stepprof import _cuda
-
-    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
-    monkeypatch.setattr(_cuda, "_warn_route", None)
-    tracker = _syncs.SyncTracker("warn")
-    for replaced in (False, True):
-        if replaced:
-            def users_sync(device=None):
-                pass
-
-            monkeypatch.setattr(torch.cuda, "synchronize", users_sync)
-        before = torch.cuda.synchronize
-        tracker.begin([], None, "count", True)
-        _syncs.attach(tracker, _cuda._install_warn_route)
-        try:
-            assert torch.cuda.synchronize is not before
-            torch.cuda.synchronize()  # device-wrapped
-        finally:
-            _syncs.detach()
-        rec = tracker.end()
-        assert torch.cuda.synchronize is before
-        assert [(s["where"], s["kind"]) for s in rec["sites"]] == [
-            (line_of("device-wrapped"), "device_synchronize")
-        ]
-
-
 def test_two_profilers_with_steps_open_on_one_thread(log, gpu, tmp_path):
     """The inner step gets the waits; the outer one keeps counting once the inner closes."""
     t = FakeTensor(gpu)
@@ -506,70 +474,10 @@ def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
     assert shown.messages == ["the user's own warning 0", "the user's own warning 1"]
 
 
-def test_a_function_the_user_wrapped_during_a_step_counts_once_at_the_next(monkeypatch):
-    """The user wraps ``torch.cuda.synchronize`` (ours, then) during a step; theirs is left in
-    place and wrapped at the next step: one call is still one sync, at the user's line."""
-    import torch
-
-    from stepprof import _cuda
-
-    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: 0, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
-    monkeypatch.setattr(_cuda, "_warn_route", None)
-    tracker = _syncs.SyncTracker("warn")
-    records = []
-    for step in range(2):
-        tracker.begin([], None, "count", True)
-        _syncs.attach(tracker, _cuda._install_warn_route)
-        try:
-            if step == 0:
-                wrapped = torch.cuda.synchronize
-
-                def users_sync(device=None):
-                    return wrapped(device)
-
-                monkeypatch.setattr(torch.cuda, "synchronize", users_sync)
-            torch.cuda.synchronize()  # users-wrapped
-        finally:
-            _syncs.detach()
-        records.append(tracker.end())
-    assert [r["count"] for r in records] == [1, 1]
-    assert [(s["where"], s["kind"]) for s in records[1]["sites"]] == [
-        (line_of("users-wrapped"), "device_synchronize")
-    ]
-
-
-def test_trace_route_counts_a_wait_on_a_thread_with_no_python_frames():
-    """With "trace", a wait on one of C++ autograd's threads (no Python frame above torch's
-    callback) is counted in other_threads, as documented."""
-    import _thread
-
-    from torch._utils import CallbackRegistry
-
-    from stepprof import _cuda
-
-    done = threading.Event()
-    registry = CallbackRegistry("stream synchronization")  # as in torch.cuda._gpu_trace
-    registry.add_callback(_cuda._on_stream_sync)
-    registry.add_callback(lambda *_: done.set())
-    tracker = _syncs.SyncTracker("trace")
-    tracker.begin([], None, "count", True)
-    _syncs.attach(tracker, _cuda._install_trace_route)
-    try:
-        # What torch's C++ does on its own thread: fire the callbacks, no Python frame above.
-        _thread.start_new_thread(registry.fire_callbacks, (0,))
-        assert done.wait(10)
-    finally:
-        _syncs.detach()
-    rec = tracker.end()
-    assert rec["count"] == 0 and rec["other_threads"] == 1
-
-
 def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
     """With "trace", torch calls stepprof from C++ (through ``fire_callbacks``, which logs what
     a callback raises): SyncBudgetExceeded must still reach the user, with the step's error."""
-    from stepprof import _cuda
+    from stepprof._device import sync_routes
 
     from . import fakes
 
@@ -586,30 +494,7 @@ def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
     (rec,) = steps(log)
     assert rec["error"]["type"] == "SyncBudgetExceeded"
     assert rec["syncs"]["count"] == 2
-    assert not _syncs.installed() and not _cuda._trace["on"]
-
-
-def test_a_sync_debug_mode_the_user_set_during_a_step_is_left_in_place(monkeypatch):
-    import torch
-
-    from stepprof import _cuda
-
-    mode = [0]
-    monkeypatch.setattr(torch._C, "_cuda_get_sync_debug_mode", lambda: mode[0], raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_set_sync_debug_mode", lambda m: mode.__setitem__(0, m),
-                        raising=False)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # no CUDA here
-    monkeypatch.setattr(_cuda, "_warn_route", None)
-    tracker = _syncs.SyncTracker("warn")
-    tracker.begin([], None, "count", True)
-    _syncs.attach(tracker, _cuda._install_warn_route)
-    try:
-        assert mode == [1]  # stepprof's, while the step is open
-        torch._C._cuda_set_sync_debug_mode(2)  # the user's: "error" from here on
-    finally:
-        _syncs.detach()
-    tracker.end()
-    assert mode == [2]
+    assert not _syncs.installed() and not sync_routes.ROUTES.trace_on
 
 
 def test_a_probe_taken_by_another_thread_is_not_an_error(monkeypatch):

@@ -32,10 +32,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 
 from .._api import pop_active, push_active
-from .._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
+from .._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
 from .._log import SCHEMA_VERSION, JsonlWriter
 from .._profiler import check_device
 from .._units import format_bytes
@@ -229,7 +228,7 @@ class BatchSearch:
 
     @property
     def backend(self) -> Any:
-        """The backend the trials run on (it can change once: see :meth:`_cuda_backend_if_initialised`)."""
+        """The backend the trials run on (it can change once: see :func:`upgrade_from_host`)."""
         return self.trials.backend
 
     def _over_budget(self) -> bool:
@@ -425,7 +424,7 @@ class BatchSearch:
         point = self._measure(n, phase)
         if self.auto_backend:
             self.auto_backend = False
-            cuda = self._cuda_backend_if_initialised()
+            cuda = upgrade_from_host(self.backend, sweep=True)
             if cuda is not None:
                 # The step initialised CUDA: the host clock cannot time asynchronous GPU work.
                 self.trials.backend = cuda
@@ -457,16 +456,6 @@ class BatchSearch:
         return self.trials.measure(
             n, phase, trial=len(self.points) + 1, smaller_batch_ran=any(m < n for m in self.fits)
         )
-
-    def _cuda_backend_if_initialised(self) -> CudaSweepBackend | None:
-        """The CUDA backend to switch to when the sweep started on the host and a trial
-        has since initialised CUDA (the model is on the GPU after all), else None."""
-        if (
-            isinstance(self.backend, HostSweepBackend)
-            and torch.cuda.is_available() and torch.cuda.is_initialized()
-        ):
-            return select_sweep_backend(None)
-        return None
 
     # -- the result ---------------------------------------------------------------------------
 

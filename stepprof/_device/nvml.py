@@ -15,8 +15,10 @@ nvidia-smi prints next to the PID), and how much the device has in use.
 - **Errors become reasons.**  Every NVML call goes through :func:`_query`, which
   turns an ``NVMLError`` into a plain sentence with NVML's code name
   (NotSupported, NoPermission, NotFound, ...).  Nothing here raises.
-- **Never per step.**  A process query costs 36-44 µs on the H200 host (memory
-  info ≈7 µs); the recorder calls :func:`read` only when a memory record is due.
+- **Never per step.**  A process query costs tens of µs (see bench/memory_costs.py);
+  the recorder calls :func:`read` only when a memory record is due.
+- **One state.**  What NVML gave this process (the library, or why not, and the
+  devices matched) is one object, :data:`NVML`; :func:`shutdown` resets it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["NvmlReading", "read", "shutdown", "status"]
+__all__ = ["NVML", "NvmlReading", "read", "shutdown", "status"]
 
 
 @attrs.frozen
@@ -72,17 +74,53 @@ _WORDS = {
 #: nvmlDeviceGetMigMode's "enabled" value (NVML_DEVICE_MIG_ENABLE).
 _MIG_ENABLED = 1
 
-_lock = threading.Lock()
-_tried = False
-_module: Any = None            # pynvml, once nvmlInit succeeded
-_unavailable: str | None = None  # why NVML cannot be used, once tried
-_package_note: str | None = None
-_codes: dict[Any, str] = {}    # error value -> NVML_ERROR_* name
-_handles: dict[tuple[str | None, str | None], tuple[Any, bool, bool, str | None, str | None]] = {}
+#: A matched device: (handle, is a MIG instance, parent GPU in MIG mode, NVML UUID, why not found).
+_Match = tuple[Any, bool, bool, str | None, str | None]
+
+
+class _NvmlState:
+    """What NVML gave this process: the library once started (or why not), the devices matched.
+
+    :meth:`reset` shuts NVML down (if stepprof started it) and forgets every cached answer.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tried = False
+        #: pynvml, once nvmlInit succeeded.
+        self.module: Any = None
+        #: Why NVML cannot be used, once tried.
+        self.unavailable: str | None = None
+        #: What is wrong with the installed pynvml package, if anything.
+        self.package_note: str | None = None
+        #: NVML's error value -> its NVML_ERROR_* name.
+        self.codes: dict[Any, str] = {}
+        #: torch's (UUID, PCI bus id) -> the matched device (see :func:`_device`).
+        self.handles: dict[tuple[str | None, str | None], _Match] = {}
+
+    def reset(self) -> None:
+        """``nvmlShutdown`` if stepprof's ``nvmlInit`` succeeded; forget every cached answer."""
+        with self.lock:
+            m, self.module = self.module, None
+            self.tried = False
+            self.unavailable = self.package_note = None
+            self.handles.clear()
+            self.codes.clear()
+        if m is not None:
+            _query(m, "nvmlShutdown")
+
+    def forget_in_child(self) -> None:
+        """In a forked child: start over, without the parent's init or a lock held at the fork."""
+        self.lock = threading.Lock()
+        self.tried, self.module, self.unavailable, self.package_note = False, None, None, None
+        self.handles.clear()
+
+
+NVML = _NvmlState()
 
 
 def _import_pynvml() -> Any:
-    import pynvml
+    import pynvml  # optional: imported at the first read, never for a job without CUDA
 
     return pynvml
 
@@ -115,11 +153,12 @@ def _check_package(m: Any) -> str | None:
 def _translate(e: BaseException, m: Any) -> str:
     """An NVML error as words plus NVML's code name, e.g. ``"permission denied ... (NoPermission)"``."""
     value = getattr(e, "value", None)
-    if not _codes:
+    codes = NVML.codes
+    if not codes:
         for name in dir(m):
             if name.startswith("NVML_ERROR_"):
-                _codes.setdefault(getattr(m, name), name)
-    name = _codes.get(value)
+                codes.setdefault(getattr(m, name), name)
+    name = codes.get(value)
     if name in _WORDS:
         code, words = _WORDS[name]
     elif name is not None:
@@ -147,36 +186,36 @@ def _code_of(why: str | None) -> str | None:
 
 def _load() -> tuple[Any, str | None]:
     """pynvml after a successful ``nvmlInit``, or (None, why not).  Tried once."""
-    global _tried, _module, _unavailable, _package_note
-    with _lock:
-        if _tried:
-            return _module, _unavailable
-        _tried = True
+    state = NVML
+    with state.lock:
+        if state.tried:
+            return state.module, state.unavailable
+        state.tried = True
         try:
             m = _import_pynvml()
         except ImportError as e:
-            _unavailable = f"nvidia-ml-py is not installed ({e}); `pip install nvidia-ml-py`"
-            return None, _unavailable
+            state.unavailable = f"nvidia-ml-py is not installed ({e}); `pip install nvidia-ml-py`"
+            return None, state.unavailable
         except Exception as e:  # noqa: BLE001 - a broken install is a reason too
-            _unavailable = f"importing pynvml failed: {type(e).__name__}: {e}"
-            return None, _unavailable
-        _package_note = _check_package(m)
-        _codes.clear()
+            state.unavailable = f"importing pynvml failed: {type(e).__name__}: {e}"
+            return None, state.unavailable
+        state.package_note = _check_package(m)
+        state.codes.clear()
         _, why = _query(m, "nvmlInit")
         if why is not None:
-            _unavailable = f"NVML could not start: {why}"
-            if _package_note:
-                _unavailable += f"; {_package_note}"
-            return None, _unavailable
-        _module = m
+            state.unavailable = f"NVML could not start: {why}"
+            if state.package_note:
+                state.unavailable += f"; {state.package_note}"
+            return None, state.unavailable
+        state.module = m
         return m, None
 
 
-def _device(m: Any, uuid: str | None, pci: str | None) -> tuple[Any, bool, bool, str | None, str | None]:
+def _device(m: Any, uuid: str | None, pci: str | None) -> _Match:
     """(handle, is a MIG instance, parent GPU in MIG mode, NVML UUID, why not found).  Cached."""
     key = (uuid, pci)
-    with _lock:
-        hit = _handles.get(key)
+    with NVML.lock:
+        hit = NVML.handles.get(key)
     if hit is not None:
         return hit
     handle = None
@@ -206,8 +245,8 @@ def _device(m: Any, uuid: str | None, pci: str | None) -> tuple[Any, bool, bool,
         if isinstance(nvml_uuid, bytes):
             nvml_uuid = nvml_uuid.decode()
         result = (handle, is_mig, parent_mig, nvml_uuid, None)
-    with _lock:
-        _handles[key] = result
+    with NVML.lock:
+        NVML.handles[key] = result
     return result
 
 
@@ -233,7 +272,7 @@ def _processes(m: Any, handle: Any) -> tuple[Any, str | None]:
 def read(uuid: str | None, pci: str | None, pid: int | None = None) -> NvmlReading:
     """NVML's figures for the device torch calls ``uuid``/``pci``, and for process ``pid``.
 
-    Costs one memory-info and one process query (≈50 µs) after the first call,
+    Costs one memory-info and one process query (see bench/memory_costs.py) after the first call,
     which also pays for ``nvmlInit`` and the device lookup.  Never raises.
 
     Args:
@@ -250,7 +289,8 @@ def read(uuid: str | None, pci: str | None, pid: int | None = None) -> NvmlReadi
 
 def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
     m, why = _load()
-    notes: list[str] = [_package_note] if _package_note else []
+    package_note = NVML.package_note
+    notes: list[str] = [package_note] if package_note else []
     if m is None:
         return NvmlReading(None, None, why, why, notes=tuple(notes))
     handle, is_mig, parent_mig, nvml_uuid, why = _device(m, uuid, pci)
@@ -300,8 +340,8 @@ def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
             process = sum(int(p.usedGpuMemory) for p in mine)
             if others:
                 notes.append(f"{others} other process(es) also use this GPU")
-    if process_why is not None and _package_note:
-        process_why += f"; {_package_note}"
+    if process_why is not None and package_note:
+        process_why += f"; {package_note}"
     return NvmlReading(
         process, device_used, process_why, device_why, device_uuid=nvml_uuid, notes=tuple(notes)
     )
@@ -324,31 +364,20 @@ def status() -> dict[str, Any]:
         "package": f"nvidia-ml-py {dist}" if dist else "nvidia-ml-py is not installed",
         "deprecated_pynvml": _deprecated_distribution(),
         "status": "ok" if m is not None else why,
-        "note": _package_note,
+        "note": NVML.package_note,
         "driver": driver,
     }
 
 
 def shutdown() -> None:
     """``nvmlShutdown`` if stepprof's ``nvmlInit`` succeeded; forget every cached answer."""
-    global _tried, _module, _unavailable, _package_note
-    with _lock:
-        m, _module = _module, None
-        _tried = False
-        _unavailable = _package_note = None
-        _handles.clear()
-        _codes.clear()
-    if m is not None:
-        _query(m, "nvmlShutdown")
+    NVML.reset()
 
 
 def _forget_in_child() -> None:
     # A forked child inherits NVML's library state but not its own init (nor a lock
     # another thread may have held at the fork): start over.
-    global _lock, _tried, _module, _unavailable, _package_note
-    _lock = threading.Lock()
-    _tried, _module, _unavailable, _package_note = False, None, None, None
-    _handles.clear()
+    NVML.forget_in_child()
 
 
 # Registered at import, before stepprof._profiler registers its close-at-exit, so

@@ -1,0 +1,190 @@
+"""What the recorder and the sweep need from a device: the :class:`Backend` contract.
+
+A backend gives the recorder marks to time the device, the allocator's figures,
+NVTX ranges and its waits.  Callers never ask which class a backend is: they read
+its capabilities (:attr:`Backend.index`, :attr:`Backend.has_device_timing`,
+:attr:`Backend.has_device_memory`, :attr:`Backend.sync_mechanism`), and a figure a
+backend cannot give comes with a reason (``gpu_reason``, ``memory_reason``).
+
+:class:`HostBackend` stands in where there is no CUDA (and
+:class:`HostSweepBackend` for the sweep); the CUDA ones are in
+:mod:`stepprof._device.cuda`, and tests drive the recorder with a fake that has the
+same attributes and methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+from .. import _syncs
+
+__all__ = [
+    "ALLOCATOR_COUNTERS",
+    "SYNC_MECHANISMS",
+    "AllocatorFigures",
+    "Backend",
+    "HostBackend",
+    "HostSweepBackend",
+    "SweepBackend",
+]
+
+#: How sync points are detected: torch's sync-debug warnings (plus wrappers for the
+#: device and event waits they miss), torch's GPU-trace callbacks, or not at all.
+SYNC_MECHANISMS = ("warn", "trace", "off")
+
+#: The allocator's own hidden-sync counters, reported as per-step deltas.
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+Counters = tuple[int, ...]
+
+
+class AllocatorFigures(NamedTuple):
+    """The caching allocator's figures for one device, from one raw-stats read."""
+
+    allocated_bytes: int
+    #: Since the last reset of the peak counters (stepprof resets them at every boundary).
+    peak_allocated_bytes: int
+    reserved_bytes: int
+    inactive_split_bytes: int
+    #: Cumulative since the process started (or ``reset_accumulated_memory_stats``).
+    num_ooms: int
+    num_alloc_retries: int
+
+
+class Backend(Protocol):
+    """What the recorder needs from a device.  Marks are opaque to the recorder.
+
+    The four capabilities are the contract callers branch on:
+
+    - ``index``: the CUDA device index, or None when the backend is not on a CUDA device.
+    - ``has_device_timing``: marks are device events, so GPU time and gaps come from
+      them; without it the host clock times the step (and a profiler or sweep that
+      chose the host may switch once CUDA comes up, see
+      :func:`stepprof._device.cuda.upgrade_from_host`).
+    - ``has_device_memory``: the caching allocator's figures (peak, reserved, counters)
+      are real; without them the recorder reads the host's RSS instead, and
+      ``memory_reason`` says why.
+    - ``sync_mechanism``: how syncs are counted (one of :data:`SYNC_MECHANISMS` but
+      "off"), or None when they are not.
+    """
+
+    device: str
+    index: int | None
+    has_device_timing: bool
+    has_device_memory: bool
+    sync_mechanism: str | None
+    #: Why device timing is unavailable, or None when marks are real.
+    gpu_reason: str | None
+    #: Why allocator memory figures are unavailable, or None when they are real.
+    memory_reason: str | None
+
+    def mark(self) -> Any | None: ...
+    def is_done(self, mark: Any) -> bool: ...
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+    def release(self, mark: Any) -> None: ...
+    def reset_peak(self) -> None: ...
+    def read_memory(self) -> tuple[int, int, Counters | None] | None: ...
+    def synchronize(self) -> None: ...
+    def wait(self, marks: list[Any]) -> None: ...
+    def range_push(self, name: str) -> None: ...
+    def range_pop(self) -> None: ...
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None: ...
+    def unwatch_syncs(self) -> None: ...
+    # For the memory reconciliation, never per step:
+    def read_allocator(self) -> AllocatorFigures | None: ...
+    def mem_get_info(self) -> tuple[int, int] | None: ...
+    def identity(self) -> tuple[str | None, str | None]: ...
+
+
+class SweepBackend(Backend, Protocol):
+    """A :class:`Backend` plus the allocator reads and the cache release of the sweep.
+
+    Each read is None where ``has_device_memory`` is false.
+    """
+
+    def allocator_counters(self) -> tuple[int, int] | None: ...
+    def allocated_bytes(self) -> int | None: ...
+    def empty_cache(self) -> None: ...
+    def capacity_bytes(self) -> int | None: ...
+
+
+class HostBackend:
+    """No device: marks are None, memory figures are unavailable with ``reason``."""
+
+    index = None
+    has_device_timing = False
+    has_device_memory = False
+
+    def __init__(self, reason: str) -> None:
+        self.device = "cpu"
+        self.gpu_reason = reason
+        self.memory_reason = (
+            f"{reason}; torch's CPU allocator keeps no peak counter (see host_rss_bytes)"
+        )
+        self.sync_mechanism: str | None = None
+        self.sync_reason = f"{reason}: there is no device for the host to wait on"
+
+    def mark(self) -> None:
+        return None
+
+    def is_done(self, mark: Any) -> bool:
+        return True
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:  # pragma: no cover - never called
+        raise AssertionError("HostBackend has no marks")
+
+    def release(self, mark: Any) -> None:
+        pass
+
+    def reset_peak(self) -> None:
+        pass
+
+    def read_memory(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, marks: list[Any]) -> None:
+        pass
+
+    def range_push(self, name: str) -> None:
+        pass
+
+    def range_pop(self) -> None:
+        pass
+
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str:
+        return self.sync_reason
+
+    def unwatch_syncs(self) -> None:
+        pass
+
+    def read_allocator(self) -> None:
+        return None
+
+    def mem_get_info(self) -> None:
+        return None
+
+    def identity(self) -> tuple[None, None]:
+        return None, None
+
+
+class HostSweepBackend(HostBackend):
+    """No device: the sweep times with the host clock and has no memory figures."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.memory_reason = f"{reason}; torch's CPU allocator keeps no peak or retry counters"
+
+    def allocator_counters(self) -> None:
+        return None
+
+    def allocated_bytes(self) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        pass
+
+    def capacity_bytes(self) -> None:
+        return None

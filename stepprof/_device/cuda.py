@@ -1,0 +1,378 @@
+"""The CUDA backends, and the choice between them and the host's.
+
+:class:`CudaBackend` times steps with CUDA events, reads torch's caching
+allocator through its raw-stats call, and pushes NVTX ranges.  The calls are the
+cheapest torch offers for each job, chosen by their per-call host cost (see
+bench/primitives.py): ``torch.Event.record()`` (which finds the current stream in
+C++) rather than ``torch.cuda.Event.record()``, ``torch._C._cuda_memoryStats``
+rather than ``torch.cuda.max_memory_allocated()`` (which flattens the whole
+dict), ``torch._C._cuda_resetPeakMemoryStats`` and the C NVTX bindings.  None of
+them synchronises: ``query()`` polls, and ``elapsed_time`` is only called once
+both events have completed.
+
+The memory reconciliation (:mod:`stepprof._memory`) reads three more things
+here, never per step: the allocator's detailed figures (the same raw-stats
+call), ``torch.cuda.mem_get_info`` and the device's identity (UUID and PCI bus
+id, from ``get_device_properties``), which :mod:`stepprof._device.nvml` uses to
+find the same GPU in NVML.
+
+Which backend a step gets is decided here too: :func:`select_backend` (the
+recorder), :func:`select_sweep_backend` (the sweep), :func:`memory_backend`
+(``stepprof.memory_report``) and, for a profiler or sweep that started on the
+host, :func:`upgrade_from_host`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .. import _syncs
+from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, Backend, Counters, HostBackend, HostSweepBackend
+from .sync_routes import (
+    enable_gpu_trace,
+    install_trace_route,
+    install_warn_route,
+    register_repeat_interleave_probe,
+)
+
+__all__ = [
+    "CudaBackend",
+    "CudaSweepBackend",
+    "memory_backend",
+    "select_backend",
+    "select_sweep_backend",
+    "upgrade_from_host",
+]
+
+
+class CudaBackend:
+    """CUDA events from a reusable pool, the raw allocator stats, NVTX.
+
+    Events are ``torch.Event(device="cuda:N", enable_timing=True)``: its
+    ``record()`` finds the current stream in C++, several times cheaper than
+    ``torch.cuda.Event.record()`` (see bench/primitives.py).  An event goes back
+    to the pool once the recorder has read it, so a long run allocates only as
+    many events as are ever in flight at once.
+    """
+
+    has_device_timing = True
+    has_device_memory = True
+
+    def __init__(self, device_index: int, *, nvtx: bool = True, syncs: str = "warn") -> None:
+        self.index: int | None = device_index
+        self.device = f"cuda:{device_index}"
+        self.gpu_reason = None
+        self.memory_reason = None
+        self._pool: list[Any] = []
+        self._torch_device = torch.device("cuda", device_index)
+        self._event_cls = getattr(torch, "Event", None)
+        self._capturing = torch.cuda.is_current_stream_capturing
+        self._memory_stats = torch._C._cuda_memoryStats
+        self._reset_peak = torch._C._cuda_resetPeakMemoryStats
+        self._nvtx = nvtx
+        self.sync_mechanism: str | None = None if syncs == "off" else syncs
+        self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
+        self._sync_resolved = syncs != "trace"
+        register_repeat_interleave_probe(device_index)
+        if nvtx:
+            # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
+            nv = getattr(torch._C, "_nvtx", None)
+            self._push = getattr(nv, "rangePushA", None) or torch.cuda.nvtx.range_push
+            self._pop = getattr(nv, "rangePop", None) or torch.cuda.nvtx.range_pop
+
+    def _new_event(self) -> Any:
+        if self._event_cls is not None:
+            return self._event_cls(device=self._torch_device, enable_timing=True)
+        return torch.cuda.Event(enable_timing=True)  # pragma: no cover - torch < 2.4
+
+    def mark(self) -> Any | None:
+        """Record an event on the current stream now; None while it captures a CUDA graph.
+
+        A timing event recorded into a capture would become part of the user's graph (or
+        invalidate the capture), so a boundary inside ``torch.cuda.graph(...)`` gets no
+        event and its ``gpu_ms`` is null.  The check is cheap (see bench/primitives.py).
+        """
+        if self._capturing():
+            return None
+        ev = self._pool.pop() if self._pool else self._new_event()
+        try:
+            ev.record()
+        except RuntimeError:
+            self._pool.append(ev)
+            return None
+        return ev
+
+    def is_done(self, mark: Any) -> bool:
+        return mark is None or mark.query()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end)
+
+    def release(self, mark: Any) -> None:
+        if mark is not None:
+            self._pool.append(mark)
+
+    def reset_peak(self) -> None:
+        self._reset_peak(self.index)
+
+    def read_memory(self) -> tuple[int, int, Counters | None]:
+        """(peak allocated since the last reset, reserved now, the allocator's counters).
+
+        One raw-stats call; the counters (:data:`ALLOCATOR_COUNTERS`, cumulative)
+        are None on a torch that lacks them.
+        """
+        stats = self._memory_stats(self.index)
+        try:
+            counters: Counters | None = tuple(stats[k] for k in ALLOCATOR_COUNTERS)
+        except KeyError:
+            counters = None
+        return (
+            stats["allocated_bytes"]["all"]["peak"],
+            stats["reserved_bytes"]["all"]["current"],
+            counters,
+        )
+
+    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
+        """Route this thread's host-device waits to ``tracker`` until :meth:`unwatch_syncs`.
+
+        Returns why they are not counted this step, or None when they are.
+        """
+        if self.sync_mechanism is None:
+            return self.sync_reason
+        if not self._sync_resolved:  # "trace": check once that the callbacks fire
+            self._sync_resolved = True
+            why = enable_gpu_trace(self.index)
+            if why is not None:
+                self.sync_mechanism = "warn"
+                warnings.warn(
+                    f"stepprof: syncs='trace' is not usable here ({why}); counting syncs "
+                    f"with 'warn' (torch's sync-debug warnings) instead",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+        tracker.mechanism = self.sync_mechanism
+        if self.sync_mechanism == "trace":
+            _syncs.attach(tracker, install_trace_route)
+            return None
+        if not _syncs.installed() and torch._C._cuda_get_sync_debug_mode() == 2:
+            return (
+                "torch's sync-debug mode is 'error' (set outside stepprof), "
+                "so a sync raises instead of being counted"
+            )
+        _syncs.attach(tracker, install_warn_route)
+        return None
+
+    def unwatch_syncs(self) -> None:
+        _syncs.detach()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.index)
+
+    def wait(self, marks: list[Any]) -> None:
+        """Block until these events have completed (``cudaEventSynchronize`` on each).
+
+        Unlike :meth:`synchronize`, it waits for nothing else on the device: not for a
+        collective on NCCL's stream that another rank never joins.
+        """
+        for m in marks:
+            if m is not None:
+                m.synchronize()
+
+    def range_push(self, name: str) -> None:
+        if self._nvtx:
+            self._push(name)
+
+    def range_pop(self) -> None:
+        if self._nvtx:
+            self._pop()
+
+    def read_allocator(self) -> AllocatorFigures:
+        """The allocator's current, peak and cumulative figures, from one raw-stats read."""
+        stats = self._memory_stats(self.index)
+        return AllocatorFigures(
+            allocated_bytes=stats["allocated_bytes"]["all"]["current"],
+            peak_allocated_bytes=stats["allocated_bytes"]["all"]["peak"],
+            reserved_bytes=stats["reserved_bytes"]["all"]["current"],
+            inactive_split_bytes=stats["inactive_split_bytes"]["all"]["current"],
+            num_ooms=stats.get("num_ooms", 0),
+            num_alloc_retries=stats.get("num_alloc_retries", 0),
+        )
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device as the CUDA driver sees it (``cudaMemGetInfo``).
+
+        Device-wide: it counts every process on the GPU (or on the MIG instance).
+        """
+        free, total = torch.cuda.mem_get_info(self.index)
+        return int(free), int(total)
+
+    def identity(self) -> tuple[str | None, str | None]:
+        """The device's UUID (``"xxxxxxxx-xxxx-..."``, no prefix) and PCI bus id.
+
+        Both come from ``cudaGetDeviceProperties``, so they name the physical GPU
+        (or MIG instance) behind torch's index, whatever ``CUDA_VISIBLE_DEVICES``
+        says.  The bus id is formatted as NVML writes it: ``"00000000:65:00.0"``.
+        Either is None when this torch build does not expose it.
+        """
+        props = torch.cuda.get_device_properties(self.index)
+        raw_uuid = getattr(props, "uuid", None)
+        uuid = str(raw_uuid) if raw_uuid is not None else None
+        bus = getattr(props, "pci_bus_id", None)
+        dev = getattr(props, "pci_device_id", None)
+        domain = getattr(props, "pci_domain_id", None)
+        pci = f"{domain:08X}:{bus:02X}:{dev:02X}.0" if None not in (bus, dev, domain) else None
+        return uuid, pci
+
+
+# -- what the batch-size sweep needs besides the recorder's calls ----------------
+#
+# The sweep (``stepprof._sweep``) times whole trials with the same marks, and also
+# reads the allocator's event counters, the bytes allocated now, what the device
+# can still give, and frees the cache after an out-of-memory error.
+
+
+class CudaSweepBackend(CudaBackend):
+    """:class:`CudaBackend` plus the allocator reads and the cache release of the sweep."""
+
+    def __init__(self, device_index: int) -> None:
+        super().__init__(device_index, nvtx=False)
+        self._empty_cache = torch._C._cuda_emptyCache
+
+    def allocator_counters(self) -> tuple[int, int] | None:
+        """(``num_alloc_retries``, ``num_device_alloc``) so far, from one raw-stats read.
+
+        ``num_alloc_retries`` counts cudaMalloc calls that failed and were retried
+        after freeing the cache; ``num_device_alloc`` counts cudaMalloc (and cuMemMap)
+        calls.  Neither synchronises.  ``num_device_alloc`` is missing before torch 2.1:
+        it reads as 0 there.
+        """
+        stats = self._memory_stats(self.index)
+        return int(stats.get("num_alloc_retries", 0)), int(stats.get("num_device_alloc", 0))
+
+    def allocated_bytes(self) -> int:
+        """Bytes of live tensors now (``torch.cuda.memory_allocated()``, without flattening)."""
+        return int(self._memory_stats(self.index)["allocated_bytes"]["all"]["current"])
+
+    def empty_cache(self) -> None:
+        """Return the allocator's unused cached blocks to the driver (synchronises)."""
+        self._empty_cache()
+
+    def capacity_bytes(self) -> int:
+        """What torch's allocator could hold on this device now: free + its own reserved.
+
+        ``mem_get_info`` gives the device's free bytes (other processes and the CUDA
+        context already taken out); bytes this process has reserved are usable too.
+        A per-process memory fraction, when set, caps the figure.
+        """
+        free, total = torch.cuda.mem_get_info(self.index)
+        reserved = int(self._memory_stats(self.index)["reserved_bytes"]["all"]["current"])
+        capacity = int(free) + reserved
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if get_fraction is not None:
+            try:
+                fraction = float(get_fraction(self.index))
+            except (RuntimeError, TypeError, ValueError):  # pragma: no cover - old torch
+                fraction = 1.0
+            if 0 < fraction < 1:
+                capacity = min(capacity, int(fraction * total))
+        return capacity
+
+
+# -- choosing a backend ------------------------------------------------------------
+
+
+def select_backend(device: Any = None, *, nvtx: bool = True, syncs: str = "warn") -> Backend:
+    """Choose the backend for a step that is starting now.
+
+    With ``device=None`` the CUDA backend is used only when CUDA is available
+    *and already initialised* by the user's code: stepprof never creates a CUDA
+    context (hundreds of MiB) for a job that trains on the CPU.
+    """
+    if device is not None:
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return HostBackend("device='cpu' was requested")
+        if dev.type != "cuda":
+            return HostBackend(f"device type {dev.type!r} has no CUDA events")
+        if not torch.cuda.is_available():
+            return HostBackend("CUDA is not available")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return CudaBackend(index, nvtx=nvtx, syncs=syncs)
+    if not torch.cuda.is_available():
+        return HostBackend("CUDA is not available")
+    if not torch.cuda.is_initialized():
+        return HostBackend("CUDA was not initialised when the step began (the step ran on the CPU)")
+    return CudaBackend(torch.cuda.current_device(), nvtx=nvtx, syncs=syncs)
+
+
+def memory_backend(device: torch.device | None = None) -> Backend:
+    """A backend to read memory figures on now, for :func:`stepprof.memory_report`.
+
+    It never initialises CUDA: where the process has no CUDA context yet, the
+    answer is a :class:`HostBackend` whose ``gpu_reason`` says so, because
+    creating one would itself add hundreds of MiB to what nvidia-smi shows.
+    """
+    if device is not None and device.type != "cuda":
+        return HostBackend(f"device {str(device)!r} has no CUDA memory")
+    if not torch.cuda.is_available():
+        return HostBackend("CUDA is not available")
+    if not torch.cuda.is_initialized():
+        return HostBackend(
+            "CUDA is not initialised in this process, so it holds no GPU memory "
+            "(stepprof never initialises CUDA itself)"
+        )
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
+        return HostBackend(f"there is no CUDA device {index} ({torch.cuda.device_count()} visible)")
+    return CudaBackend(index, nvtx=False)
+
+
+def select_sweep_backend(device: Any = None) -> CudaSweepBackend | HostSweepBackend:
+    """The sweep's backend: CUDA when asked for, or (``device=None``) when the process
+    has already initialised CUDA (the model is on the GPU); otherwise the host."""
+    chosen = select_backend(device, nvtx=False)
+    if chosen.index is not None:
+        return CudaSweepBackend(chosen.index)
+    return HostSweepBackend(chosen.gpu_reason or "CUDA is not available")
+
+
+def upgrade_from_host(
+    backend: Backend | None,
+    device: Any = None,
+    *,
+    pinned: bool = False,
+    sweep: bool = False,
+    nvtx: bool = True,
+    syncs: str = "warn",
+) -> Backend | None:
+    """The backend to switch to now, or None to keep ``backend``.
+
+    A profiler or sweep chooses its backend when its first step begins; with no
+    device named, that is the host if CUDA was not initialised yet.  When the
+    training code initialises CUDA later, the host clock can no longer time its
+    asynchronous GPU work, so a host backend (one without ``has_device_timing``)
+    that was not ``pinned`` (a backend or device passed explicitly) is replaced by
+    the one :func:`select_backend` (``sweep=True``: :func:`select_sweep_backend`)
+    chooses now.  ``backend=None`` (none chosen yet) always gets one.
+
+    Args:
+        backend: the backend in use, or None.
+        device: the device the caller was given (None: the current CUDA device).
+        pinned: the caller was given its backend or device: never switch.
+        sweep: choose a sweep backend (:class:`CudaSweepBackend`).
+        nvtx: for :func:`select_backend`.
+        syncs: for :func:`select_backend`.
+    """
+    if backend is not None and (
+        pinned
+        or backend.has_device_timing
+        or not torch.cuda.is_available()
+        or not torch.cuda.is_initialized()
+    ):
+        return None
+    if sweep:
+        return select_sweep_backend(device)
+    return select_backend(device, nvtx=nvtx, syncs=syncs)

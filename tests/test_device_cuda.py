@@ -1,0 +1,111 @@
+"""The CUDA backends and the choice of a backend, on a CPU: torch's CUDA calls are patched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepprof._device import cuda
+from stepprof._device.backend import HostBackend, HostSweepBackend
+from stepprof._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
+
+from .fakes import FakeGpu
+
+
+@pytest.fixture
+def cuda_up(monkeypatch):
+    """CUDA is available; flip ``state[0]`` to say it has been initialised."""
+    state = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: state[0])
+    return state
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """What upgrade_from_host asked the selectors for; they answer with a sentinel."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(cuda, "select_backend", lambda device, **kw: calls.append(("select", device, kw)) or "cuda")
+    monkeypatch.setattr(cuda, "select_sweep_backend", lambda device: calls.append(("sweep", device)) or "cuda-sweep")
+    return calls
+
+
+def test_a_host_backend_is_upgraded_once_cuda_is_initialised(cuda_up, chosen):
+    host = HostBackend("CUDA was not initialised when the step began (the step ran on the CPU)")
+    assert upgrade_from_host(host, nvtx=False, syncs="trace") is None       # not initialised yet
+    cuda_up[0] = True
+    assert upgrade_from_host(host, nvtx=False, syncs="trace") == "cuda"
+    assert chosen == [("select", None, {"nvtx": False, "syncs": "trace"})]
+
+
+def test_a_sweep_upgrades_to_a_sweep_backend(cuda_up, chosen):
+    cuda_up[0] = True
+    assert upgrade_from_host(HostSweepBackend("CUDA is not available"), sweep=True) == "cuda-sweep"
+    assert chosen == [("sweep", None)]
+
+
+def test_a_pinned_or_device_timed_backend_is_kept(cuda_up, chosen):
+    cuda_up[0] = True
+    assert upgrade_from_host(HostBackend("device='cpu' was requested"), "cpu", pinned=True) is None
+    assert upgrade_from_host(FakeGpu()) is None                  # has_device_timing: already on a device
+    assert chosen == []
+
+
+def test_without_cuda_a_host_backend_stays(monkeypatch, chosen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert upgrade_from_host(HostBackend("CUDA is not available")) is None
+    assert chosen == []
+
+
+def test_no_backend_yet_always_gets_one(monkeypatch, chosen):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert upgrade_from_host(None, "cuda:1", pinned=True, syncs="off") == "cuda"
+    assert chosen == [("select", "cuda:1", {"nvtx": True, "syncs": "off"})]
+
+
+def test_host_backends_state_their_capabilities():
+    for backend in (HostBackend("no CUDA"), HostSweepBackend("no CUDA")):
+        assert backend.index is None and backend.sync_mechanism is None
+        assert not backend.has_device_timing and not backend.has_device_memory
+        assert backend.gpu_reason == "no CUDA" and backend.memory_reason.startswith("no CUDA; ")
+
+
+def test_the_sweep_gets_a_host_backend_with_the_reason_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    b = select_sweep_backend(None)
+    assert isinstance(b, HostSweepBackend) and b.gpu_reason == "CUDA is not available"
+
+
+def test_cuda_sweep_backend_reads_the_raw_allocator_stats(monkeypatch):
+    stats = {
+        "num_alloc_retries": 3, "num_device_alloc": 7,
+        "allocated_bytes": {"all": {"current": 100, "peak": 500}},
+        "reserved_bytes": {"all": {"current": 1000}},
+    }
+    emptied = []
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: stats, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: emptied.append(1), raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (4000, 10000))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 1.0)
+    b = CudaSweepBackend(0)
+    assert b.device == "cuda:0" and b.memory_reason is None
+    assert b.allocator_counters() == (3, 7)
+    assert b.allocated_bytes() == 100
+    assert b.read_memory()[:2] == (500, 1000)
+    assert b.capacity_bytes() == 4000 + 1000          # free + what torch already reserved
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i: 0.3)
+    assert b.capacity_bytes() == 3000                 # a memory fraction caps it
+    b.empty_cache()
+    assert emptied == [1]
+
+
+def test_the_sweep_gets_a_cuda_sweep_backend_on_the_device_chosen(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: {}, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: None, raising=False)
+    gpu = FakeGpu()
+    gpu.index = 3
+    monkeypatch.setattr(cuda, "select_backend", lambda device, **kw: gpu)
+    b = select_sweep_backend(None)
+    assert isinstance(b, CudaSweepBackend) and b.index == 3 and b.device == "cuda:3"
