@@ -12,8 +12,9 @@ recommends one.
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
-from ._log import SCHEMA_VERSION, read
+from ._log import read
 from ._records import Percentiles, Summary, SweepPoint, SweepResult
+from ._schema import SCHEMA_VERSION
 
 if _TYPE_CHECKING:
     from ._api import configure, measure, memory_report, profile_step

@@ -23,8 +23,9 @@ from typing import Any
 
 import attrs
 
-from ._log import SCHEMA_VERSION, ScanStats, scan
+from ._log import ScanStats, scan
 from ._records import SweepPoint, SweepResult
+from ._schema import SCHEMA_VERSION
 from ._stats import quantile
 from ._units import format_bytes
 from ._roofline import load_calibration, roofline

@@ -49,9 +49,10 @@ import torch
 from ._api import pop_active, push_active
 from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
-from ._log import SCHEMA_VERSION, JsonlWriter
+from ._log import JsonlWriter
 from ._profiler import check_device
 from ._records import SweepPoint, SweepResult
+from ._schema import SCHEMA_VERSION
 from ._stats import quantile
 from ._units import format_bytes
 

@@ -122,12 +122,12 @@ def test_older_schema_log_without_later_fields(tmp_path):
 
 def test_newer_schema_is_read_with_a_note(tmp_path):
     recs = [
-        dict(fx.step_record(i, warmup=False, wall=5.0, gpu=5.0), schema_version=2, new_field=[1])
+        dict(fx.step_record(i, warmup=False, wall=5.0, gpu=5.0), schema_version=3, new_field=[1])
         for i in range(5)
     ]
     rep = build_report([fx.write(str(tmp_path / "new.jsonl"), recs)])
-    assert rep["logs"][0]["newer_schema"] == 2
-    assert "newer stepprof (schema 2)" in render(rep)
+    assert rep["logs"][0]["newer_schema"] == 3
+    assert "newer stepprof (schema 3)" in render(rep)
 
 
 def _cpu_log(tmp_path) -> str:
