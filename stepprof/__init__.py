@@ -12,6 +12,7 @@ recommends one.
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
+from ._frame import frame
 from ._log import read
 from ._records import Percentiles, Summary, SweepPoint, SweepResult
 from ._schema import SCHEMA_VERSION
@@ -64,6 +65,7 @@ __all__ = [
     "SyncBudgetExceeded",
     "UsageError",
     "configure",
+    "frame",
     "measure",
     "memory_report",
     "profile_step",

@@ -30,7 +30,7 @@ def test_all_is_exactly_the_public_surface():
     assert stepprof.__all__ == [
         "ConfigError", "MemoryReport", "Percentiles", "Profiler", "SCHEMA_VERSION", "StepprofError",
         "Summary", "SweepPoint", "SweepResult", "SyncBudgetExceeded", "UsageError", "configure",
-        "measure", "memory_report", "profile_step", "read", "sweep",
+        "frame", "measure", "memory_report", "profile_step", "read", "sweep",
     ]
 
 
