@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 import stepprof
 from stepprof import _cli, _profiler
-from stepprof._log import ScanStats, scan
 from stepprof._report import Dist, build_report, render
 from stepprof._roofline import save_calibration
 
@@ -275,28 +274,6 @@ def test_missing_log_is_a_clear_error(capsys, tmp_path):
 
 
 # -- the reader and the quantiles -----------------------------------------------------
-
-
-@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
-@given(
-    st.lists(
-        st.one_of(
-            st.binary(max_size=40),
-            st.from_regex(
-                rb'\{"kind": "(step|memory|summary|flops|sweep_point)"[^\n]{0,30}\}', fullmatch=True
-            ),
-        ),
-        max_size=30,
-    )
-)
-def test_reader_never_raises_on_any_bytes(tmp_path, lines):
-    path = tmp_path / "fuzz.jsonl"
-    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines))
-    stats = ScanStats()
-    records = list(scan(path, stats))
-    assert all(isinstance(r, dict) for r in records)
-    assert len(records) + stats.skipped <= stats.lines
-    build_report([str(path)])  # never raises either
 
 
 _json_value = st.recursive(
