@@ -69,12 +69,12 @@ def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
     return row
 
 
-def _spread(row: dict[str, Any], prefix: str, value: Any) -> None:
-    if type(value) is not dict:
-        row[prefix] = value
-        return
+def _spread(row: dict[str, Any], prefix: str, value: dict[str, Any]) -> None:
     for key, inner in value.items():
-        _spread(row, f"{prefix}.{key}", inner)
+        if type(inner) is dict:
+            _spread(row, f"{prefix}.{key}", inner)
+        else:
+            row[f"{prefix}.{key}"] = inner
 
 
 def _column(pd: Any, name: str, values: list[Any]) -> Any:
@@ -147,29 +147,23 @@ def frame(
             f"(got {kind!r}); e.g. stepprof.frame(log, kind='step')"
         )
     pd = _pandas()
-    columns: dict[str, list[Any]] = {"log": []}
-    rows = 0
+    rows: list[dict[str, Any]] = []
     for path in paths:
         name = os.fspath(path)
         for record in read(path, kind=kind):
             row = _flatten(record, kind)
             row["log"] = name
-            for key, value in row.items():
-                column = columns.get(key)
-                if column is None:
-                    column = columns[key] = [None] * rows
-                column.append(value)
-            rows += 1
-            for column in columns.values():
-                if len(column) < rows:
-                    column.append(None)
+            rows.append(row)
+    names: dict[str, None] = {"log": None}
+    for row in rows:
+        if len(row) != len(names) or row.keys() != names.keys():
+            names.update(dict.fromkeys(row))
     # A field that is an object in some rows and null in the others lives in its dotted
     # columns (allocator.num_device_alloc...); its own column would be null throughout.
-    spread = {name.split(".", 1)[0] for name in columns if "." in name}
-    return pd.DataFrame(
-        {
-            name: _column(pd, name, values)
-            for name, values in columns.items()
-            if name not in spread or any(v is not None for v in values)
-        }
-    )
+    spread = {name.split(".", 1)[0] for name in names if "." in name}
+    data = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name not in spread or any(v is not None for v in values):
+            data[name] = _column(pd, name, values)
+    return pd.DataFrame(data)
