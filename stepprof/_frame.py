@@ -107,9 +107,8 @@ def frame(
     """The records of one kind in one or more logs, as a pandas DataFrame.
 
     One row per record, in file order (the logs one after another), with a first
-    column ``log`` naming the file it came from (a summary's own ``log`` field, the
-    path given to the Profiler, is replaced by it).  Columns have the dtypes of their figures:
-    ``step`` int64, ``wall_ms`` and ``gpu_ms`` float64 (NaN where null), ``warmup``
+    column ``log`` naming the file it came from (it replaces a summary's own ``log``
+    field).  Columns have the dtypes of their figures: ``step`` int64, ``wall_ms`` and ``gpu_ms`` float64 (NaN where null), ``warmup``
     bool; other integers int64, or the nullable Int64 where some are null.  Nested
     objects are spread over dotted columns: a step's phases as
     ``phase.<name>.wall_ms``, ``phase.<name>.gpu_ms``, ``phase.<name>.peak_allocated_bytes``...,
@@ -156,7 +155,7 @@ def frame(
             rows.append(row)
     names: dict[str, None] = {"log": None}
     for row in rows:
-        if len(row) != len(names) or row.keys() != names.keys():
+        if not row.keys() <= names.keys():   # a field first seen here: its column after the others
             names.update(dict.fromkeys(row))
     # A field that is an object in some rows and null in the others lives in its dotted
     # columns (allocator.num_device_alloc...); its own column would be null throughout.
