@@ -12,8 +12,10 @@ recommends one.
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
-from ._log import SCHEMA_VERSION, read
+from ._frame import frame
+from ._log import read
 from ._records import Percentiles, Summary
+from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 
 if _TYPE_CHECKING:
@@ -64,6 +66,7 @@ __all__ = [
     "SyncBudgetExceeded",
     "UsageError",
     "configure",
+    "frame",
     "measure",
     "memory_report",
     "profile_step",

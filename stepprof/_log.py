@@ -10,11 +10,9 @@ from typing import Any
 import orjson
 
 from ._errors import ConfigError
+from ._schema import RECORD_KINDS, upgrade_record
 
-__all__ = ["SCHEMA_VERSION", "JsonlWriter", "ScanStats", "read", "scan"]
-
-#: Version of the record schema; every line carries it as ``schema_version``.
-SCHEMA_VERSION = 1
+__all__ = ["JsonlWriter", "ScanStats", "check_log", "read", "scan"]
 
 
 def check_log(path: Any, argument: str = "log") -> str | None:
@@ -127,10 +125,6 @@ class JsonlWriter:
                 pass
 
 
-#: The record kinds stepprof writes (docs/schema.md).
-LOG_KINDS = frozenset({"step", "summary", "memory", "flops", "ranks", "sweep_point", "sweep_result"})
-
-
 class ScanStats:
     """What :func:`scan` met: lines read, and lines skipped because they are not JSON objects."""
 
@@ -147,7 +141,8 @@ def scan(
     """Stream the JSON objects of a log, counting the lines that are not one into ``stats``.
 
     Blank lines are ignored; a torn line, bytes that are not UTF-8, or a JSON value that
-    is not an object (``[1]``, ``3``) is skipped and counted, never raised.
+    is not an object (``[1]``, ``3``) is skipped and counted, never raised.  A version-1
+    summary comes with its version-2 names (:func:`stepprof._schema.upgrade_record`).
 
     ``start`` and ``end`` (byte offsets) read the lines that *begin* in ``[start, end)``,
     so that consecutive ranges read every line exactly once.
@@ -171,7 +166,8 @@ def scan(
                     stats.skipped += 1
                 continue
             if type(record) is dict:
-                yield record
+                # Only a summary can need upgrading: one dict lookup a line, within the noise of loads().
+                yield upgrade_record(record) if record.get("kind") == "summary" else record
             else:
                 stats.skipped += 1
 
@@ -180,12 +176,14 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
     """Stream the records of a stepprof log as dicts, in file order.
 
     Lines that do not parse (a torn last line after a crash, say) are skipped,
-    and one warning at the end says how many.
+    and one warning at the end says how many.  Records of an older schema come with
+    the current names: a version-1 summary's ``wall_ms`` and ``gpu_ms`` are read as
+    ``wall_ms_percentiles`` and ``gpu_ms_percentiles`` (docs/schema.md).
 
     Args:
         path: a JSON-lines log written by stepprof.
         kind: keep only records of this kind, e.g. ``"step"`` or ``"summary"``
-            (:data:`LOG_KINDS`).  A kind that stepprof never writes and no record has
+            (:data:`stepprof._schema.RECORD_KINDS`).  A kind that stepprof never writes and no record has
             (a typo) gets a warning that names the kinds the log holds.
 
     Raises:
@@ -231,7 +229,7 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, 
             RuntimeWarning,
             stacklevel=2,
         )
-    if kind is not None and not kept and kinds and kind not in LOG_KINDS:  # a typo, likely
+    if kind is not None and not kept and kinds and kind not in RECORD_KINDS:  # a typo, likely
         warnings.warn(
             f"stepprof.read: no record of kind {kind!r} in {os.fspath(path)!r}, and stepprof "
             f"writes no such kind; its records are of kind {', '.join(map(repr, sorted(kinds)))}",

@@ -48,10 +48,11 @@ from ._device.backend import ALLOCATOR_COUNTERS, SYNC_MECHANISMS, Backend, HostB
 from ._device.cuda import memory_backend, select_backend
 from ._device.facts import device_name
 from ._errors import ConfigError, StepprofError, UsageError, check_count
-from ._log import SCHEMA_VERSION, JsonlWriter, check_log
+from ._log import JsonlWriter, check_log
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
 from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
+from ._schema import SCHEMA_VERSION
 from ._syncs import SyncTracker, check_max_syncs, check_on_sync
 
 __all__ = ["Profiler"]

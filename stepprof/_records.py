@@ -7,6 +7,7 @@ from typing import Any
 
 import attrs
 
+from ._schema import summary_record
 from ._stats import quantile
 from ._units import format_bytes
 
@@ -68,9 +69,12 @@ class Summary:
     unavailable: dict[str, str] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:
-        """The JSON-lines form (without ``schema_version``, which the writer adds)."""
-        d = attrs.asdict(self, recurse=True)
-        return {"kind": "summary", **d}
+        """The JSON-lines form (without ``schema_version``, which the writer adds).
+
+        ``wall_ms`` and ``gpu_ms`` are written as ``wall_ms_percentiles`` and
+        ``gpu_ms_percentiles`` (docs/schema.md).
+        """
+        return summary_record(self)
 
     def __str__(self) -> str:
         parts = [f"{self.measured_steps} measured steps ({self.warmup_steps} warm-up"]

@@ -23,7 +23,8 @@ from typing import Any
 
 import attrs
 
-from ._log import SCHEMA_VERSION, ScanStats, scan
+from ._log import ScanStats, scan
+from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 from ._stats import quantile
 from ._units import format_bytes

@@ -12,6 +12,10 @@ from typing import Any
 
 import orjson
 
+from stepprof import _schema
+from stepprof._records import Summary
+from stepprof._schema import SCHEMA_VERSION
+
 GIB = 2**30
 CALIBRATION = {
     "calibration_version": 1,
@@ -39,28 +43,11 @@ def step_record(
     batch: int = 4096,
     peak: int = int(2.6 * GIB),
     counted: bool = False,
-    schema: int | None = 1,
+    schema: int | None = SCHEMA_VERSION,
     allocs: int = 0,
 ) -> dict[str, Any]:
-    r: dict[str, Any] = {
-        "schema_version": schema,
-        "kind": "step",
-        "step": i,
-        "name": "step",
-        "warmup": warmup,
-        "device": "cuda:0",
-        "start_unix_s": 1796012940.0 + i * wall / 1e3,
-        "wall_ms": wall,
-        "gpu_ms": gpu,
-        "gpu_busy": None if gpu is None else gpu / wall,
-        "peak_allocated_bytes": peak,
-        "reserved_bytes": int(3.19 * GIB),
-        "batch_size": batch,
-        "samples_per_s": batch / (max(wall, gpu or 0) / 1e3),
-    }
-    if schema is None:
-        del r["schema_version"]
-    r["phases"] = {
+    """A step record; ``syncs=False`` leaves out ``syncs`` and ``allocator`` (an older log's)."""
+    phases: dict[str, dict[str, Any]] = {
         "forward": {
             "wall_ms": wall * 0.3,
             "gpu_ms": None if gpu is None else gpu * 0.3,
@@ -80,13 +67,28 @@ def step_record(
             "count": 1,
         },
     }
-    r["overhead_us"] = 31.0
-    r["error"] = None
     if syncs:
-        for ph in r["phases"].values():
+        for ph in phases.values():
             ph["syncs"] = 0
-        r["phases"]["optimizer"]["syncs"] = 1
-        r["syncs"] = {
+        phases["optimizer"]["syncs"] = 1
+    span = max(wall, gpu or 0)
+    r = _schema.step_record(
+        step=i,
+        name="step",
+        warmup=warmup,
+        device="cuda:0",
+        start_unix_s=1796012940.0 + i * wall / 1e3,
+        wall_ms=wall,
+        gpu_ms=gpu,
+        gpu_busy=None if gpu is None else gpu / wall,
+        peak_allocated_bytes=peak,
+        reserved_bytes=int(3.19 * GIB),
+        batch_size=batch,
+        samples_per_s=batch / (span / 1e3),
+        phases=phases,
+        overhead_us=31.0,
+        error=None,
+        syncs={
             "count": 1,
             "waits": 1,
             "other_threads": 0,
@@ -94,27 +96,31 @@ def step_record(
             "sites": [
                 {"where": "train.py:42", "kind": "item", "code": "loss.item()", "count": 1, "waits": 1}
             ],
-        }
-        r["allocator"] = {
+        },
+        allocator={
             "num_alloc_retries": 0,
             "num_sync_all_streams": 0,
             "num_device_alloc": allocs,
             "num_device_free": 0,
-        }
-    r["unavailable"] = {}
-    if flops:
-        span = max(wall, gpu or 0)
-        r["flops"] = FLOPS
-        r["tflops_per_s"] = FLOPS / (span * 1e-3) / 1e12
-        r["mfu"] = FLOPS / (CALIBRATION["matmul_tflops"]["bf16"] * 1e12) * 1e3 / span
-        if counted:
-            r["flops_counted"] = True
+        },
+        unavailable={},
+        flops=FLOPS if flops else _schema.ABSENT,
+        tflops_per_s=FLOPS / (span * 1e-3) / 1e12 if flops else _schema.ABSENT,
+        mfu=FLOPS / (CALIBRATION["matmul_tflops"]["bf16"] * 1e12) * 1e3 / span if flops else _schema.ABSENT,
+        flops_counted=flops and counted,
+    )
+    if not syncs:
+        del r["syncs"], r["allocator"]
+    if schema is None:
+        del r["schema_version"]
+    else:
+        r["schema_version"] = schema
     return r
 
 
 def memory_record(step: int, trigger: str) -> dict[str, Any]:
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "kind": "memory",
         "trigger": trigger,
         "step": step,
@@ -143,7 +149,7 @@ def memory_record(step: int, trigger: str) -> dict[str, Any]:
 
 def flops_record(step: int) -> dict[str, Any]:
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "kind": "flops",
         "source": "auto",
         "flops_per_step": FLOPS,
@@ -195,17 +201,21 @@ def training_log(
             if flops:
                 out.append(flops_record(i))
     out.append(memory_record(steps - 1, "close"))
-    out.append(
-        {
-            "schema_version": 1,
-            "kind": "summary",
-            "steps": steps,
-            "warmup_steps": warmup,
-            "error_steps": 0,
-            "measured_steps": steps - warmup,
-            "device": "cuda:0",
-        }
+    summary = Summary(
+        steps=steps,
+        warmup_steps=warmup,
+        error_steps=0,
+        measured_steps=steps - warmup,
+        device="cuda:0",
+        wall_ms=None,
+        gpu_ms=None,
+        gpu_busy_median=None,
+        peak_allocated_bytes_max=None,
+        samples_per_s_median=None,
+        overhead_us_median=None,
+        log=None,
     )
+    out.append({"schema_version": SCHEMA_VERSION, **_schema.summary_record(summary)})
     return out
 
 

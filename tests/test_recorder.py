@@ -292,7 +292,7 @@ def test_warmup_and_summary_statistics(log, gpu):
     assert s.wall_ms.p90 == pytest.approx(10.0)
     assert s.samples_per_s_median == pytest.approx(10 / 6e-3)
     (line,) = list(stepprof.read(log, kind="summary"))
-    assert line["measured_steps"] == 11 and line["wall_ms"]["median"] == pytest.approx(6.0)
+    assert line["measured_steps"] == 11 and line["wall_ms_percentiles"]["median"] == pytest.approx(6.0)
     assert line["schema_version"] == stepprof.SCHEMA_VERSION
     assert "6.00 ms" in str(s) and "11 measured steps" in str(s)
 

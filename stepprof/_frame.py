@@ -1,0 +1,168 @@
+"""A stepprof log as a pandas DataFrame with the right dtypes: :func:`frame`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ConfigError, MissingExtraError
+from ._log import read
+from ._schema import RECORD_KINDS
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas
+
+__all__ = ["frame"]
+
+#: Fields kept whole, as one object column: field -> reason, not a figure.
+_KEPT_WHOLE = frozenset({"unavailable"})
+
+#: Names (the last dotted part) of figures that are floats even when every value is
+#: null or happens to be integral: times, rates and ratios.
+_FLOAT_SUFFIXES = ("_ms", "_s", "_us", "gpu_busy", "mfu", "median", "p10", "p90")
+
+#: Names (the last dotted part) of integer figures, nullable Int64 when every value is null.
+_INT_NAMES = frozenset({"step", "count", "syncs", "batch_size"})
+
+
+def _pandas() -> Any:
+    try:
+        import pandas  # optional and heavy: only frame() needs it
+    except ImportError as e:
+        raise MissingExtraError(
+            "stepprof.frame needs pandas, which is not installed. "
+            "Install it with: pip install 'stepprof[frame]'"
+        ) from e
+    return pandas
+
+
+def _check_logs(log: Any) -> list[str | os.PathLike[str]]:
+    if isinstance(log, (str, os.PathLike)):
+        return [log]
+    if isinstance(log, (list, tuple)) and log and all(isinstance(p, (str, os.PathLike)) for p in log):
+        return list(log)
+    raise ConfigError(
+        f"'log' must be the path of a stepprof log (a str or os.PathLike), or a non-empty list "
+        f"of them (got {log!r}); e.g. stepprof.frame('run.jsonl') or "
+        f"stepprof.frame(['run.rank0.jsonl', 'run.rank1.jsonl'])"
+    )
+
+
+def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
+    """One row: nested objects spread over dotted columns.
+
+    A step's ``phases`` become ``phase.<name>.<field>`` and its ``syncs`` their count;
+    ``unavailable`` stays one dict; lists stay as they are.
+    """
+    row: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in _KEPT_WHOLE or type(value) is not dict:
+            row[key] = value
+        elif kind == "step" and key == "phases":
+            for name, phase in value.items():
+                _spread(row, f"phase.{name}", phase)
+        elif kind == "step" and key == "syncs":
+            row["syncs"] = value.get("count")
+        else:
+            _spread(row, key, value)
+    return row
+
+
+def _spread(row: dict[str, Any], prefix: str, value: dict[str, Any]) -> None:
+    for key, inner in value.items():
+        if type(inner) is dict:
+            _spread(row, f"{prefix}.{key}", inner)
+        else:
+            row[f"{prefix}.{key}"] = inner
+
+
+def _column(pd: Any, name: str, values: list[Any]) -> Any:
+    """A Series of ``values`` with the dtype that fits them: int64 (Int64 with nulls),
+    float64 (NaN for null), bool (boolean with nulls), else object.
+
+    A column that is null throughout takes its dtype from its name, if the name says.
+    """
+    types = set(map(type, values))
+    nulls = type(None) in types
+    types.discard(type(None))
+    last = name.rsplit(".", 1)[-1]
+    is_float = last.endswith(_FLOAT_SUFFIXES)
+    if not types:
+        is_int = last in _INT_NAMES or "_bytes" in last or last.startswith("num_")
+        dtype = "float64" if is_float else "Int64" if is_int else object
+        return pd.Series(values, dtype=dtype)
+    if types == {bool}:
+        return pd.Series(values, dtype="boolean" if nulls else bool)
+    if types <= {int, float}:
+        if float in types or is_float:
+            return pd.Series(values, dtype="float64")
+        return pd.Series(values, dtype="Int64" if nulls else "int64")
+    return pd.Series(values, dtype=object)
+
+
+def frame(
+    log: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], kind: str = "step"
+) -> pandas.DataFrame:
+    """The records of one kind in one or more logs, as a pandas DataFrame.
+
+    One row per record, in file order (the logs one after another), with a first
+    column ``log`` naming the file it came from (it replaces a summary's own ``log``
+    field).  Columns have the dtypes of their figures: ``step`` int64, ``wall_ms`` and ``gpu_ms`` float64 (NaN where null), ``warmup``
+    bool; other integers int64, or the nullable Int64 where some are null.  Nested
+    objects are spread over dotted columns: a step's phases as
+    ``phase.<name>.wall_ms``, ``phase.<name>.gpu_ms``, ``phase.<name>.peak_allocated_bytes``...,
+    its ``syncs`` as their count and its ``allocator`` as ``allocator.<counter>``, a
+    summary's ``wall_ms_percentiles`` as ``wall_ms_percentiles.median``...  ``unavailable``
+    is kept as one column of dicts (figure -> why it is null), and lists stay lists.
+    Needs pandas (``pip install 'stepprof[frame]'``).
+
+    Args:
+        log: a log's path, or a list of paths (the ``<stem>.rank<R>.jsonl`` logs of a
+            distributed run, whose rows carry ``rank``).
+        kind: the record kind, one of ``step``, ``summary``, ``memory``, ``flops``,
+            ``ranks``, ``sweep_point`` and ``sweep_result``.
+
+    Raises:
+        ConfigError: ``log`` is not a path or a list of paths, or ``kind`` is not a kind.
+        MissingExtraError: pandas is not installed.
+
+    Example:
+        >>> import stepprof, tempfile, os
+        >>> log = os.path.join(tempfile.mkdtemp(), "run.jsonl")
+        >>> with stepprof.Profiler(log) as prof:
+        ...     for _ in range(2):
+        ...         with prof.step(batch_size=8):
+        ...             with prof.measure("forward"):
+        ...                 pass
+        >>> df = stepprof.frame(log)
+        >>> df["step"].tolist(), str(df["wall_ms"].dtype), "phase.forward.wall_ms" in df
+        ([0, 1], 'float64', True)
+    """
+    paths = _check_logs(log)
+    if not isinstance(kind, str) or kind not in RECORD_KINDS:
+        raise ConfigError(
+            f"'kind' must be a record kind, one of {', '.join(map(repr, sorted(RECORD_KINDS)))} "
+            f"(got {kind!r}); e.g. stepprof.frame(log, kind='step')"
+        )
+    pd = _pandas()
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        name = os.fspath(path)
+        for record in read(path, kind=kind):
+            row = _flatten(record, kind)
+            row["log"] = name
+            rows.append(row)
+    names: dict[str, None] = {"log": None}
+    for row in rows:
+        if not row.keys() <= names.keys():   # a field first seen here: its column after the others
+            names.update(dict.fromkeys(row))
+    # A field that is an object in some rows and null in the others lives in its dotted
+    # columns (allocator.num_device_alloc...); its own column would be null throughout.
+    spread = {name.split(".", 1)[0] for name in names if "." in name}
+    data = {}
+    for name in names:
+        values = [row.get(name) for row in rows]
+        if name not in spread or any(v is not None for v in values):
+            data[name] = _column(pd, name, values)
+    return pd.DataFrame(data)
