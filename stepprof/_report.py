@@ -1,7 +1,7 @@
 """``stepprof report``: stream one or more logs into figures and diagnoses.
 
-One pass over each log, in bounded memory: each figure goes into a :class:`Dist`
-(exact quantiles up to :data:`Dist.EXACT` values, then a compacting sketch whose
+One pass over each log, in bounded memory: each figure goes into a :class:`~stepprof._stats.QuantileSketch`
+(exact quantiles up to its ``EXACT`` values, then a compacting sketch whose
 rank error stays below 0.1%), sync sites, phases and batch sizes into capped
 tables, and the slowest steps into a small heap.  The report is a plain,
 JSON-able dict (``--json`` prints it as is); :func:`render` turns it into text.
@@ -15,7 +15,6 @@ reported on its own.  Several logs are reported one after the other; the layout
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import os
@@ -25,11 +24,11 @@ import attrs
 
 from ._log import SCHEMA_VERSION, ScanStats, scan
 from ._records import SweepPoint, SweepResult
-from ._stats import quantile
+from ._stats import QuantileSketch
 from ._units import format_bytes
 from ._roofline import load_calibration, roofline
 
-__all__ = ["REPORT_VERSION", "Dist", "build_report", "render"]
+__all__ = ["REPORT_VERSION", "build_report", "render"]
 
 #: Version of the ``--json`` layout.
 REPORT_VERSION = 1
@@ -42,127 +41,6 @@ SPIKE_FACTOR = 3.0
 #: gpu_busy below this: the GPU finished the step's work well before the host.
 HOST_BOUND_BUSY = 0.9
 _GIB = 2**30
-
-
-class Dist:
-    """Quantiles of a stream in bounded memory.
-
-    Exact (numpy's linear interpolation, as in the summary) up to ``EXACT``
-    values.  Beyond, the buffer is sorted and every other value kept at twice
-    the weight (a Munro-Paterson compactor), level by level; all the work is
-    C-level sorting and slicing.  Memory stays O(EXACT x log(n / EXACT)).
-    """
-
-    EXACT = 32768
-    __slots__ = ("buf", "levels", "n", "lo", "hi", "_flip", "_cache")
-
-    def __init__(self) -> None:
-        self.buf: list[float] = []
-        self.levels: list[list[float]] = []
-        self.n = 0
-        self.lo = math.inf
-        self.hi = -math.inf
-        self._flip = 0
-        self._cache: tuple[int, list[float], list[int]] | None = None
-
-    def add(self, x: float) -> None:
-        self.buf.append(x)
-
-    def settle(self) -> None:
-        """Fold the buffer into the compactor once it is full (call now and then)."""
-        if len(self.buf) < self.EXACT:
-            return
-        self._account(self.buf)
-        self._push(0, self.buf)
-        self.buf = []
-
-    def merge(self, other: Dist) -> None:
-        """Fold in the values of ``other`` (a later stretch of the same stream)."""
-        self.n += other.n
-        self.lo = min(self.lo, other.lo)
-        self.hi = max(self.hi, other.hi)
-        for level, xs in enumerate(other.levels):
-            if xs:
-                self._push(level, list(xs))
-        self.buf.extend(other.buf)
-        self._cache = None
-        self.settle()
-
-    def __getstate__(self) -> tuple[Any, ...]:
-        return (self.buf, self.levels, self.n, self.lo, self.hi, self._flip)
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.buf, self.levels, self.n, self.lo, self.hi, self._flip = state
-        self._cache = None
-
-    def _account(self, xs: list[float]) -> None:
-        self.n += len(xs)
-        if xs:
-            self.lo = min(self.lo, min(xs))
-            self.hi = max(self.hi, max(xs))
-
-    def _push(self, level: int, xs: list[float]) -> None:
-        while True:
-            if level == len(self.levels):
-                self.levels.append([])
-            merged = self.levels[level] + xs if self.levels[level] else xs
-            if len(merged) < self.EXACT:
-                self.levels[level] = merged
-                return
-            merged.sort()
-            self._flip ^= 1
-            self.levels[level] = []
-            xs, level = merged[self._flip :: 2], level + 1
-
-    @property
-    def count(self) -> int:
-        return self.n + len(self.buf)
-
-    @property
-    def exact(self) -> bool:
-        return not self.levels
-
-    def _sorted(self) -> tuple[list[float], list[int]]:
-        """The values, sorted, and the cumulative weight up to each (cached until the next add)."""
-        key = self.count + 1_000_003 * len(self.levels)
-        if self._cache is None or self._cache[0] != key:
-            items = [(x, 1) for x in self.buf]
-            for i, level in enumerate(self.levels):
-                items.extend((x, 2**i) for x in level)
-            items.sort()
-            xs = [x for x, _ in items]
-            cum, seen = [], 0
-            for _, w in items:
-                seen += w
-                cum.append(seen)
-            self._cache = (key, xs, cum)
-        return self._cache[1], self._cache[2]
-
-    def quantile(self, q: float) -> float | None:
-        if self.count == 0:
-            return None
-        if self.exact:
-            return quantile(self._sorted()[0], q)
-        xs, cum = self._sorted()
-        i = bisect.bisect_right(cum, q * (cum[-1] - 1))
-        return xs[min(i, len(xs) - 1)]
-
-    def max(self) -> float | None:
-        if self.count == 0:
-            return None
-        return max(self.hi, max(self.buf)) if self.buf else self.hi
-
-    def count_above(self, t: float) -> int:
-        xs, cum = self._sorted()
-        if not xs:
-            return 0
-        i = bisect.bisect_right(xs, t)
-        return cum[-1] - (cum[i - 1] if i else 0)
-
-    def percentiles(self) -> dict[str, float] | None:
-        if self.count == 0:
-            return None
-        return {"median": self.quantile(0.5), "p10": self.quantile(0.1), "p90": self.quantile(0.9)}
 
 
 def _num(x: Any) -> float | None:
@@ -178,7 +56,7 @@ class _Phase:
     __slots__ = ("wall", "gpu", "peak", "syncs", "count", "steps")
 
     def __init__(self) -> None:
-        self.wall, self.gpu = Dist(), Dist()
+        self.wall, self.gpu = QuantileSketch(), QuantileSketch()
         self.peak: float | None = None
         self.syncs = 0
         self.count = 0
@@ -223,8 +101,8 @@ class _Run:
         self.first_step: int | None = None
         self.last_step = -1
         self.first_measured: int | None = None
-        self.wall, self.gpu, self.span, self.busy = Dist(), Dist(), Dist(), Dist()
-        self.sps, self.syncs, self.tflops, self.mfu, self.overhead = Dist(), Dist(), Dist(), Dist(), Dist()
+        self.wall, self.gpu, self.span, self.busy = QuantileSketch(), QuantileSketch(), QuantileSketch(), QuantileSketch()
+        self.sps, self.syncs, self.tflops, self.mfu, self.overhead = QuantileSketch(), QuantileSketch(), QuantileSketch(), QuantileSketch(), QuantileSketch()
         self.dists = [
             self.wall,
             self.gpu,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import stepprof
 from stepprof import _cli, _profiler
 from stepprof._log import ScanStats, scan
-from stepprof._report import Dist, build_report, render
+from stepprof._report import build_report, render
 from stepprof._roofline import save_calibration
 
 from . import logfixtures as fx
@@ -365,34 +365,6 @@ def _dumpable(r):
         return False
 
 
-def test_dist_is_exact_below_its_buffer_and_close_beyond():
-    rng = random.Random(1)
-    xs = [rng.lognormvariate(0, 1) for _ in range(1000)]
-    d = Dist()
-    for x in xs:
-        d.add(x)
-    d.settle()
-    assert d.exact
-    assert d.quantile(0.5) == stepprof.Percentiles.of(xs).median
-    big = [rng.random() for _ in range(300_000)]
-    d = Dist()
-    for i, x in enumerate(big):
-        d.add(x)
-        if i % 4096 == 0:
-            d.settle()
-    d.settle()
-    assert not d.exact and d.count == len(big)
-    s = sorted(big)
-    for q in (0.1, 0.5, 0.9):
-        v = d.quantile(q)
-        rank = sum(1 for x in s if x <= v) / len(s)
-        assert abs(rank - q) < 0.002
-    assert d.max() == max(big)
-    assert abs(d.count_above(0.9) - sum(1 for x in big if x > 0.9)) < 0.002 * len(big)
-    # bounded: what it holds does not grow with the stream
-    assert len(d.buf) + sum(len(level) for level in d.levels) < 4 * Dist.EXACT
-
-
 # -- plot ---------------------------------------------------------------------------
 
 
@@ -736,27 +708,6 @@ def test_reading_in_parallel_byte_ranges_gives_the_same_report(tmp_path, workers
     assert len(one["runs"]) == 3
     assert one["skipped_lines"] == 1 and one["other_kinds"] == {"from_the_future": 1}
     assert _without_paths(many) == _without_paths(one)
-
-
-def test_dist_merge_matches_one_stream():
-    from stepprof._report import Dist
-
-    rng = random.Random(0)
-    xs = [rng.lognormvariate(0, 1) for _ in range(3 * Dist.EXACT + 123)]
-    whole, a, b = Dist(), Dist(), Dist()
-    for i, x in enumerate(xs):
-        whole.add(x)
-        (a if i < len(xs) // 3 else b).add(x)
-        if i % 4096 == 0:
-            for d in (whole, a, b):
-                d.settle()
-    a.merge(b)
-    assert a.count == whole.count == len(xs)
-    exact = sorted(xs)
-    for q in (0.1, 0.5, 0.9):
-        true = exact[int(q * (len(xs) - 1))]
-        rank = sum(1 for x in exact if x <= a.quantile(q)) / len(xs)
-        assert abs(rank - q) < 0.002, (q, true, a.quantile(q))
 
 
 def test_import_and_report_do_not_import_torch(tmp_path):
