@@ -241,8 +241,8 @@ class RunAggregate:
         name = get("name")
         if type(name) is str:
             _count(self.names, name)
-        if "tflops_per_s" in r:
-            self._take_flops_state(r)
+        if "tflops_per_s" in r and (get("mfu") is None or not self.flops_requested):
+            self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
         if get("warmup") is True:
             self.warmup += 1
             return

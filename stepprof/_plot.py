@@ -48,7 +48,8 @@ class _Series:
         self.flops_step: float | None = None
 
 
-def _f(x: Any) -> float:
+def _as_float(x: Any) -> float:
+    """A number as a float; anything else (null, a str) as NaN, which matplotlib leaves out."""
     return float(x) if type(x) in (int, float) else float("nan")
 
 
@@ -77,11 +78,11 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
                 continue
             last = idx
             cur.step.append(idx)
-            cur.wall.append(_f(r.get("wall_ms")))
-            cur.gpu.append(_f(r.get("gpu_ms")))
-            cur.peak.append(_f(r.get("peak_allocated_bytes")))
-            cur.reserved.append(_f(r.get("reserved_bytes")))
-            cur.rss.append(_f(r.get("host_rss_bytes")))
+            cur.wall.append(_as_float(r.get("wall_ms")))
+            cur.gpu.append(_as_float(r.get("gpu_ms")))
+            cur.peak.append(_as_float(r.get("peak_allocated_bytes")))
+            cur.reserved.append(_as_float(r.get("reserved_bytes")))
+            cur.rss.append(_as_float(r.get("host_rss_bytes")))
             if r.get("warmup") is True:
                 cur.warm_until = idx
             if type(r.get("device")) is str:
@@ -93,8 +94,8 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
             cur.memory.append(
                 (
                     float(step) if type(step) is int else float(last),
-                    _f(r.get("nvml_process_bytes")),
-                    _f(r.get("total_bytes")),
+                    _as_float(r.get("nvml_process_bytes")),
+                    _as_float(r.get("total_bytes")),
                 )
             )
     return [run for run in runs if len(run.step)], sweep_records, stats
