@@ -51,7 +51,7 @@ def main() -> None:
     print(prof.summary)
     report = build_report([log])
     with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(report.to_dict(), f, indent=1)
     text = render(report)
     with open(os.path.join(args.out, "report.txt"), "w") as f:
         f.write(text)

@@ -115,7 +115,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     report = build_report(args.logs)
     if args.json:
-        print(_dumps(report))
+        print(_dumps(report.to_dict()))
     else:
         _print(render(report))
     return 0

@@ -12,6 +12,8 @@ from typing import Any
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
+from ._report.read import RunBoundaries
+from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
 
 __all__ = ["plot_log"]
@@ -47,54 +49,57 @@ class _Series:
         self.flops_step: float | None = None
 
 
-def _f(x: Any) -> float:
+def _as_float(x: Any) -> float:
+    """A number as a float; anything else (null, a str) as NaN, which matplotlib leaves out."""
     return float(x) if type(x) in (int, float) else float("nan")
 
 
 def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
+    """The log's runs (split as ``stepprof report`` splits them) and its sweep records."""
     stats = ScanStats()
     runs: list[_Series] = []
     cur: _Series | None = None
-    closed = False
+    boundaries = RunBoundaries()
     sweep_records: list[dict[str, Any]] = []
     last = -1
     for r in scan(path, stats):
         kind = r.get("kind")
+        if kind in ("sweep_point", "sweep_result"):
+            sweep_records.append(r)
+            continue
+        if kind not in ("step", "memory", "summary", "ranks", "flops"):
+            continue
+        if boundaries.starts_run(kind, r):
+            cur = _Series()
+            runs.append(cur)
+        assert cur is not None
         if kind == "step":
             idx = r.get("step")
             if type(idx) is not int:
                 continue
-            if cur is None or closed or idx <= last:
-                cur = _Series()
-                runs.append(cur)
-                closed = False
             last = idx
             cur.step.append(idx)
-            cur.wall.append(_f(r.get("wall_ms")))
-            cur.gpu.append(_f(r.get("gpu_ms")))
-            cur.peak.append(_f(r.get("peak_allocated_bytes")))
-            cur.reserved.append(_f(r.get("reserved_bytes")))
-            cur.rss.append(_f(r.get("host_rss_bytes")))
+            cur.wall.append(_as_float(r.get("wall_ms")))
+            cur.gpu.append(_as_float(r.get("gpu_ms")))
+            cur.peak.append(_as_float(r.get("peak_allocated_bytes")))
+            cur.reserved.append(_as_float(r.get("reserved_bytes")))
+            cur.rss.append(_as_float(r.get("host_rss_bytes")))
             if r.get("warmup") is True:
                 cur.warm_until = idx
             if type(r.get("device")) is str:
                 cur.device = r["device"]
             if r.get("flops_counted") is True:
                 cur.flops_step = idx
-        elif kind == "memory" and cur is not None and not closed:
+        elif kind == "memory":
             step = r.get("step")
             cur.memory.append(
                 (
                     float(step) if type(step) is int else float(last),
-                    _f(r.get("nvml_process_bytes")),
-                    _f(r.get("total_bytes")),
+                    _as_float(r.get("nvml_process_bytes")),
+                    _as_float(r.get("total_bytes")),
                 )
             )
-        elif kind == "summary":
-            closed = True
-        elif kind in ("sweep_point", "sweep_result"):
-            sweep_records.append(r)
-    return runs, sweep_records, stats
+    return [run for run in runs if len(run.step)], sweep_records, stats
 
 
 def _binned(xs: array, ys: array) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -284,19 +289,8 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
 
 
 def _plot_sweep(path: str, records: list[dict[str, Any]], out: str) -> str:
-    from ._report import _sweep
-
-    points: list[dict[str, Any]] = []
-    built = None
-    for r in records:
-        if r.get("kind") == "sweep_point":
-            points.append(r)
-        else:
-            built = _sweep(points, r)
-            points = []
-    if points:
-        built = _sweep(points, None)
-    obj = built.get("_object") if built else None
+    sweeps = logged_sweeps(records)
+    obj = sweeps[-1].result if sweeps else None
     if obj is None:
         raise ConfigError(f"the last sweep in {path!r} has no readable sweep_result record to plot")
     return plot_sweep(obj, out)

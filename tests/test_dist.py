@@ -326,7 +326,7 @@ def test_two_processes_identity_straggler_and_report(tmp_path):
     assert not os.path.exists(tmp_path / "zero.rank1.jsonl")
     assert list(stepprof.read(str(tmp_path / "zero.rank0.jsonl"), kind="ranks"))
     report = build_report(_logs(tmp_path, "slow", 2))
-    d = report["distributed"]
+    d = report.to_dict()["distributed"]
     assert [r["rank"] for r in d["ranks"]] == [0, 1]
     assert d["exchanges"]["straggler_counts"] == {"1": 3}
     assert d["from_medians"]["straggler_rank"] == 1
@@ -344,7 +344,7 @@ def test_four_processes_in_lockstep_name_the_forward_straggler(tmp_path):
         # DDP's allreduce evens out the step times: the rule finds the cause in forward.
         assert r["step_ratio"] < _dist.STRAGGLER_RATIO
         assert (r["straggler_rank"], r["straggler_basis"]) == (2, "forward"), r["unavailable"]
-    d = build_report(_logs(tmp_path, "ddp", 4))["distributed"]
+    d = build_report(_logs(tmp_path, "ddp", 4)).to_dict()["distributed"]
     assert (d["from_medians"]["straggler_rank"], d["from_medians"]["basis"]) == (2, "forward")
 
 

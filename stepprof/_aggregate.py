@@ -1,0 +1,652 @@
+"""The one aggregate of a run's records: every figure the summary and the report show.
+
+:class:`RunAggregate` takes the record dicts of one run (``step``, ``memory``,
+``flops``, ``ranks``, ``summary``), straight from the log writer or from a log
+read back, and keeps them in bounded memory: each per-step figure in a
+:class:`~stepprof._stats.QuantileSketch`, sync sites, phases and batch sizes in
+capped tables, the slowest steps in a small heap.  :meth:`RunAggregate.figures`
+and :meth:`RunAggregate.unavailable` give the figures and, for each that is
+missing, why; :meth:`RunAggregate.summary_fields` gives them as the fields of
+:class:`stepprof.Summary`, so that the summary and ``stepprof report`` agree.
+
+What counts, in one place:
+
+- a *measured* step is past warm-up, without an error, with a numeric ``wall_ms``;
+- the step flagged ``flops_counted`` ran under ``FlopCounterMode`` (eagerly, with the
+  counter's own cost): it counts as measured but is left out of every per-step figure;
+- the one MFU is the median of the steps' ``mfu``.
+
+``add`` is the report's hot loop (a million records a log; see bench/report.py), so
+the step path is written out with type tests rather than generic helpers.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+import attrs
+
+from ._records import Percentiles
+from ._stats import QuantileSketch
+
+__all__ = [
+    "NO_MEASURED_STEPS",
+    "NOT_REQUESTED_FLOPS",
+    "RunAggregate",
+    "RunFigures",
+    "finite_number",
+]
+
+#: Sync sites, phase names, batch sizes and reasons kept per run.
+TABLE_CAP = 256
+#: Slowest steps kept per run (for the spikes diagnosis).
+SPIKES_KEPT = 32
+#: Steps between two folds of the sketches' buffers.
+_SETTLE_EVERY = 4096
+
+NO_MEASURED_STEPS = "no measured steps (all were warm-up, failed, or none ran)"
+ONLY_THE_COUNTED_STEP = (
+    "no measured step besides the one whose FLOPs were counted (its times include FlopCounterMode's cost)"
+)
+NOT_REQUESTED_FLOPS = "FLOPs were not requested: pass Profiler(flops='auto') or flops_per_step=N"
+NO_STEP_AFTER_THE_COUNT = "no measured step after the counted one"
+
+#: Figures whose reason comes from the step records' ``unavailable`` (figure -> step field),
+#: with the reason used when no step gave one.
+_STEP_REASONS = {
+    "gpu_ms": ("gpu_ms", "not recorded"),
+    "gpu_busy_median": ("gpu_busy", "not recorded"),
+    "samples_per_s_median": ("samples_per_s", "not recorded"),
+    "syncs_per_step_median": ("syncs", "not in this log (written by an older stepprof)"),
+    "peak_allocated_bytes_max": ("peak_allocated_bytes", "not recorded"),
+}
+
+
+def finite_number(x: Any) -> float | None:
+    """A finite number, else None (logs are read as found: a field may hold anything)."""
+    if type(x) is float:
+        return x if math.isfinite(x) else None
+    if type(x) is int:
+        return float(x)
+    return None
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _count(table: dict[Any, int], key: Any, n: int = 1) -> None:
+    """Add ``n`` to ``table[key]``; a new key only while the table is below :data:`TABLE_CAP`."""
+    if key in table:
+        table[key] += n
+    elif len(table) < TABLE_CAP:
+        table[key] = n
+
+
+def _add_counts(into: dict[Any, int], other: dict[Any, int]) -> None:
+    for key, n in other.items():
+        _count(into, key, n)
+
+
+@attrs.frozen
+class RunFigures:
+    """A run's per-step figures over its timed steps (measured, less the FLOPs-counted one).
+
+    ``step_ms`` is the step's span, ``max(wall_ms, gpu_ms)``: the time ``samples_per_s``
+    and ``tflops_per_s`` divide by.
+    """
+
+    wall_ms: Percentiles | None
+    gpu_ms: Percentiles | None
+    step_ms: Percentiles | None
+    samples_per_s: Percentiles | None
+    gpu_busy_median: float | None
+    syncs_per_step: Percentiles | None
+    overhead_us_median: float | None
+    tflops_per_s_median: float | None
+    mfu_median: float | None
+
+
+def _percentiles(sketch: QuantileSketch) -> Percentiles | None:
+    d = sketch.percentiles()
+    return None if d is None else Percentiles(**d)
+
+
+class PhaseAggregate:
+    """One phase name's figures over a run's timed steps."""
+
+    __slots__ = ("wall", "gpu", "peak", "syncs", "count", "steps")
+
+    def __init__(self) -> None:
+        self.wall, self.gpu = QuantileSketch(), QuantileSketch()
+        self.peak: float | None = None
+        self.syncs = 0
+        self.count = 0  # how many times it ran
+        self.steps = 0  # in how many steps
+
+    def merge(self, other: PhaseAggregate) -> None:
+        self.wall.merge(other.wall)
+        self.gpu.merge(other.gpu)
+        self.peak = _larger(self.peak, other.peak)
+        self.syncs += other.syncs
+        self.count += other.count
+        self.steps += other.steps
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps = state
+
+
+class RunAggregate:
+    """One profiling run's records, aggregated in bounded memory.
+
+    Example:
+        >>> agg = RunAggregate()
+        >>> for i in range(3):
+        ...     agg.add({"kind": "step", "step": i, "warmup": i == 0, "wall_ms": 2.0 + i})
+        >>> agg.summary_fields()["wall_ms"]
+        Percentiles(median=3.5, p10=3.1, p90=3.9)
+    """
+
+    _COUNTERS = ("steps", "warmup", "errors", "measured", "alloc_steps", "steps_with_device_alloc",
+                 "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped",
+                 "ranks_records")
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+        self.steps = self.warmup = self.errors = self.measured = self.malformed = 0
+        self.devices: dict[str, int] = {}
+        self.names: dict[str, int] = {}
+        self.batch_sizes: dict[int, int] = {}
+        self.first_step: int | None = None
+        self.last_step = -1
+        self.first_measured: int | None = None
+        self.wall, self.gpu, self.span, self.busy = (QuantileSketch() for _ in range(4))
+        self.sps, self.syncs, self.tflops, self.mfu, self.overhead = (QuantileSketch() for _ in range(5))
+        self.sketches = (self.wall, self.gpu, self.span, self.busy, self.sps, self.syncs,
+                         self.tflops, self.mfu, self.overhead)
+        self.peak: float | None = None
+        self.reserved: float | None = None
+        self.reserved_last: float | None = None
+        self.rss: float | None = None
+        self.alloc = {"num_alloc_retries": 0, "num_sync_all_streams": 0, "num_device_alloc": 0,
+                      "num_device_free": 0}
+        self.alloc_steps = 0
+        self.steps_with_device_alloc = 0
+        self.sites: dict[tuple[str, str], list[Any]] = {}  # (where, kind) -> [count, code, steps]
+        self.sites_dropped = 0
+        self.sync_steps = 0
+        self.sync_mechanism: str | None = None
+        self.other_threads = 0
+        self.phases: dict[str, PhaseAggregate] = {}
+        self.spikes: list[tuple[float, int, int, int]] = []  # heap of (span, step, device allocs, retries)
+        self.memory_first: dict[str, Any] | None = None
+        self.memory_last: dict[str, Any] | None = None
+        self.memory_records = 0
+        self.flops: dict[str, Any] | None = None
+        self.flops_requested = False  # a step record carries tflops_per_s (null or not)
+        self.flops_reason: str | None = None  # the latest step's reason for a null tflops_per_s
+        self.mfu_reason: str | None = None  # the latest timed step's reason for a null mfu
+        self.flops_counted_step: int | None = None
+        self.summary: dict[str, Any] | None = None
+        self.step_reasons: dict[str, str] = {}  # the first reason per field of the timed steps
+        self.since_settle = 0
+        # Distributed runs: this log's rank, and (rank 0's log) the ranks records.
+        self.identity: dict[str, Any] | None = None
+        self.ranks_records = 0
+        self.ranks_named: dict[int, int] = {}
+        self.ranks_last: dict[str, Any] | None = None
+        self.ranks_last_named: dict[str, Any] | None = None
+
+    # -- records in ---------------------------------------------------------------
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Fold in one record of this run (as the writer writes it, or as read back)."""
+        kind = record.get("kind")
+        if kind == "step":
+            self.add_step(record)
+        elif kind == "memory":
+            self.add_memory(record)
+        elif kind == "flops":
+            self.flops = record
+        elif kind == "ranks":
+            self.add_ranks(record)
+        elif kind == "summary":
+            self.summary = record
+            if self.identity is None:
+                self.take_identity(record)
+
+    def add_step(self, r: dict[str, Any]) -> None:
+        """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step."""
+        # Numbers are taken as orjson gives them: int or float (JSON has no NaN or
+        # infinity); anything else (a str, a bool, null) is treated as missing.
+        get = r.get
+        self.steps += 1
+        idx = get("step")
+        if type(idx) is int:
+            if self.first_step is None:
+                self.first_step = idx
+            self.last_step = idx
+        else:
+            idx = -1
+        if self.identity is None:
+            self.take_identity(r)
+        device = get("device")
+        if type(device) is str:
+            _count(self.devices, device)
+        name = get("name")
+        if type(name) is str:
+            _count(self.names, name)
+        if "tflops_per_s" in r and (get("mfu") is None or not self.flops_requested):
+            self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
+        if get("warmup") is True:
+            self.warmup += 1
+            return
+        if get("error") is not None:
+            self.errors += 1
+            return
+        wall = get("wall_ms")
+        t = type(wall)
+        if t is not float and t is not int:
+            self.malformed += 1
+            return
+        self.measured += 1
+        if self.first_measured is None and idx >= 0:
+            self.first_measured = idx
+        if get("flops_counted") is True:
+            self.flops_counted_step = idx if idx >= 0 else None
+            return  # its times include FlopCounterMode's cost
+        self.wall.buf.append(wall)
+        gpu = get("gpu_ms")
+        t = type(gpu)
+        span = wall
+        if t is float or t is int:
+            self.gpu.buf.append(gpu)
+            if gpu > wall:
+                span = gpu
+        self.span.buf.append(span)
+        x = get("gpu_busy")
+        t = type(x)
+        if t is float or t is int:
+            self.busy.buf.append(x)
+        batch = get("batch_size")
+        if type(batch) is int:
+            _count(self.batch_sizes, batch)
+            x = get("samples_per_s")
+            t = type(x)
+            if t is float or t is int:
+                self.sps.buf.append(x)
+        x = get("overhead_us")
+        t = type(x)
+        if t is float or t is int:
+            self.overhead.buf.append(x)
+        self._add_memory_fields(r)
+        allocs, retries = self._add_allocator(get("allocator"))
+        syncs = get("syncs")
+        if type(syncs) is dict:
+            self._add_syncs(syncs)
+        phases = get("phases")
+        if phases and type(phases) is dict:
+            self._add_phases(phases)
+        if "tflops_per_s" in r:
+            x = get("tflops_per_s")
+            t = type(x)
+            if t is float or t is int:
+                self.tflops.buf.append(x)
+            x = get("mfu")
+            t = type(x)
+            if t is float or t is int:
+                self.mfu.buf.append(x)
+        spikes = self.spikes
+        if len(spikes) < SPIKES_KEPT:
+            heapq.heappush(spikes, (span, idx, allocs, retries))
+        elif span > spikes[0][0]:
+            heapq.heapreplace(spikes, (span, idx, allocs, retries))
+        unavailable = get("unavailable")
+        if unavailable and type(unavailable) is dict:
+            self._take_reasons(unavailable)
+        self.since_settle += 1
+        if self.since_settle >= _SETTLE_EVERY:
+            self.settle()
+
+    def _take_flops_state(self, r: dict[str, Any]) -> None:
+        """A step of a run that asked for FLOPs: keep the latest reasons for null ones."""
+        self.flops_requested = True
+        unavailable = r.get("unavailable")
+        if type(unavailable) is dict:
+            why = unavailable.get("tflops_per_s")
+            if type(why) is str and r.get("tflops_per_s") is None:
+                self.flops_reason = why
+            why = unavailable.get("mfu")
+            if type(why) is str and r.get("mfu") is None and r.get("tflops_per_s") is not None:
+                self.mfu_reason = why
+
+    def _add_memory_fields(self, r: dict[str, Any]) -> None:
+        x = r.get("peak_allocated_bytes")
+        t = type(x)
+        if (t is int or t is float) and (self.peak is None or x > self.peak):
+            self.peak = x
+        x = r.get("reserved_bytes")
+        t = type(x)
+        if t is int or t is float:
+            self.reserved_last = x
+            if self.reserved is None or x > self.reserved:
+                self.reserved = x
+        x = r.get("host_rss_bytes")
+        if type(x) is int:
+            self.rss = x
+
+    def _add_allocator(self, alloc: Any) -> tuple[int, int]:
+        """Sum a step's allocator counters; return its device allocations and retries."""
+        if type(alloc) is not dict:
+            return 0, 0
+        self.alloc_steps += 1
+        totals = self.alloc
+        for key, n in alloc.items():
+            if type(n) is int and key in totals:
+                totals[key] += n
+        allocs = alloc.get("num_device_alloc")
+        retries = alloc.get("num_alloc_retries")
+        if type(allocs) is not int:
+            allocs = 0
+        elif allocs > 0:
+            self.steps_with_device_alloc += 1
+        if type(retries) is not int:
+            retries = 0
+        return allocs, retries
+
+    def _take_reasons(self, unavailable: dict[str, Any]) -> None:
+        reasons = self.step_reasons
+        if len(reasons) >= TABLE_CAP:
+            return
+        for key, why in unavailable.items():
+            if key not in reasons and type(why) is str:
+                reasons[key] = why
+
+    def _add_syncs(self, syncs: dict[str, Any]) -> None:
+        count = syncs.get("count")
+        if type(count) is not int:
+            return
+        self.sync_steps += 1
+        self.syncs.buf.append(count)
+        mechanism = syncs.get("mechanism")
+        if type(mechanism) is str:
+            self.sync_mechanism = mechanism
+        other = syncs.get("other_threads")
+        if other and type(other) is int:
+            self.other_threads += other
+        sites = syncs.get("sites")
+        if not sites or type(sites) is not list:
+            return
+        table = self.sites
+        for site in sites:
+            if type(site) is not dict:
+                continue
+            n = site.get("count")
+            if type(n) is not int:
+                continue
+            key = (site.get("where"), site.get("kind"))
+            entry = table.get(key) if type(key[0]) is str and type(key[1]) is str else None
+            if entry is None:
+                key = (str(key[0]), str(key[1]))
+                entry = table.get(key)
+            if entry is None:
+                if len(table) >= TABLE_CAP:
+                    self.sites_dropped += n
+                    continue
+                code = site.get("code")
+                entry = table[key] = [0, code if type(code) is str else None, 0]
+            entry[0] += n
+            entry[2] += 1
+
+    def _add_phases(self, phases: dict[str, Any]) -> None:
+        table = self.phases
+        for name, ph in phases.items():
+            agg = table.get(name)
+            if agg is None:
+                if len(table) >= TABLE_CAP:
+                    continue
+                agg = table[name] = PhaseAggregate()
+            if type(ph) is not dict:
+                continue
+            agg.steps += 1
+            get = ph.get
+            x = get("wall_ms")
+            t = type(x)
+            if t is float or t is int:
+                agg.wall.buf.append(x)
+            x = get("gpu_ms")
+            t = type(x)
+            if t is float or t is int:
+                agg.gpu.buf.append(x)
+            x = get("peak_allocated_bytes")
+            t = type(x)
+            if (t is int or t is float) and (agg.peak is None or x > agg.peak):
+                agg.peak = x
+            x = get("syncs")
+            if x and type(x) is int:
+                agg.syncs += x
+            x = get("count")
+            agg.count += x if type(x) is int else 1
+
+    def take_identity(self, r: dict[str, Any]) -> None:
+        """The run's rank, local rank and world size, from the first record that names a rank."""
+        if type(r.get("rank")) is int:
+            self.identity = {
+                k: r.get(k) if type(r.get(k)) is int else None for k in ("rank", "local_rank", "world_size")
+            }
+
+    def add_ranks(self, r: dict[str, Any]) -> None:
+        """A ``kind: "ranks"`` record (rank 0's log): count who was named, keep the latest."""
+        self.ranks_records += 1
+        who = r.get("straggler_rank")
+        if type(who) is int:
+            self.ranks_named[who] = self.ranks_named.get(who, 0) + 1
+            self.ranks_last_named = r
+        self.ranks_last = r
+
+    def add_memory(self, r: dict[str, Any]) -> None:
+        """A ``kind: "memory"`` record: the first steady one and the last one are kept."""
+        self.memory_records += 1
+        if self.memory_first is None and r.get("trigger") in ("after_warmup", "periodic"):
+            self.memory_first = r
+        self.memory_last = r
+
+    def settle(self) -> None:
+        """Fold the sketches' buffers (done every few thousand steps, and before reading)."""
+        self.since_settle = 0
+        for sketch in self.sketches:
+            sketch.settle()
+        for ph in self.phases.values():
+            ph.wall.settle()
+            ph.gpu.settle()
+
+    def merge(self, later: RunAggregate) -> None:
+        """Fold in ``later``: the same run, continued in a later stretch of the log."""
+        for name in self._COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(later, name))
+        _add_counts(self.devices, later.devices)
+        _add_counts(self.names, later.names)
+        _add_counts(self.batch_sizes, later.batch_sizes)
+        if later.steps:
+            if self.first_step is None:
+                self.first_step = later.first_step
+            self.last_step = later.last_step
+        if self.first_measured is None:
+            self.first_measured = later.first_measured
+        for mine, theirs in zip(self.sketches, later.sketches, strict=True):
+            mine.merge(theirs)
+        self.peak = _larger(self.peak, later.peak)
+        self.reserved = _larger(self.reserved, later.reserved)
+        if later.reserved_last is not None:
+            self.reserved_last = later.reserved_last
+        if later.rss is not None:
+            self.rss = later.rss
+        for key, n in later.alloc.items():
+            self.alloc[key] += n
+        for key, (n, code, steps) in later.sites.items():
+            entry = self.sites.get(key)
+            if entry is None:
+                if len(self.sites) >= TABLE_CAP:
+                    self.sites_dropped += n
+                    continue
+                entry = self.sites[key] = [0, code, 0]
+            entry[0] += n
+            entry[2] += steps
+            if entry[1] is None:
+                entry[1] = code
+        if later.sync_mechanism is not None:
+            self.sync_mechanism = later.sync_mechanism
+        for name, ph in later.phases.items():
+            mine = self.phases.get(name)
+            if mine is None:
+                if len(self.phases) < TABLE_CAP:
+                    self.phases[name] = ph
+                continue
+            mine.merge(ph)
+        self.spikes = heapq.nlargest(SPIKES_KEPT, self.spikes + later.spikes)
+        heapq.heapify(self.spikes)
+        if self.memory_first is None:
+            self.memory_first = later.memory_first
+        if later.memory_last is not None:
+            self.memory_last = later.memory_last
+        for name in ("flops", "flops_counted_step", "summary", "flops_reason", "mfu_reason"):
+            if getattr(later, name) is not None:
+                setattr(self, name, getattr(later, name))
+        self.flops_requested = self.flops_requested or later.flops_requested
+        if self.identity is None:
+            self.identity = later.identity
+        _add_counts(self.ranks_named, later.ranks_named)
+        self.ranks_last = later.ranks_last or self.ranks_last
+        self.ranks_last_named = later.ranks_last_named or self.ranks_last_named
+        for key, why in later.step_reasons.items():
+            if key not in self.step_reasons and len(self.step_reasons) < TABLE_CAP:
+                self.step_reasons[key] = why
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["sketches"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.sketches = (self.wall, self.gpu, self.span, self.busy, self.sps, self.syncs,
+                         self.tflops, self.mfu, self.overhead)
+
+    # -- figures out --------------------------------------------------------------
+
+    @property
+    def timed_steps(self) -> int:
+        """Measured steps whose times count (all but the FLOPs-counted one)."""
+        return self.wall.count
+
+    @property
+    def approximate(self) -> bool:
+        """True when a figure's quantiles come from the compacted sketch (over ``EXACT`` steps)."""
+        return not all(sketch.exact for sketch in self.sketches)
+
+    def figures(self) -> RunFigures:
+        """The per-step figures (settles the sketches)."""
+        self.settle()
+        return RunFigures(
+            wall_ms=_percentiles(self.wall),
+            gpu_ms=_percentiles(self.gpu),
+            step_ms=_percentiles(self.span),
+            samples_per_s=_percentiles(self.sps),
+            gpu_busy_median=self.busy.quantile(0.5),
+            syncs_per_step=_percentiles(self.syncs),
+            overhead_us_median=self.overhead.quantile(0.5),
+            tflops_per_s_median=self.tflops.quantile(0.5),
+            mfu_median=self.mfu.quantile(0.5),
+        )
+
+    @property
+    def device(self) -> str | None:
+        """The device most steps ran on."""
+        return max(self.devices, key=lambda k: self.devices[k]) if self.devices else None
+
+    def unavailable(self) -> dict[str, str]:
+        """Why each missing figure is missing, keyed by :class:`stepprof.Summary`'s field names.
+
+        Also ``step_ms`` (the report's), and ``sync_mechanism`` when no step counted syncs.
+        """
+        figures = self.figures()
+        present = {
+            "wall_ms": figures.wall_ms, "gpu_ms": figures.gpu_ms, "step_ms": figures.step_ms,
+            "gpu_busy_median": figures.gpu_busy_median,
+            "peak_allocated_bytes_max": self.peak,
+            "samples_per_s_median": figures.samples_per_s,
+            "overhead_us_median": figures.overhead_us_median,
+            "syncs_per_step_median": figures.syncs_per_step,
+        }
+        why: dict[str, str] = {}
+        if self.timed_steps == 0:
+            none = NO_MEASURED_STEPS if self.measured == 0 else ONLY_THE_COUNTED_STEP
+            why.update((name, none) for name, value in present.items() if value is None)
+        else:
+            for name, (field, fallback) in _STEP_REASONS.items():
+                if present[name] is None:
+                    why[name] = self.step_reasons.get(field) or (
+                        why.get("gpu_ms", fallback) if name == "gpu_busy_median" else fallback
+                    )
+        if figures.syncs_per_step is None:
+            why["sync_mechanism"] = why["syncs_per_step_median"]
+        if figures.tflops_per_s_median is None:
+            why["tflops_per_s_median"] = self._flops_unavailable()
+        if figures.mfu_median is None:
+            why["mfu_median"] = (
+                why["tflops_per_s_median"]
+                if figures.tflops_per_s_median is None
+                else self.mfu_reason or self._flops_record_reason("ideal_ms") or "not computed"
+            )
+        return why
+
+    def _flops_unavailable(self) -> str:
+        if not self.flops_requested:
+            return NOT_REQUESTED_FLOPS
+        if self.flops is not None:
+            if finite_number(self.flops.get("flops_per_step")) is not None:
+                return NO_STEP_AFTER_THE_COUNT
+            return self._flops_record_reason("flops_per_step") or self.flops_reason or "not counted"
+        return self.flops_reason or "not counted"
+
+    def _flops_record_reason(self, field: str) -> str | None:
+        reasons = (self.flops or {}).get("unavailable")
+        why = reasons.get(field) if type(reasons) is dict else None
+        return why if type(why) is str else None
+
+    def summary_fields(self, extra_unavailable: dict[str, str] | None = None) -> dict[str, Any]:
+        """The constructor arguments of :class:`stepprof.Summary`, all but ``log``.
+
+        Args:
+            extra_unavailable: reasons only the profiler knows (``stepprof`` when recording
+                broke, ``log`` when the writer failed); they are added last and win.
+        """
+        figures = self.figures()
+        unavailable = self.unavailable()
+        unavailable.pop("step_ms", None)
+        if extra_unavailable:
+            unavailable.update(extra_unavailable)
+        syncs = figures.syncs_per_step
+        return {
+            "steps": self.steps,
+            "warmup_steps": self.warmup,
+            "error_steps": self.errors,
+            "measured_steps": self.measured,
+            "device": self.device or "none",
+            "wall_ms": figures.wall_ms,
+            "gpu_ms": figures.gpu_ms,
+            "gpu_busy_median": figures.gpu_busy_median,
+            "peak_allocated_bytes_max": self.peak,
+            "samples_per_s_median": None if figures.samples_per_s is None else figures.samples_per_s.median,
+            "overhead_us_median": figures.overhead_us_median,
+            "syncs_per_step_median": None if syncs is None else syncs.median,
+            "sync_mechanism": self.sync_mechanism if syncs is not None else None,
+            "tflops_per_s_median": figures.tflops_per_s_median,
+            "mfu_median": figures.mfu_median,
+            "unavailable": unavailable,
+        }

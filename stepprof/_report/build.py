@@ -1,0 +1,307 @@
+"""From a log's aggregates to the report's records: tables, the roofline, diagnoses, the ranks view."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import attrs
+
+from .._aggregate import RunAggregate, finite_number
+from .._dist import find_straggler
+from .._schema import SCHEMA_VERSION
+from .._roofline import load_calibration, roofline
+from .diagnose import SPIKE_FACTOR, diagnose, spike_period
+from .model import (
+    REPORT_VERSION,
+    AllocatorCounts,
+    DistributedView,
+    LogReport,
+    MemoryFigures,
+    PhaseRow,
+    RankExchanges,
+    RankRow,
+    Report,
+    RunReport,
+    Spike,
+    Spikes,
+    StragglerCheck,
+    SweepReport,
+    SyncSite,
+    SyncTable,
+)
+from .read import read_log
+from .sweeps import LoggedSweep, logged_sweeps
+
+__all__ = ["build_report", "report_log"]
+
+#: The aggregate's reason keys that the report names after its own lines.
+_REPORT_REASON_KEYS = {
+    "samples_per_s_median": "samples_per_s",
+    "syncs_per_step_median": "syncs_per_step",
+    "peak_allocated_bytes_max": "peak_allocated_bytes",
+}
+
+
+def build_report(paths: list[str]) -> Report:
+    """The report of the logs at ``paths`` (``--json`` prints ``report.to_dict()``)."""
+    logs = tuple(report_log(p) for p in paths)
+    return Report(stepprof_report=REPORT_VERSION, logs=logs, distributed=_cross_rank(logs))
+
+
+def report_log(path: str, workers: int | None = None) -> LogReport:
+    """Stream one log into its report.
+
+    Args:
+        path: the log.
+        workers: processes to read it with (see :func:`~stepprof._report.read.read_log`).
+    """
+    segment = read_log(path, workers)
+    sweeps = logged_sweeps(segment.sweep_records)
+    last_result = next((s.result_record for s in reversed(sweeps) if s.result_record is not None), None)
+    versions = segment.versions
+    newer = sorted(v for v in versions if type(v) is int and v > SCHEMA_VERSION)
+    runs = tuple(
+        run_report(run, last_result)
+        for run in segment.runs
+        if run.steps or run.memory_records or run.flops or run.ranks_records
+    )
+    return LogReport(
+        path=os.fspath(path),
+        lines=segment.stats.lines,
+        skipped_lines=segment.stats.skipped,
+        schema_versions=tuple(sorted(v for v in versions if type(v) is int)),
+        newer_schema=newer[-1] if newer else None,
+        other_kinds=segment.kinds,
+        runs=runs,
+        sweeps=tuple(_sweep_report(s) for s in sweeps),
+    )
+
+
+def _sweep_report(sweep: LoggedSweep) -> SweepReport:
+    return SweepReport(
+        points=tuple(attrs.asdict(p) for p in sweep.points), result=sweep.result_record, table=sweep.table
+    )
+
+
+def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
+    """One run's report: the aggregate's figures, its tables, the roofline and the diagnoses.
+
+    Args:
+        agg: the run.
+        sweep: the result record of the log's last finished sweep, if any.
+    """
+    figures = agg.figures()
+    unavailable = {_REPORT_REASON_KEYS.get(k, k): v for k, v in agg.unavailable().items()}
+    identity = agg.identity or {}
+    roof, roofline_reason = _roofline(agg.flops, figures.step_ms.median if figures.step_ms else None)
+    run = RunReport(
+        run=agg.index,
+        device=agg.device,
+        names=tuple(sorted(agg.names)),
+        steps=agg.steps,
+        warmup_steps=agg.warmup,
+        error_steps=agg.errors,
+        measured_steps=agg.measured,
+        malformed_steps=agg.malformed,
+        first_step=agg.first_step,
+        last_step=agg.last_step if agg.first_step is not None else None,
+        batch_size=max(agg.batch_sizes, key=lambda k: agg.batch_sizes[k]) if agg.batch_sizes else None,
+        batch_sizes=len(agg.batch_sizes),
+        figures=figures,
+        approximate_quantiles=agg.approximate,
+        memory=_memory(agg),
+        allocator=AllocatorCounts(**agg.alloc, steps=agg.alloc_steps,
+                                  steps_with_device_alloc=agg.steps_with_device_alloc)
+        if agg.alloc_steps else None,
+        syncs=_sync_table(agg),
+        phases=_phase_rows(agg),
+        flops=agg.flops,
+        flops_counted_step=agg.flops_counted_step,
+        roofline=roof,
+        spikes=_spikes(agg, figures.step_ms.median if figures.step_ms else None),
+        summary_found=agg.summary is not None,
+        unavailable=unavailable,
+        rank=identity.get("rank"),
+        local_rank=identity.get("local_rank"),
+        world_size=identity.get("world_size"),
+        ranks=RankExchanges(
+            exchanges=agg.ranks_records,
+            straggler_counts={str(k): v for k, v in sorted(agg.ranks_named.items())},
+            latest=agg.ranks_last,
+            latest_named=agg.ranks_last_named,
+        ) if agg.ranks_records else None,
+        diagnoses=(),
+        not_diagnosed={},
+    )
+    found, missing = diagnose(run, sweep, roofline_reason)
+    return attrs.evolve(run, diagnoses=found, not_diagnosed=missing)
+
+
+def _memory(agg: RunAggregate) -> MemoryFigures:
+    last = agg.memory_last or {}
+    first = agg.memory_first or {}
+    notes = last.get("notes")
+    return MemoryFigures(
+        peak_allocated_bytes_max=agg.peak,
+        reserved_bytes_max=agg.reserved,
+        reserved_bytes_last=agg.reserved_last,
+        host_rss_bytes_last=agg.rss,
+        memory_records=agg.memory_records,
+        nvml_process_bytes=finite_number(last.get("nvml_process_bytes")),
+        residual_bytes=finite_number(last.get("residual_bytes")),
+        residual_bytes_first=finite_number(first.get("residual_bytes")),
+        allocated_bytes=finite_number(last.get("allocated_bytes")),
+        total_bytes=finite_number(last.get("total_bytes")),
+        device_used_bytes=finite_number(last.get("mem_get_info_used_bytes")),
+        inactive_split_bytes=finite_number(last.get("inactive_split_bytes")),
+        num_alloc_retries=finite_number(last.get("num_alloc_retries")),
+        num_ooms=finite_number(last.get("num_ooms")),
+        basis=last.get("basis") if type(last.get("basis")) is str else None,
+        explanation=last.get("explanation") if type(last.get("explanation")) is str else None,
+        notes=tuple(n for n in notes if type(n) is str) if type(notes) is list else (),
+    )
+
+
+def _sync_table(agg: RunAggregate) -> SyncTable | None:
+    if not agg.sync_steps:
+        return None
+    busiest = sorted(agg.sites.items(), key=lambda kv: -kv[1][0])[:10]
+    return SyncTable(
+        steps_counted=agg.sync_steps,
+        mechanism=agg.sync_mechanism,
+        other_threads=agg.other_threads,
+        total=int(sum(v[0] for v in agg.sites.values()) + agg.sites_dropped),
+        sites=tuple(
+            SyncSite(where=where, kind=kind, code=code, count=n, per_step=n / agg.sync_steps, steps_with_it=steps)
+            for (where, kind), (n, code, steps) in busiest
+        ),
+    )
+
+
+def _phase_rows(agg: RunAggregate) -> tuple[PhaseRow, ...]:
+    agg.settle()
+    return tuple(
+        PhaseRow(
+            name=name,
+            wall_ms_median=ph.wall.quantile(0.5),
+            gpu_ms_median=ph.gpu.quantile(0.5),
+            peak_allocated_bytes_max=ph.peak,
+            syncs_per_step=ph.syncs / ph.steps if ph.steps else None,
+            runs_per_step=ph.count / ph.steps if ph.steps else None,
+        )
+        for name, ph in agg.phases.items()
+    )
+
+
+def _spikes(agg: RunAggregate, median: float | None) -> Spikes | None:
+    if median is None:
+        return None
+    threshold = SPIKE_FACTOR * median
+    top = sorted((s for s in agg.spikes if s[0] >= threshold), key=lambda s: s[1])
+    n = agg.span.count_above(threshold) if top else 0
+    early_until = (agg.first_measured or 0) + max(10, agg.measured // 20)
+    early = [s for s in top if 0 <= s[1] < early_until]
+    late = [s for s in top if s not in early]
+    return Spikes(
+        threshold_ms=threshold,
+        median_ms=median,
+        count=n,
+        early=tuple(Spike(step=s[1], ms=s[0], device_allocs=s[2], alloc_retries=s[3]) for s in early),
+        late=tuple(Spike(step=s[1], ms=s[0], device_allocs=s[2], alloc_retries=s[3]) for s in late),
+        period_steps=spike_period([s[1] for s in late]),
+        max_ms=agg.span.max(),
+    )
+
+
+def _roofline(flops: dict[str, Any] | None, step_ms: float | None) -> tuple[dict[str, Any] | None, str]:
+    """The roofline of the median step, and why there is none (or no class)."""
+    if flops is None:
+        return None, (
+            "FLOPs are not in this log: run with Profiler(flops='auto') (or flops_per_step=N) "
+            "and `stepprof calibrate` once"
+        )
+    by_dtype = flops.get("flops_by_dtype")
+    if step_ms is None:
+        return None, "no measured step to compare the FLOPs with"
+    if type(by_dtype) is not dict:
+        return None, (
+            "the FLOPs' dtypes are unknown (flops_per_step was given): run with "
+            "Profiler(flops='auto') for the roofline"
+        )
+    calibration = flops.get("calibration")
+    source = "log"
+    if type(calibration) is not dict:
+        name = flops.get("device_name")
+        calibration, why = load_calibration(name) if type(name) is str else (None, None)
+        if calibration is None:
+            return None, (
+                why or "the log has no calibration and names no GPU model"
+            ) + " (MFU and the class use only measured peaks)"
+        source = "this machine's cache"
+    try:
+        r = roofline(
+            step_ms=step_ms,
+            flops_by_dtype=by_dtype,
+            op_bytes=finite_number(flops.get("op_bytes")),
+            ops=flops.get("ops") if type(flops.get("ops")) is int else None,
+            calibration=calibration,
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        return None, f"the log's flops record is malformed ({e})"
+    r["calibration_source"] = source
+    r["calibration"] = {k: calibration.get(k) for k in ("device_name", "matmul_tflops", "copy_gbps", "launch_us")}
+    return r, r.get("reason") or ""
+
+
+def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:
+    """Per-rank logs together: a row per rank (each log's last run) and the straggler view."""
+    last: dict[int, tuple[str, RunReport]] = {}
+    for log in logs:
+        for run in log.runs:
+            if run.rank is not None:
+                last[run.rank] = (log.path, run)
+    if not last:
+        return None
+    rows = []
+    for rank in sorted(last):
+        path, run = last[rank]
+        f = run.figures
+        rows.append(RankRow(
+            rank=rank, local_rank=run.local_rank, world_size=run.world_size, log=path, steps=run.steps,
+            measured_steps=run.measured_steps,
+            wall_ms_median=f.wall_ms.median if f.wall_ms else None,
+            gpu_ms_median=f.gpu_ms.median if f.gpu_ms else None,
+            peak_allocated_bytes_max=run.memory.peak_allocated_bytes_max,
+            syncs_per_step_median=f.syncs_per_step.median if f.syncs_per_step else None,
+            phases={ph.name: ph.gpu_ms_median if ph.gpu_ms_median is not None else ph.wall_ms_median
+                    for ph in run.phases if "/" not in ph.name},
+        ))
+    notes = []
+    world = max((r.world_size for r in rows if type(r.world_size) is int), default=None)
+    if world is not None and len(rows) < world:
+        have = {r.rank for r in rows}
+        notes.append(f"logs of rank(s) {', '.join(str(r) for r in range(world) if r not in have)} "
+                     f"were not given")
+    # The report's own check, on the per-rank medians over the whole run (rows in rank order;
+    # the rule's index is the position, mapped back to the rank).
+    gpu = all(r.gpu_ms_median is not None for r in rows)
+    step = [math.nan if x is None else x for x in (r.gpu_ms_median if gpu else r.wall_ms_median for r in rows)]
+    names = list(rows[0].phases)
+    same = all(list(r.phases) == names for r in rows)
+    segments = [(n, [math.nan if r.phases[n] is None else r.phases[n] for r in rows])
+                for n in names] if same else []
+    if not same:
+        notes.append("the ranks' phase names differ, so phases are not compared")
+    found = find_straggler(step, segments)
+    check = StragglerCheck(
+        straggler_rank=rows[found.rank].rank if found.rank is not None else None,
+        basis=found.basis, excess_ms=found.excess_ms, step_ratio=found.ratio,
+        step_figure="gpu_ms" if gpu else "wall_ms", reason=found.reason,
+    )
+    exchanges = None
+    for _, run in last.values():
+        if run.ranks is not None:
+            exchanges = run.ranks
+    return DistributedView(ranks=tuple(rows), from_medians=check, exchanges=exchanges, notes=tuple(notes))

@@ -1,0 +1,390 @@
+"""The diagnoses: one function per thing the report detects, each with its evidence and remedies.
+
+Each takes a run's report (its figures and tables) and returns a :class:`Diagnosis`
+when it finds what it looks for, a ``str`` saying why it could not tell (listed
+under "Not diagnosed"), or None when it looked and nothing stands out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._units import MiB, format_bytes
+from .model import Diagnosis, RunReport, Spikes
+
+__all__ = [
+    "HOST_BOUND_BUSY",
+    "SPIKE_FACTOR",
+    "diagnose",
+    "fragmentation",
+    "gpu_bound",
+    "host_bound",
+    "memory_headroom",
+    "roofline_class",
+    "spike_period",
+    "spikes",
+    "sync_heavy",
+]
+
+#: A step is a spike when its time is at least this many times the median.
+SPIKE_FACTOR = 3.0
+#: gpu_busy below this: the GPU finished the step's work well before the host.
+HOST_BOUND_BUSY = 0.9
+#: gpu_busy above this: the host left the step before the GPU finished it.
+GPU_BOUND_BUSY = 1.1
+
+_SYNC_REMEDY = {
+    "item": "keep the value on the GPU and read it every N steps (e.g. accumulate the loss in a tensor)",
+    "tolist": "read the list every N steps, or keep it on the GPU",
+    "to_host": "copy with .to('cpu', non_blocking=True) into pinned memory and read it a step later",
+    "to_device": "copy from pinned memory with non_blocking=True",
+    "bool": "avoid Python control flow on GPU values: use torch.where, or check every N steps",
+    "scalar": "avoid float()/int() of GPU values in the step: keep them as tensors",
+    "nonzero": "use torch.nonzero_static(size=...) or masks that keep the shape",
+    "mask_index": "use torch.where(mask, x, 0) or masked_fill instead of x[mask]",
+    "masked_select": "use torch.where / masked_fill, which keep the shape",
+    "unique": "use a fixed-size alternative or move it out of the step",
+    "repeat_interleave": "pass output_size= to repeat_interleave",
+    "print": "log tensors every N steps, not every step",
+    "device_synchronize": "remove torch.cuda.synchronize() from the step (stepprof times the GPU without it)",
+    "stream_synchronize": "wait on an event for the work you need, not the whole stream",
+    "event_synchronize": "poll event.query() or move the wait out of the step",
+    "backward": (
+        "a sync inside autograd: check custom autograd functions and clip_grad_norm_(error_if_nonfinite=True)"
+    ),
+}
+
+_ROOFLINE_REMEDY = {
+    "compute-bound": [
+        "the matmuls dominate: bf16 (or fp8) if not used yet, fewer recomputed "
+        "FLOPs (activation checkpointing costs a forward)"
+    ],
+    "memory-bound": [
+        "fuse elementwise ops (torch.compile)",
+        "keep activations in bf16",
+        "larger matmuls (bigger hidden sizes or batches) raise the intensity",
+    ],
+    "host-bound": [
+        "a larger batch",
+        "torch.compile(mode='reduce-overhead') / CUDA graphs",
+        "fuse small ops",
+    ],
+}
+
+_KINDS = ("host-bound", "sync-heavy", "memory-headroom", "fragmentation", "spikes", "roofline")
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} ms"
+
+
+def _count_text(x: Any) -> str:
+    return f"{x:,}" if type(x) is int else "n/a"
+
+
+def _bytes(x: float) -> str:
+    return format_bytes(int(x))
+
+
+def diagnose(
+    run: RunReport, sweep: dict[str, Any] | None, roofline_reason: str
+) -> tuple[tuple[Diagnosis, ...], dict[str, str]]:
+    """Every diagnosis of ``run``, in order, and the reason for each one that could not be made.
+
+    Args:
+        run: the run's report (its ``diagnoses`` are not read).
+        sweep: the result record of the log's last finished sweep, if any.
+        roofline_reason: why the run has no roofline class (when it has none).
+    """
+    if run.measured_steps == 0:
+        return (), {kind: "no measured steps" for kind in _KINDS}
+    found: list[Diagnosis] = []
+    missing: dict[str, str] = {}
+    host = host_bound(run, sweep)
+    if isinstance(host, Diagnosis):
+        found.append(host)
+    else:
+        gpu = gpu_bound(run)
+        if gpu is not None:
+            found.append(gpu)
+        elif host is not None:
+            missing["host-bound"] = host
+    checks = (
+        ("sync-heavy", sync_heavy(run)),
+        ("memory-headroom", memory_headroom(run, sweep)),
+        ("fragmentation", fragmentation(run)),
+        ("spikes", spikes(run)),
+        ("roofline", roofline_class(run, roofline_reason)),
+    )
+    for kind, result in checks:
+        if isinstance(result, Diagnosis):
+            found.append(result)
+        elif result is not None:
+            missing[kind] = result
+    return tuple(found), missing
+
+
+def host_bound(run: RunReport, sweep: dict[str, Any] | None) -> Diagnosis | str | None:
+    """The GPU waits for Python: low ``gpu_busy``, the roofline's host bound, or a batch below the knee."""
+    busy = run.figures.gpu_busy_median
+    roof = run.roofline
+    evidence = []
+    if busy is not None and busy < HOST_BOUND_BUSY:
+        evidence.append(
+            f"median gpu_busy {busy:.2f}: the GPU reached the end of the step's work {1 - busy:.0%} "
+            f"of the step before the host did, so it idles at least that share of each step"
+        )
+    if roof is not None and roof["class"] == "host-bound":
+        evidence.append(
+            f"roofline: {roof['host_ms']:.2f} ms of per-operation host cost (operations x "
+            f"{roof['calibration']['launch_us']:.1f} µs) exceeds the compute ({_ms(roof['compute_ms'])}) "
+            f"and memory ({_ms(roof['memory_ms'])}) bounds of a {roof['step_ms']:.2f} ms step"
+        )
+    batch = run.batch_size
+    if sweep is not None and batch is not None and type(sweep.get("knee")) is int and batch < sweep["knee"]:
+        evidence.append(
+            f"the sweep in this log found the knee at batch {sweep['knee']:,}; at batch {batch:,} the "
+            f"GPU is not saturated"
+        )
+    if evidence:
+        return Diagnosis(
+            kind="host-bound",
+            title="Host-bound: the GPU waits for Python to launch work",
+            evidence=tuple(evidence),
+            remedy=(
+                "a larger batch (more work per launch)",
+                "torch.compile(model, mode='reduce-overhead'), which replays CUDA graphs",
+                "CUDA graphs (torch.cuda.graphs) for a static step",
+                "fuse small ops (torch.compile, fused optimizers: AdamW(fused=True))",
+            ),
+        )
+    if busy is None:
+        return run.unavailable.get("gpu_busy_median", "gpu_busy not recorded")
+    if busy > GPU_BOUND_BUSY:
+        return None  # gpu_bound() says so
+    if roof is not None and roof["class"] in ("compute-bound", "memory-bound") and (roof["explained"] or 0) >= 0.5:
+        return (
+            f"ruled out: the roofline's {roof['class'].split('-')[0]} bound explains "
+            f"{roof['explained']:.0%} of the step"
+        )
+    return (
+        f"median gpu_busy {busy:.2f} is close to 1, which fits both a host-bound loop and a "
+        f"GPU-bound one that syncs each step; the roofline (flops='auto' and `stepprof calibrate`) "
+        f"or Nsight Systems tells them apart"
+    )
+
+
+def gpu_bound(run: RunReport) -> Diagnosis | None:
+    """The host leaves the step before the GPU finishes it (median ``gpu_busy`` above 1.1)."""
+    busy = run.figures.gpu_busy_median
+    if busy is None or busy <= GPU_BOUND_BUSY:
+        return None
+    return Diagnosis(
+        kind="gpu-bound",
+        title="GPU-bound: the GPU is the bottleneck",
+        evidence=(f"median gpu_busy {busy:.2f}: the host left the step before the GPU finished it",),
+        remedy=("see the roofline class below for what limits the GPU",),
+    )
+
+
+def sync_heavy(run: RunReport) -> Diagnosis | str | None:
+    """The host waits for the GPU inside the step: a median of one sync or more per step."""
+    table = run.syncs
+    if table is None:
+        return run.unavailable.get("syncs_per_step", "syncs not recorded")
+    syncs = run.figures.syncs_per_step
+    median = syncs.median if syncs is not None else None
+    if median is None or median < 1:
+        return None
+    evidence = [f"median {median:g} sync(s) per step over {table.steps_counted:,} steps"]
+    remedies: list[str] = []
+    for site in table.sites[:5]:
+        evidence.append(f"{site.where}: {site.kind} `{site.code or '?'}`, {site.per_step:.2f} per step")
+        tip = _SYNC_REMEDY.get(site.kind)
+        if tip and tip not in remedies:
+            remedies.append(f"{site.kind} at {site.where}: {tip}")
+    remedies.append("profile_step(max_syncs=0, on_sync='raise') stops at the line that syncs")
+    return Diagnosis(
+        kind="sync-heavy",
+        title="Sync-heavy: the host waits for the GPU inside the step",
+        evidence=tuple(evidence),
+        remedy=tuple(remedies),
+    )
+
+
+def memory_headroom(run: RunReport, sweep: dict[str, Any] | None) -> Diagnosis | str:
+    """How much more the batch could grow: usable memory against the peak, and the sweep's verdict."""
+    mem = run.memory
+    peak = mem.peak_allocated_bytes_max
+    if peak is None:
+        return run.unavailable.get("peak_allocated_bytes", "no peak memory in the log")
+    total = mem.total_bytes
+    batch = run.batch_size
+    evidence: list[str] = []
+    remedy: list[str] = []
+    if total is not None:
+        # Unknown is not 0; a negative residual (MPS, MIG, a driver change) is about 0 (memory.md).
+        residual = None if mem.residual_bytes is None else max(0.0, mem.residual_bytes)
+        others = 0.0
+        if mem.device_used_bytes is not None and mem.nvml_process_bytes is not None:
+            others = max(0.0, mem.device_used_bytes - mem.nvml_process_bytes)
+        usable = total - (residual or 0.0) - others
+        headroom = usable - peak
+        context = (
+            "CUDA context and other unknown: the last memory record has no residual"
+            if residual is None
+            else f"{_bytes(residual)} CUDA context and other"
+        )
+        evidence.append(
+            f"peak {_bytes(peak)} of {'at most ' if residual is None else ''}"
+            f"{_bytes(usable)} usable by the allocator ({_bytes(total)} total, {context}"
+            + (f", {_bytes(others)} other processes" if others else "")
+            + ")"
+        )
+        base = mem.allocated_bytes
+        if batch and base is not None and residual is not None and peak > base:
+            per_sample = (peak - base) / batch
+            fits = int(batch + headroom / per_sample) if headroom > 0 else batch
+            evidence.append(
+                f"at batch {batch:,} the step adds {_bytes(peak - base)} over the "
+                f"{_bytes(base)} held between steps ({_bytes(per_sample)} per sample): "
+                f"about batch {fits:,} fits ({fits / batch:.1f}x), if that grows linearly with the batch"
+            )
+        if sweep is None:
+            remedy.append("confirm with stepprof.sweep(), which finds the largest batch that fits and the knee")
+    if sweep is not None:
+        evidence.append(
+            f"the sweep in this log: max_fit {_count_text(sweep.get('max_fit'))}, "
+            f"knee {_count_text(sweep.get('knee'))}, recommended {_count_text(sweep.get('recommended'))}"
+        )
+        if batch is not None and type(sweep.get("recommended")) is int and sweep["recommended"] > 0:
+            remedy.append(f"use batch {sweep['recommended']:,} (the sweep's recommendation; now {batch:,})")
+    if not evidence:
+        return "no memory record in the log (CUDA runs write one after warm-up)"
+    return Diagnosis(kind="memory-headroom", title="Memory headroom", evidence=tuple(evidence),
+                     remedy=tuple(remedy))
+
+
+def fragmentation(run: RunReport) -> Diagnosis | str | None:
+    """The allocator holds much more than the step ever needed, retries, or keeps calling cudaMalloc."""
+    mem = run.memory
+    peak = mem.peak_allocated_bytes_max
+    if peak is None:
+        return run.unavailable.get("peak_allocated_bytes", "no peak memory in the log")
+    reserved = mem.reserved_bytes_max
+    alloc = run.allocator
+    retries = alloc.num_alloc_retries if alloc is not None else 0
+    evidence = []
+    if reserved is not None and reserved > peak:
+        extra = reserved - peak
+        if extra > 0.25 * reserved and extra > 512 * MiB:
+            evidence.append(
+                f"reserved {_bytes(reserved)} against a peak of {_bytes(peak)}: "
+                f"{_bytes(extra)} cached that no step needed at once"
+            )
+    split = mem.inactive_split_bytes
+    if split is not None and split > 256 * MiB:
+        evidence.append(f"{_bytes(split)} in inactive split blocks (pieces of segments that cannot be freed)")
+    if retries:
+        evidence.append(
+            f"{retries:,} allocation retries in measured steps: cudaMalloc failed and the "
+            f"allocator freed its cache and synchronised"
+        )
+    if alloc is not None and alloc.steps_with_device_alloc > 0.02 * max(1, run.measured_steps):
+        evidence.append(
+            f"{alloc.steps_with_device_alloc:,} measured steps called cudaMalloc (a steady loop calls none)"
+        )
+    evidence += [f"memory record: {n}" for n in mem.notes]
+    if evidence and (len(evidence) > len(mem.notes) or any("fragment" in n for n in mem.notes)):
+        return Diagnosis(
+            kind="fragmentation",
+            title="Fragmentation and allocator churn",
+            evidence=tuple(evidence),
+            remedy=(
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (segments grow in place)",
+                "keep tensor shapes steady across steps (pad variable lengths to a few sizes)",
+                "a slightly smaller batch if allocations retry",
+            ),
+        )
+    if reserved is None:
+        return run.unavailable.get("reserved_bytes", "reserved memory not recorded")
+    return None
+
+
+def spikes(run: RunReport) -> Diagnosis | None:
+    """Steps far above the median: right after warm-up, later, and whether they recur."""
+    sp: Spikes | None = run.spikes
+    if sp is None or not sp.count:
+        return None
+    evidence = [
+        f"{sp.count:,} step(s) took more than {SPIKE_FACTOR:g}x the median "
+        f"{sp.median_ms:.2f} ms (slowest {sp.max_ms:.2f} ms)"
+    ]
+    remedy = []
+    if sp.early:
+        evidence.append("right after warm-up: steps " + ", ".join(f"{s.step} ({s.ms:.1f} ms)" for s in sp.early[:6]))
+        remedy.append(
+            f"raise Profiler(warmup=...) past step {sp.early[-1].step}, so that "
+            f"compilation and autotuning stay out of the figures"
+        )
+    if sp.late:
+        evidence.append("later: steps " + ", ".join(f"{s.step} ({s.ms:.1f} ms)" for s in sp.late[:6]))
+        if sp.period_steps:
+            evidence.append(
+                f"they recur every {sp.period_steps} steps: periodic work inside the step "
+                f"(evaluation, checkpointing, logging)"
+            )
+            remedy.append("move periodic work out of profile_step, or measure it as its own step name")
+        if any(s.device_allocs or s.alloc_retries for s in sp.late):
+            remedy.append(
+                "some spikes called cudaMalloc or retried an allocation: the allocator grew there; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and steady shapes avoid it"
+            )
+        remedy.append(
+            "recompiles: run with TORCH_LOGS=recompiles; mark varying dims with "
+            "torch._dynamo.mark_dynamic or pad shapes to a few sizes"
+        )
+    return Diagnosis(kind="spikes", title="Spikes: steps far above the median", evidence=tuple(evidence),
+                     remedy=tuple(remedy))
+
+
+def spike_period(steps: list[int]) -> int | None:
+    """The spacing of at least three spike steps, if they are evenly spaced."""
+    if len(steps) < 3:
+        return None
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    g = gaps[0]
+    for x in gaps[1:]:
+        g = math.gcd(g, x)
+    return g if g > 1 and max(gaps) <= 3 * min(gaps) and all(x % g == 0 for x in gaps) else None
+
+
+def roofline_class(run: RunReport, roofline_reason: str) -> Diagnosis | str:
+    """What bounds the step: compute, memory or host, from the FLOPs and the calibration."""
+    roof = run.roofline
+    if roof is None or roof["class"] is None:
+        return roofline_reason
+    cls = roof["class"]
+    evidence = [
+        f"{_ms(roof['compute_ms'])} compute bound (FLOPs at the calibrated matmul rates), "
+        f"{_ms(roof['memory_ms'])} memory bound (operation bytes at "
+        f"{roof['calibration']['copy_gbps']:,.0f} GB/s), "
+        f"{_ms(roof['host_ms'])} host bound, against a {roof['step_ms']:.2f} ms step"
+    ]
+    mfu = run.figures.mfu_median
+    if mfu is not None:
+        evidence.append(f"MFU {mfu:.1%} of this GPU's calibrated (measured, not datasheet) peak")
+    if roof["arithmetic_intensity"] is not None and roof["ridge"] is not None:
+        evidence.append(
+            f"arithmetic intensity {roof['arithmetic_intensity']:.0f} FLOP/byte against a ridge of "
+            f"{roof['ridge']:.0f} (operation bytes count each op's inputs and outputs: an upper "
+            f"bound for fused kernels)"
+        )
+    if roof["explained"] is not None and roof["explained"] < 0.5:
+        evidence.append(
+            f"the largest bound explains only {roof['explained']:.0%} of the step: the rest is "
+            f"idle time (syncs, data waits, small kernels below their bound)"
+        )
+    return Diagnosis(kind="roofline", title=f"Roofline: {cls}" if cls else "Roofline", evidence=tuple(evidence),
+                     remedy=tuple(_ROOFLINE_REMEDY.get(cls or "", [])))

@@ -1,0 +1,184 @@
+"""The report as text: per log its runs (figures, tables, diagnoses) and sweeps, then the ranks."""
+
+from __future__ import annotations
+
+from .._records import Percentiles
+from .._units import format_bytes
+from .model import DistributedView, Report, RunReport
+
+__all__ = ["render"]
+
+#: A figure line's label -> its key in the run's ``unavailable`` (for the reason after "n/a").
+_REASON_KEYS = {
+    "wall ms": "wall_ms",
+    "GPU ms": "gpu_ms",
+    "samples/s": "samples_per_s",
+    "GPU busy (median)": "gpu_busy_median",
+    "syncs/step": "syncs_per_step",
+    "TFLOP/s (median)": "tflops_per_s_median",
+    "MFU (median)": "mfu_median",
+    "stepprof µs/step": "overhead_us_median",
+    "peak allocated": "peak_allocated_bytes",
+}
+
+
+def _spread(p: Percentiles | None, fmt: str = "{:.2f}") -> str:
+    """``median (p10 .., p90 ..)``, or ``n/a``."""
+    if p is None:
+        return "n/a"
+    return f"{fmt.format(p.median)} (p10 {fmt.format(p.p10)}, p90 {fmt.format(p.p90)})"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _number(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def render(report: Report) -> str:
+    """The report as plain text: figures, then diagnoses with evidence and remedies."""
+    out: list[str] = []
+    for log in report.logs:
+        out.append(f"== {log.path}: {log.lines:,} lines")
+        if log.skipped_lines:
+            out.append(f"   skipped {log.skipped_lines:,} line(s) that are not JSON objects (torn or corrupt)")
+        if log.newer_schema:
+            out.append(
+                f"   written by a newer stepprof (schema {log.newer_schema}): fields this version "
+                f"does not know are ignored"
+            )
+        if not log.runs and not log.sweeps:
+            out.append("   no step, memory or sweep records")
+        for run in log.runs:
+            _render_run(run, out, len(log.runs) > 1)
+        for i, sweep in enumerate(log.sweeps):
+            out.append("")
+            out.append(f"-- sweep {i + 1}" if len(log.sweeps) > 1 else "-- sweep")
+            out.append(sweep.table or "(no points)")
+            if sweep.result is None:
+                out.append("the sweep has no result record (it stopped before the end)")
+        out.append("")
+    if report.distributed is not None:
+        _render_ranks(report.distributed, out)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _render_ranks(view: DistributedView, out: list[str]) -> None:
+    rows = view.ranks
+    out.append(f"== ranks: {len(rows)} log(s) of world size {rows[0].world_size}")
+    out.append(f"   {'rank':>4} {'steps':>7} {'wall ms':>9} {'GPU ms':>9} {'peak':>11} {'syncs/step':>10}  log")
+    for r in rows:
+        out.append(
+            f"   {r.rank:>4} {r.measured_steps:>7,} {_ms(r.wall_ms_median):>9} {_ms(r.gpu_ms_median):>9} "
+            f"{format_bytes(r.peak_allocated_bytes_max):>11} {_number(r.syncs_per_step_median, 'g'):>10}  {r.log}"
+        )
+    for note in view.notes:
+        out.append(f"   note: {note}")
+    ex = view.exchanges
+    if ex is None:
+        out.append("   stepprof's exchanges: no ranks records (rank 0's log not given, or ranks_every=0)")
+    else:
+        named = ", ".join(f"rank {k} in {v:,}" for k, v in ex.straggler_counts.items()) or "no rank"
+        out.append(f"   stepprof's exchanges: {ex.exchanges:,}; straggler named: {named}")
+        rec = ex.latest_named
+        if rec is not None:
+            excess = rec.get("straggler_excess_ms")
+            out.append(
+                f"   latest named (step {rec.get('step')}): rank {rec.get('straggler_rank')}, "
+                f"basis {rec.get('straggler_basis')}, "
+                f"{_ms(excess if type(excess) in (int, float) else None)} ms over the median"
+            )
+        last = ex.latest
+        if last is not None and last.get("straggler_rank") is None:
+            why = (last.get("unavailable") or {}).get("straggler_rank")
+            out.append(f"   latest exchange (step {last.get('step')}): no straggler" + (f" ({why})" if why else ""))
+    check = view.from_medians
+    if check.straggler_rank is not None:
+        out.append(
+            f"   from the per-rank medians: rank {check.straggler_rank} (basis {check.basis}, "
+            f"{check.excess_ms:.2f} ms over the median; {check.step_figure})"
+        )
+    else:
+        out.append(f"   from the per-rank medians: no straggler ({check.reason})")
+
+
+def _render_run(run: RunReport, out: list[str], several: bool) -> None:
+    f = run.figures
+    head = f"-- run {run.run + 1}" if several else "--"
+    names = ", ".join(run.names[:5]) or "none"
+    out.append("")
+    out.append(
+        f"{head} {run.device or 'no device'}: {run.steps:,} steps ({run.warmup_steps:,} warm-up, "
+        f"{run.error_steps:,} failed, {run.measured_steps:,} measured); names: {names}"
+        + (f"; batch {run.batch_size:,}" if run.batch_size else "")
+    )
+    if not run.summary_found and run.steps:
+        out.append("   no summary record: the run did not close (crash or still running)")
+    if run.approximate_quantiles:
+        out.append("   quantiles are approximate (over 32,768 steps: rank error < 0.1%)")
+    if run.malformed_steps:
+        out.append(f"   {run.malformed_steps:,} step record(s) without a usable wall_ms were left out")
+    rows = [
+        ("wall ms", _spread(f.wall_ms)),
+        ("GPU ms", _spread(f.gpu_ms)),
+        ("samples/s", _spread(f.samples_per_s, "{:,.0f}")),
+        ("GPU busy (median)", _number(f.gpu_busy_median, ".2f")),
+        ("syncs/step", _spread(f.syncs_per_step, "{:g}")),
+        ("TFLOP/s (median)", _number(f.tflops_per_s_median, ".4g")),
+        ("MFU (median)", _number(f.mfu_median, ".1%")),
+        ("stepprof µs/step", _number(f.overhead_us_median, ".0f")),
+    ]
+    m = run.memory
+    rows += [
+        ("peak allocated", format_bytes(m.peak_allocated_bytes_max)),
+        ("reserved (max)", format_bytes(m.reserved_bytes_max)),
+        ("nvidia-smi (NVML)", format_bytes(m.nvml_process_bytes)),
+        ("residual (context+other)", format_bytes(m.residual_bytes)),
+    ]
+    if m.host_rss_bytes_last is not None:
+        rows.append(("host RSS (last)", format_bytes(m.host_rss_bytes_last)))
+    a = run.allocator
+    if a is not None:
+        rows.append(
+            ("allocator retries", f"{a.num_alloc_retries:,} (cudaMalloc in {a.steps_with_device_alloc:,} steps)")
+        )
+    width = max(len(k) for k, _ in rows)
+    for label, value in rows:
+        key = _REASON_KEYS.get(label)
+        reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
+        out.append(f"   {label:<{width}}  {value}{reason}")
+    if run.syncs is not None and run.syncs.sites:
+        out.append("   top sync sites:")
+        for s in run.syncs.sites[:5]:
+            out.append(f"     {s.per_step:>6.2f}/step  {s.where}  {s.kind}  {s.code or ''}")
+    if run.phases:
+        out.append(f"   {'phase':<24} {'wall ms':>9} {'GPU ms':>9} {'peak':>11} {'syncs/step':>10}")
+        for ph in run.phases:
+            out.append(
+                f"   {ph.name[:24]:<24} {_ms(ph.wall_ms_median):>9} {_ms(ph.gpu_ms_median):>9} "
+                f"{format_bytes(ph.peak_allocated_bytes_max):>11} {_number(ph.syncs_per_step, '.2f'):>10}"
+            )
+    flops = run.flops
+    if flops is not None and type(flops.get("flops_per_step")) in (int, float):
+        out.append(
+            f"   FLOPs/step {flops['flops_per_step']:.4g} ({flops.get('source')}"
+            + (f", counted in step {flops['step']}" if type(flops.get("step")) is int else "")
+            + ")"
+        )
+    out.append("")
+    if run.diagnoses:
+        out.append("   Diagnoses")
+        for d in run.diagnoses:
+            out.append(f"   * {d.title}")
+            for e in d.evidence:
+                out.append(f"       evidence: {e}")
+            for r in d.remedy:
+                out.append(f"       remedy:   {r}")
+    else:
+        out.append("   Diagnoses: nothing stands out")
+    if run.not_diagnosed:
+        out.append("   Not diagnosed")
+        for k, v in run.not_diagnosed.items():
+            out.append(f"   - {k}: {v}")

@@ -1,0 +1,86 @@
+"""Sweeps in a log: ``sweep_point`` records up to their ``sweep_result``, read back into records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from .._sweep.result import SweepPoint, SweepResult
+
+__all__ = ["LoggedSweep", "logged_sweeps"]
+
+#: Points kept per sweep.
+_POINTS_KEPT = 10_000
+
+
+@attrs.frozen
+class LoggedSweep:
+    """One sweep as logged: the points this version can read, the result record as found,
+    the :class:`stepprof.SweepResult` rebuilt from them (None if it cannot be), and its table."""
+
+    points: tuple[SweepPoint, ...]
+    result_record: dict[str, Any] | None
+    result: SweepResult | None
+    table: str | None
+
+
+def logged_sweeps(records: Iterable[dict[str, Any]]) -> list[LoggedSweep]:
+    """Group a log's sweep records (in order) into sweeps; a sweep without a result ends the list."""
+    sweeps: list[LoggedSweep] = []
+    points: list[dict[str, Any]] = []
+    for r in records:
+        if r.get("kind") == "sweep_point":
+            if len(points) < _POINTS_KEPT:
+                points.append(r)
+        else:
+            sweeps.append(_read_sweep(points, r))
+            points = []
+    if points:
+        sweeps.append(_read_sweep(points, None))
+    return sweeps
+
+
+def _read_point(p: dict[str, Any]) -> SweepPoint | None:
+    kw = {a.name: p.get(a.name) for a in attrs.fields(SweepPoint)}
+    kw["unavailable"] = p.get("unavailable") if type(p.get("unavailable")) is dict else {}
+    if (
+        type(kw["batch_size"]) is not int
+        or type(kw["oom"]) is not bool
+        or not all(
+            v is None or type(v) in (int, float)
+            for k, v in kw.items()
+            if k not in ("phase", "error", "unavailable", "oom")
+        )
+        or not all(v is None or type(v) is str for v in (kw["phase"], kw["error"]))
+    ):
+        return None  # a point this version cannot read
+    return SweepPoint(**kw)
+
+
+def _read_sweep(points: list[dict[str, Any]], result: dict[str, Any] | None) -> LoggedSweep:
+    built = [p for p in map(_read_point, points) if p is not None]
+    built.sort(key=lambda p: p.batch_size)
+    points_table = "\n".join(str(p) for p in built) if built else None
+    if result is None:
+        return LoggedSweep(tuple(built), None, None, points_table)
+    kw = {a.name: result.get(a.name) for a in attrs.fields(SweepResult) if a.name != "points"}
+    zone = result.get("thrash_zone")
+    kw["thrash_zone"] = (
+        range(zone[0], zone[1] + 1)
+        if type(zone) is list and len(zone) == 2 and all(type(z) is int for z in zone)
+        else None
+    )
+    notes = result.get("notes")
+    kw["notes"] = tuple(n for n in notes if type(n) is str) if type(notes) is list else ()
+    kw["unavailable"] = result.get("unavailable") if type(result.get("unavailable")) is dict else {}
+    if kw.get("knee_within") is None:
+        kw["knee_within"] = 0.1
+    record = {k: v for k, v in result.items() if k != "schema_version"}
+    try:
+        obj = SweepResult(points=tuple(built), **kw)
+        table = str(obj)
+    except Exception:  # noqa: BLE001 - a result this version cannot read: the points still print
+        return LoggedSweep(tuple(built), record, None, points_table)
+    return LoggedSweep(tuple(built), record, obj, table)

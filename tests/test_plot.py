@@ -1,0 +1,74 @@
+"""stepprof plot: step and sweep logs to PNGs (matplotlib where installed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import stepprof
+
+from . import logfixtures as fx
+from .report_helpers import cli, h200_log  # noqa: F401 - h200_log is a fixture
+
+
+def test_plot_without_matplotlib_prints_a_one_line_hint(monkeypatch, capsys, h200_log, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", str(tmp_path / "x.png"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "pip install 'stepprof[plot]'" in err
+
+
+def test_plot_step_and_sweep_logs(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_png = str(tmp_path / "steps.png")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_png)
+    assert rc == 0, err
+    with open(out_png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    big = fx.write(str(tmp_path / "big.jsonl"), fx.training_log(steps=9000, spikes=(50, 4000, 8000)))
+    assert cli(capsys, "plot", big, "-o", str(tmp_path / "big.png"))[0] == 0
+    log = str(tmp_path / "sweep.jsonl")
+    model = torch.nn.Linear(16, 4)
+    stepprof.sweep(
+        lambda x: model(x).sum().backward(),
+        lambda n: torch.randn(n, 16),
+        max_batch=16,
+        restore=(model,),
+        progress=False,
+        min_time_s=0,
+        log=log,
+    )
+    assert cli(capsys, "plot", log, "-o", str(tmp_path / "sweep.png"))[0] == 0
+    assert os.path.getsize(tmp_path / "sweep.png") > 10_000
+
+
+def test_plot_sweep_of_a_log_without_a_sweep_says_so(capsys, h200_log, tmp_path):
+    """The log has steps: the error must not say it has none, and must say how to plot them."""
+    pytest.importorskip("matplotlib")
+    rc, out, err = cli(capsys, "plot", h200_log, "--sweep", "-o", str(tmp_path / "x.png"))
+    assert rc == 2 and "Traceback" not in err
+    assert "no sweep records" in err and "no step" not in err and "without --sweep" in err
+    assert not os.path.exists(tmp_path / "x.png")
+
+
+def test_plot_to_a_path_without_extension_writes_the_path_it_names(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 0, err
+    assert out == f"stepprof: wrote {out_path}\n"
+    with open(out_path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_to_a_format_matplotlib_cannot_write_is_a_clear_error(capsys, h200_log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out_path = str(tmp_path / "steps.pgn")
+    rc, out, err = cli(capsys, "plot", h200_log, "-o", out_path)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "-o" in err and repr(out_path) in err and ".png" in err
+    assert not os.path.exists(out_path)
