@@ -19,17 +19,17 @@ from ._cuda import memory_backend
 from ._errors import ConfigError, UsageError
 from ._dist import RANKS_EVERY
 from ._memory import MemoryReport
-from ._profiler import (
+from ._profiler import Profiler, _StepContext
+from ._validate import (
     MEMORY_EVERY,
     PHASE_PEAKS_EVERY,
-    Profiler,
-    _StepContext,
     check_batch_size,
     check_budget,
     check_memory_every,
-    check_phase_peaks_every,
     check_name,
-    check_warmup,
+    check_phase_peaks_every,
+    check_report_device,
+    check_warmup_variable,
 )
 
 __all__ = ["configure", "current", "measure", "memory_report", "profile_step"]
@@ -92,14 +92,7 @@ def current() -> Profiler:
 
 def _from_environment() -> Profiler:
     global _warned_no_log
-    raw = os.environ.get("STEPPROF_WARMUP", "0")
-    try:
-        warmup = int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"STEPPROF_WARMUP must be an int >= 0 (got {raw!r}); unset it or set e.g. STEPPROF_WARMUP=3"
-        ) from None
-    check_warmup(warmup, "STEPPROF_WARMUP")
+    warmup = check_warmup_variable(os.environ.get("STEPPROF_WARMUP", "0"))
     log = os.environ.get("STEPPROF_LOG") or None
     if log is None and not _warned_no_log:
         _warned_no_log = True
@@ -343,18 +336,7 @@ def memory_report(device: str | int | torch.device | None = None) -> MemoryRepor
         >>> print(report.explanation)  # doctest: +SKIP
         nvidia-smi shows 3.91 GiB for this process: 1.60 GiB live tensors, 1.59 GiB cached by PyTorch's allocator for reuse (not a leak), 0.72 GiB CUDA context and libraries.
     """
-    dev = None
-    if device is not None:
-        try:
-            if isinstance(device, int) and not isinstance(device, bool):
-                dev = torch.device("cuda", device)  # an index names a CUDA device, even without CUDA
-            else:
-                dev = torch.device(device)
-        except (RuntimeError, TypeError) as e:
-            raise ConfigError(
-                f"'device' must name a torch device such as 'cuda:0' or 0 (got {device!r}); "
-                f"or pass nothing for the active profiler's device"
-            ) from e
+    dev = check_report_device(device)
     prof = _innermost()
     if prof is None:
         prof = _default

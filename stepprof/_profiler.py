@@ -46,19 +46,38 @@ import torch
 from . import _dist, _memory
 from ._cuda import (
     ALLOCATOR_COUNTERS,
-    SYNC_MECHANISMS,
     Backend,
     HostBackend,
     device_name,
     memory_backend,
     select_backend,
 )
-from ._errors import ConfigError, StepprofError, UsageError, check_count
-from ._log import SCHEMA_VERSION, JsonlWriter, check_log
+from ._errors import StepprofError, UsageError
+from ._log import SCHEMA_VERSION, JsonlWriter
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
-from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
-from ._syncs import SyncTracker, check_max_syncs, check_on_sync
+from ._roofline import FlopCount, ideal_ms, load_calibration
+from ._syncs import SyncTracker
+from ._validate import (
+    MEMORY_EVERY,
+    PHASE_PEAKS_EVERY,
+    check_batch_size,
+    check_budget,
+    check_device,
+    check_flops,
+    check_group,
+    check_log,
+    check_log_ranks,
+    check_max_syncs,
+    check_memory_every,
+    check_name,
+    check_nvtx,
+    check_on_sync,
+    check_phase_peaks_every,
+    check_ranks_every,
+    check_syncs,
+    check_warmup,
+)
 
 __all__ = ["Profiler"]
 
@@ -121,89 +140,9 @@ class _Step:
         self.backend: Any = None
 
 
-def check_device(device: Any) -> torch.device | None:
-    """``device`` as a ``torch.device`` (None stays None), or a ConfigError naming it."""
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(
-            f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
-        ) from e
-
-
-def check_warmup(warmup: Any, argument: str = "warmup") -> int:
-    if isinstance(warmup, bool) or not isinstance(warmup, int):
-        raise ConfigError(f"{argument!r} must be an int >= 0 (got {warmup!r}); pass e.g. {argument}=3")
-    if warmup < 0:
-        raise ConfigError(f"{argument!r} must be >= 0 (got {warmup}); pass 0 to keep every step")
-    return warmup
-
-
-#: Default of ``Profiler(memory_every=...)``: a memory record costs about 100 µs of
-#: the training thread's time, so every 1000 steps it adds under 0.1 µs per step,
-#: and a run of 100k steps logs 100 of them.
-MEMORY_EVERY = 1000
 #: ``_memory_due`` when no further memory record is due (no step has index -1).
 _NEVER = -1
 
-
-def check_memory_every(memory_every: Any, argument: str = "memory_every") -> int:
-    return check_count(
-        memory_every, argument,
-        f"pass e.g. {argument}={MEMORY_EVERY}, or 0 to write no periodic memory record",
-    )
-
-
-#: Default of ``Profiler(phase_peaks_every=...)``.  A phase's peak costs one raw
-#: allocator-stats read at its exit (12 µs in a tight loop, 25-40 µs inside a
-#: launch-bound step on the H200), so three phases read on every step cost more
-#: than the rest of stepprof together.  While the step's own peak (read on every
-#: step) holds steady, phase peaks are read on one step in this many.
-PHASE_PEAKS_EVERY = 50
-
-
-def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
-    return check_count(
-        n, argument,
-        f"pass 1 to read every phase's peak on every step, {PHASE_PEAKS_EVERY} (the default) to "
-        f"read them on one step in {PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never "
-        f"to read them",
-    )
-
-
-def check_name(name: Any, argument: str = "name") -> str | None:
-    if name is not None and not isinstance(name, str):
-        if callable(name):
-            hint = "; to make a function a step, decorate it with @stepprof.measure"
-        elif isinstance(name, int) and not isinstance(name, bool):
-            hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
-        else:
-            hint = "; pass a name such as 'train', or nothing for the default"
-        raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
-    return name
-
-
-def check_batch_size(batch_size: Any) -> int | None:
-    fix = "pass the number of samples in the step, e.g. batch_size=len(batch), or None"
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool):
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}")
-    try:
-        n = int(batch_size.__index__())
-    except (AttributeError, TypeError):
-        raise ConfigError(
-            f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}"
-        ) from None
-    if n <= 0:
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {n}); {fix}")
-    return n
-
-
-def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
-    return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
 
 
 class _HostRss:
@@ -356,16 +295,11 @@ class Profiler:
         log = check_log(log)
         self.warmup = check_warmup(warmup)
         flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
-        ranks_every = _dist.check_ranks_every(ranks_every)
-        log_ranks = _dist.check_log_ranks(log_ranks)
+        ranks_every = check_ranks_every(ranks_every)
+        log_ranks = check_log_ranks(log_ranks)
         device = check_device(device)
-        if not isinstance(nvtx, bool):
-            raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
-        if syncs not in SYNC_MECHANISMS:
-            raise ConfigError(
-                f"'syncs' must be one of {', '.join(map(repr, SYNC_MECHANISMS))} (got {syncs!r}); "
-                f"'warn' is the cheap default"
-            )
+        nvtx = check_nvtx(nvtx)
+        syncs = check_syncs(syncs)
         self._sync_mode = syncs
         self.max_syncs = check_max_syncs(max_syncs)
         self.on_sync = check_on_sync(on_sync)
@@ -385,7 +319,7 @@ class Profiler:
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
         # Distributed: rank fields on every record, a log per rank, the exchange.
         ident = _dist.identify()
-        group = _dist.check_group(group, ident, ranks_every)
+        group = check_group(group, ident, ranks_every)
         self._rank_fields = ident.fields() if ident is not None else None
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)

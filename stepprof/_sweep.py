@@ -50,10 +50,10 @@ from ._api import pop_active, push_active
 from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
-from ._profiler import check_device
 from ._records import SweepPoint, SweepResult
 from ._stats import quantile
 from ._units import format_bytes
+from ._validate import check_device
 
 __all__ = ["find_knee", "find_thrash_zone", "is_oom", "sweep"]
 
