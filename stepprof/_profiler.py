@@ -32,7 +32,6 @@ readings and writes the ``kind: "memory"`` record right after that step's.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
@@ -56,7 +55,9 @@ from ._errors import StepprofError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._memory import MemoryReport, Snapshot
 from ._records import Percentiles, Summary
+from ._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from ._roofline import FlopCount, ideal_ms, load_calibration
+from ._scopes import StepScope, make_measure
 from ._syncs import SyncTracker
 from ._validate import (
     MEMORY_EVERY,
@@ -144,53 +145,6 @@ class _Step:
 _NEVER = -1
 
 
-
-class _HostRss:
-    """This process's resident set size, read at every step on the host.
-
-    On Linux: one ``pread`` of ``/proc/self/statm``, kept open (about 1 µs; procfs
-    regenerates the file on every read from offset 0), which is the figure psutil
-    reads too.  Elsewhere: ``psutil.Process().memory_info().rss`` (about 12 µs).
-    A forked child reopens its own (see :func:`_forget_collectors_in_child`).
-    """
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self._page = 0
-        self._process: Any = None
-
-    def read(self) -> int | None:
-        try:
-            if self._fd is None and self._process is None:
-                self._open()
-            if self._fd is not None:
-                return int(os.pread(self._fd, 256, 0).split()[1]) * self._page
-            return int(self._process.memory_info().rss)
-        except Exception:  # noqa: BLE001 - a missing figure, never a crash
-            return None
-
-    def _open(self) -> None:
-        try:
-            self._page = os.sysconf("SC_PAGE_SIZE")
-            self._fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (OSError, AttributeError, ValueError):
-            import psutil
-
-            self._process = psutil.Process()
-
-    def forget(self) -> None:
-        """After a fork: the open file and the psutil handle are the parent's."""
-        fd, self._fd, self._process = self._fd, None, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-_HOST_RSS = _HostRss()
-
-
 #: The token of a step entered after recording stopped (see ``_unrecorded_step``).
 _UNRECORDED = object()
 
@@ -199,16 +153,13 @@ _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing 
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
 
-# Why an inherited profiler records nothing in a forked child (see _forget_collectors_in_child).
+# Why an inherited profiler records nothing in a forked child (see Profiler._forked).
 _INHERITED_PREFIX = "this Profiler was inherited by the forked process"
 _INHERITED = _INHERITED_PREFIX + (
     " {pid}: a profiler records only in the "
     "process that created it, so it records nothing here; open a new stepprof.Profiler in the "
     "child to profile it"
 )
-
-# Open profilers, held strongly: one that is never closed is still flushed at exit.
-_open_profilers: set[Profiler] = set()
 
 
 class Profiler:
@@ -394,7 +345,7 @@ class Profiler:
         elif self._flops_mode == "auto":
             self._begin_step = self._begin_counting_step  # type: ignore[method-assign]
             self._end_step = self._end_counting_step  # type: ignore[method-assign]
-        _open_profilers.add(self)
+        track_open(self)
 
     # -- public -------------------------------------------------------------
 
@@ -405,7 +356,7 @@ class Profiler:
         batch_size: int | None = None,
         max_syncs: int | None = None,
         on_sync: str | None = None,
-    ) -> _StepContext:
+    ) -> StepScope:
         """A context manager around one training step.
 
         Args:
@@ -414,12 +365,12 @@ class Profiler:
             max_syncs, on_sync: this step's sync budget and policy (default: the
                 profiler's).
         """
-        return _StepContext(self, check_name(name), check_batch_size(batch_size),
-                            *check_budget(max_syncs, on_sync))
+        return StepScope(self, check_name(name), check_batch_size(batch_size),
+                         *check_budget(max_syncs, on_sync))
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
-        return _make_measure(name, self)
+        return make_measure(name, self)
 
     @property
     def summary(self) -> Summary | None:
@@ -482,18 +433,14 @@ class Profiler:
         if self._writer is not None:
             self._writer.close()
         self._warn_async()
-        _open_profilers.discard(self)
+        forget_open(self)
         return self._summary
 
     def __enter__(self) -> Profiler:
-        from ._api import push_active
-
         push_active(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from ._api import pop_active
-
         pop_active(self)
         self.close()
 
@@ -723,7 +670,7 @@ class Profiler:
                 step.counters = tuple(now - then for now, then in zip(counters, previous))
             self._counters = counters
         if isinstance(b, HostBackend):
-            step.rss = _HOST_RSS.read()
+            step.rss = HOST_RSS.read()
         b.range_pop()
         if step.index == self._memory_due:
             self._snapshot_memory(step, b)
@@ -1338,73 +1285,3 @@ def _message(exc: BaseException) -> str:
         return str(exc)[:2000]
     except Exception as e:  # noqa: BLE001 - its own __str__ failing is the user's, not ours
         return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
-
-
-class _StepContext:
-    """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
-
-    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_tokens")
-
-    def __init__(
-        self,
-        profiler: Profiler | None,
-        name: str | None,
-        batch_size: int | None,
-        max_syncs: int | None = None,
-        on_sync: str | None = None,
-    ) -> None:
-        self._profiler = profiler
-        self._name = name
-        self._batch_size = batch_size
-        self._budget = (max_syncs, on_sync)
-        self._tokens: list[tuple[Profiler, Any]] = []
-
-    def __enter__(self) -> _StepContext:
-        if torch.compiler.is_compiling():
-            return self
-        from ._api import current
-
-        prof = self._profiler or current()
-        self._tokens.append(
-            (prof, prof._enter(self._name, self._batch_size, step=True, budget=self._budget))
-        )
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if torch.compiler.is_compiling() or not self._tokens:
-            return
-        prof, token = self._tokens.pop()
-        prof._exit(token, exc)
-
-
-def _make_measure(name: Any, profiler: Profiler | None) -> Any:
-    from ._api import make_measure
-
-    global _make_measure
-    _make_measure = make_measure  # bind once: this sits on the per-phase path
-    return make_measure(name, profiler)
-
-
-def _forget_collectors_in_child() -> None:
-    # A forked child (a DataLoader worker, say) inherits the parent's profilers, their
-    # pending steps and their log's descriptor.  A profiler records only in the process that
-    # made it: in the child it goes inert, so that nothing is written twice or mixed into
-    # the parent's log, and no device call is made (CUDA cannot be used after a fork).
-    _HOST_RSS.forget()
-    for prof in _open_profilers:
-        prof._forked()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_collectors_in_child)
-
-
-def _close_all_at_exit() -> None:
-    for prof in list(_open_profilers):
-        try:
-            prof.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit, nothing may raise
-            pass
-
-
-atexit.register(_close_all_at_exit)

@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from ._api import pop_active, push_active
 from ._cuda import CudaSweepBackend, HostSweepBackend, select_sweep_backend
 from ._errors import ConfigError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._records import SweepPoint, SweepResult
+from ._registry import pop_active, push_active
 from ._stats import quantile
 from ._units import format_bytes
 from ._validate import check_device
