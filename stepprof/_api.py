@@ -11,19 +11,12 @@ import torch
 
 from . import _memory, _registry
 from ._cuda import memory_backend
-from ._dist import RANKS_EVERY
 from ._errors import ConfigError
 from ._memory import MemoryReport
+from ._options import NAMES
 from ._profiler import Profiler
 from ._scopes import MeasureFunction, ProfileStepFunction
-from ._validate import (
-    MEMORY_EVERY,
-    PHASE_PEAKS_EVERY,
-    check_memory_every,
-    check_phase_peaks_every,
-    check_report_device,
-    check_warmup_variable,
-)
+from ._validate import check_option_names, check_report_device, check_warmup_variable
 
 __all__ = ["configure", "current", "measure", "memory_report", "profile_step"]
 
@@ -63,38 +56,25 @@ def _from_environment() -> Profiler:
 _registry.set_default_factory(_from_environment)
 
 
-def configure(
-    *,
-    log: str | os.PathLike[str] | None,
-    warmup: int = 0,
-    device: str | int | torch.device | None = None,
-    nvtx: bool = True,
-    syncs: str = "warn",
-    max_syncs: int | None = None,
-    on_sync: str = "count",
-    memory_every: int = MEMORY_EVERY,
-    phase_peaks_every: int = PHASE_PEAKS_EVERY,
-    flops: str | None = None,
-    flops_per_step: float | None = None,
-    ranks_every: int = RANKS_EVERY,
-    log_ranks: str = "all",
-    group: Any = None,
-) -> Profiler:
+def configure(*, log: str | os.PathLike[str] | None = None, **options: Any) -> Profiler:
     """Set up the default profiler, used when no ``with Profiler(...)`` is active.
 
     A previous default profiler is closed (its summary written) first.  The
-    default profiler is closed at interpreter exit.  Arguments are those of
-    :class:`stepprof.Profiler`.
+    default profiler is closed at interpreter exit.
+
+    Args:
+        log: path of the JSON-lines log, or None to keep no log.
+        **options: any setting of :class:`stepprof.Profiler` (``warmup``, ``device``,
+            ``syncs``, ...), with the same defaults.
 
     Returns:
         The new default profiler.
+
+    Raises:
+        UsageError: an option that :class:`stepprof.Profiler` does not take.
+        ConfigError: a bad value, as :class:`stepprof.Profiler` raises it.
     """
-    new = Profiler(
-        log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
-        on_sync=on_sync, memory_every=check_memory_every(memory_every),
-        phase_peaks_every=check_phase_peaks_every(phase_peaks_every), flops=flops,
-        flops_per_step=flops_per_step, ranks_every=ranks_every, log_ranks=log_ranks, group=group,
-    )
+    new = Profiler(log, **check_option_names(options, NAMES, "configure()"))
     old = _registry.replace_default(new)
     if old is not None:
         old.close()

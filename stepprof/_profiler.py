@@ -54,31 +54,13 @@ from ._cuda import (
 from ._errors import StepprofError, UsageError
 from ._log import SCHEMA_VERSION, JsonlWriter
 from ._memory import MemoryReport, Snapshot
+from ._options import ProfilerOptions
 from ._records import Percentiles, Summary
 from ._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from ._roofline import FlopCount, ideal_ms, load_calibration
 from ._scopes import StepScope, make_measure
 from ._syncs import SyncTracker
-from ._validate import (
-    MEMORY_EVERY,
-    PHASE_PEAKS_EVERY,
-    check_batch_size,
-    check_budget,
-    check_device,
-    check_flops,
-    check_group,
-    check_log,
-    check_log_ranks,
-    check_max_syncs,
-    check_memory_every,
-    check_name,
-    check_nvtx,
-    check_on_sync,
-    check_phase_peaks_every,
-    check_ranks_every,
-    check_syncs,
-    check_warmup,
-)
+from ._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 
 __all__ = ["Profiler"]
 
@@ -243,22 +225,24 @@ class Profiler:
         _gather: Any = None,
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
-        log = check_log(log)
-        self.warmup = check_warmup(warmup)
-        flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
-        ranks_every = check_ranks_every(ranks_every)
-        log_ranks = check_log_ranks(log_ranks)
-        device = check_device(device)
-        nvtx = check_nvtx(nvtx)
-        syncs = check_syncs(syncs)
+        options = ProfilerOptions(  # every argument is checked before the log is opened
+            log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
+            on_sync=on_sync, memory_every=memory_every, phase_peaks_every=phase_peaks_every,
+            flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
+            log_ranks=log_ranks, group=group,
+        )
+        log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
+        flops_mode, given = options.flops, options.flops_per_step
+        ranks_every, log_ranks, group = options.ranks_every, options.log_ranks, options.group
+        self.warmup = options.warmup
         self._sync_mode = syncs
-        self.max_syncs = check_max_syncs(max_syncs)
-        self.on_sync = check_on_sync(on_sync)
+        self.max_syncs = options.max_syncs
+        self.on_sync = options.on_sync
         self._tracker = SyncTracker(syncs)
         self._watching = False
         self._counters: tuple[int, ...] | None = None
-        self.memory_every = check_memory_every(memory_every)
-        self.phase_peaks_every = n = check_phase_peaks_every(phase_peaks_every)
+        self.memory_every = options.memory_every
+        self.phase_peaks_every = n = options.phase_peaks_every
         self._phase_peaks_why = (  # why a step's phases have no peak (built once, not per record)
             "phase peaks are off (phase_peaks_every=0); the step's peak is exact" if n == 0 else
             f"not read on this step: while the step's peak holds steady, phase peaks are read "

@@ -77,16 +77,6 @@ def test_configure_sets_the_default_profiler(tmp_path):
         stepprof.configure(log=second, warmup=-1)
 
 
-def test_configure_takes_every_profiler_setting():
-    """configure() and Profiler() take the same settings (the default profiler is not a lesser one)."""
-    import inspect
-
-    def names(fn):
-        return {n for n in inspect.signature(fn).parameters if not n.startswith("_") and n != "self"}
-
-    assert names(stepprof.configure) == names(stepprof.Profiler.__init__)
-
-
 def test_log_lines_are_whole_and_flushed_while_running(log, gpu):
     prof = make(log, gpu)
     for _ in range(3):
