@@ -32,6 +32,14 @@ def test_all_is_exactly_the_public_surface():
     ]
 
 
+def test_dir_shows_only_the_public_names():
+    """dir() lists the public surface, not the lazy loader's helpers or the private modules."""
+    from stepprof import _registry  # noqa: F401 - importing a private module sets an attribute
+
+    assert stepprof.__version__ and stepprof._registry is not None
+    assert dir(stepprof) == sorted([*stepprof.__all__, "__version__"])
+
+
 def test_the_readme_example_runs_on_cpu(log):
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
