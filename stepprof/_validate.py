@@ -6,8 +6,8 @@ cannot use) or :class:`~stepprof.UsageError` (a call it does not support), namin
 the argument, the value and the fix.
 
 This module does not import torch: :func:`check_log` runs in ``stepprof.read``,
-which works without it.  The few checks that need torch import it when called;
-they run once, when a profiler is made.
+which works without it.  The few checks that need torch import it when called
+(when a profiler is made, or a memory report asked for), never on a step.
 """
 
 from __future__ import annotations
