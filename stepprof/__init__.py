@@ -9,7 +9,7 @@ PyTorch's memory figures with nvidia-smi's and explains the difference.
 recommends one.
 """
 
-from typing import TYPE_CHECKING as _TYPE_CHECKING
+import typing
 
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._frame import frame
@@ -18,40 +18,15 @@ from ._records import Percentiles, Summary
 from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 
-if _TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from ._api import configure, measure, memory_report, profile_step
     from ._memory import MemoryReport
     from ._profiler import Profiler
     from ._sweep.search import sweep
 
+del typing
+
 __version__ = "0.1.0"
-
-# The names below need torch, which takes seconds to import; they are loaded at
-# first use, so that `stepprof report` and `stepprof.read` start without it.
-_LAZY = {
-    "MemoryReport": "._memory",
-    "Profiler": "._profiler",
-    "configure": "._api",
-    "measure": "._api",
-    "memory_report": "._api",
-    "profile_step": "._api",
-    "sweep": "._sweep.search",
-}
-
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'stepprof' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "ConfigError",
@@ -73,3 +48,29 @@ __all__ = [
     "read",
     "sweep",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # These names need torch, which takes seconds to import: they are loaded at first
+    # use, so that `stepprof report` and `stepprof.read` start without it.
+    module = {
+        "MemoryReport": "_memory",
+        "Profiler": "_profiler",
+        "configure": "_api",
+        "measure": "_api",
+        "memory_report": "_api",
+        "profile_step": "_api",
+        "sweep": "_sweep.search",
+    }.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stepprof' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    # The public names only: not the private modules that importing them adds as attributes.
+    return sorted([*__all__, "__version__"])

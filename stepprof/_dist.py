@@ -31,7 +31,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from ._errors import ConfigError, check_count
 from ._stats import median
 
 __all__ = [
@@ -42,9 +41,6 @@ __all__ = [
     "Exchange",
     "Identity",
     "Window",
-    "check_group",
-    "check_log_ranks",
-    "check_ranks_every",
     "find_straggler",
     "identify",
     "rank_log_path",
@@ -123,44 +119,6 @@ def rank_log_path(path: str, rank: int) -> str:
     if not stem:  # ".jsonl": a bare suffix is the stem
         stem, suffix = suffix, ""
     return os.path.join(head, f"{stem}.rank{rank}{suffix}")
-
-
-def check_ranks_every(ranks_every: Any) -> int:
-    return check_count(
-        ranks_every, "ranks_every",
-        f"pass e.g. ranks_every={RANKS_EVERY}, or 0 to turn the cross-rank exchange off",
-    )
-
-
-def check_log_ranks(log_ranks: Any) -> str:
-    if log_ranks not in LOG_RANKS:
-        raise ConfigError(
-            f"'log_ranks' must be 'all' (each rank writes <stem>.rank<R><suffix>) or 'zero' "
-            f"(only rank 0 writes a log) (got {log_ranks!r})"
-        )
-    return log_ranks
-
-
-def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
-    """``group`` if it is None or a process group this rank belongs to, else a ConfigError."""
-    if group is None:
-        return None
-    dist = _torch_dist()
-    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
-    if isinstance(group, int) and not isinstance(group, bool) and group == non_member:
-        if ident is None or not ranks_every:
-            return group  # no exchange: the group is not used
-        raise ConfigError(
-            f"this rank ({ident.rank}) is not a member of 'group' (got {group!r}: what "
-            f"torch.distributed.new_group returns to the ranks outside the group); on those ranks "
-            f"pass ranks_every=0 (or group=None to exchange on the default group)"
-        )
-    if dist is None or not isinstance(group, dist.ProcessGroup):
-        raise ConfigError(
-            f"'group' must be a torch.distributed process group (got {group!r}); pass the group "
-            f"that torch.distributed.new_group(...) returns, or None for the default group"
-        )
-    return group
 
 
 # -- the window: this rank's figures since the last exchange ------------------------

@@ -40,13 +40,5 @@ def _rebuild_sync_budget_exceeded(message: str, where: str, kind: str, count: in
     return SyncBudgetExceeded(message, where=where, kind=kind, count=count)
 
 
-def check_count(value: object, argument: str, fix: str) -> int:
-    """``value`` if it is an int >= 0 (not a bool), else a ConfigError naming ``argument``,
-    the value and ``fix`` (what to pass instead)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{argument!r} must be an int >= 0 (got {value!r}); {fix}")
-    return value
-
-
 class MissingExtraError(StepprofError, ImportError):
     """An optional dependency is not installed; the message gives the install command."""

@@ -11,27 +11,9 @@ import orjson
 
 from ._errors import ConfigError
 from ._schema import RECORD_KINDS, upgrade_record
+from ._validate import check_log
 
 __all__ = ["JsonlWriter", "ScanStats", "check_log", "read", "scan"]
-
-
-def check_log(path: Any, argument: str = "log") -> str | None:
-    """``path`` as a str (None stays None), or a ConfigError naming ``argument``.
-
-    A bytes path would be opened, then fail at the first record (which holds it as ``log``).
-    """
-    if path is None:
-        return None
-    try:
-        text = os.fspath(path)
-    except TypeError:
-        text = None
-    if not isinstance(text, str):
-        raise ConfigError(
-            f"{argument!r} must be a str path or None (got {path!r}); "
-            f"pass e.g. {argument}='run.jsonl', or None to keep no log"
-        )
-    return text
 
 
 class JsonlWriter:

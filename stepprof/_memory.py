@@ -24,7 +24,6 @@ so tests drive every case on a CPU with fakes.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ import attrs
 from ._device import nvml as _nvml
 from ._device.backend import AllocatorFigures, Backend
 from ._device.nvml import NvmlReading
+from ._registry import MEMORY_MARKS
 from ._units import GiB, MiB, format_bytes_in, unit_for
 
 __all__ = ["MemoryReport", "Snapshot", "reconcile", "report", "take_snapshot"]
@@ -405,11 +405,8 @@ def unavailable_report(device: str, reason: str, *, trigger: str, step: int | No
     )
 
 
-# -- the process's state: one baseline and one growth reference per device ------
-
-_state_lock = threading.Lock()
-_baselines: dict[str, Mark] = {}
-_references: dict[str, Mark] = {}
+# -- the process's state (kept in stepprof._registry): one baseline and one growth
+# reference per device --------------------------------------------------------------
 
 
 def observe(b: Backend) -> None:
@@ -419,7 +416,7 @@ def observe(b: Backend) -> None:
     minus reserved) at that moment: the CUDA context plus whatever the process
     had already allocated outside torch.  Never raises.
     """
-    if b.device in _baselines:
+    if b.device in MEMORY_MARKS.baselines:
         return
     try:
         snap = take_snapshot(b)
@@ -427,8 +424,8 @@ def observe(b: Backend) -> None:
         mark = Mark(residual, basis, "when stepprof first saw CUDA initialised", why)
     except Exception as e:  # noqa: BLE001 - a missing figure, never a crash
         mark = Mark(None, None, "", f"{type(e).__name__}: {e}")
-    with _state_lock:
-        _baselines.setdefault(b.device, mark)
+    with MEMORY_MARKS.lock:
+        MEMORY_MARKS.baselines.setdefault(b.device, mark)
 
 
 def build(snap: Snapshot, *, trigger: str, step: int | None, peak_floor: int = -1) -> MemoryReport:
@@ -437,9 +434,9 @@ def build(snap: Snapshot, *, trigger: str, step: int | None, peak_floor: int = -
     The reference, which residual growth is measured from, is the first
     after-warm-up record on the device, or until there is one the first record.
     """
-    with _state_lock:
-        baseline = _baselines.get(snap.device)
-        reference = _references.get(snap.device)
+    with MEMORY_MARKS.lock:
+        baseline = MEMORY_MARKS.baselines.get(snap.device)
+        reference = MEMORY_MARKS.references.get(snap.device)
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     rep = reconcile(
         snap, trigger=trigger, step=step, peak_floor=peak_floor, baseline=baseline,
@@ -449,10 +446,10 @@ def build(snap: Snapshot, *, trigger: str, step: int | None, peak_floor: int = -
         warm = trigger == AFTER_WARMUP
         where = f"step {step}" if step is not None else "the first report"
         label = f"the after-warm-up record ({where})" if warm else f"the first memory record ({where})"
-        with _state_lock:
-            ref = _references.get(snap.device)
+        with MEMORY_MARKS.lock:
+            ref = MEMORY_MARKS.references.get(snap.device)
             if ref is None or (warm and not ref.after_warmup):
-                _references[snap.device] = Mark(rep.residual_bytes, rep.basis, label, after_warmup=warm)
+                MEMORY_MARKS.references[snap.device] = Mark(rep.residual_bytes, rep.basis, label, after_warmup=warm)
     return rep
 
 
@@ -467,10 +464,3 @@ def report(b: Backend, *, trigger: str, step: int | None = None, peak_floor: int
         return unavailable_report(
             b.device, f"stepprof's memory reading failed: {type(e).__name__}: {e}", trigger=trigger, step=step
         )
-
-
-def reset() -> None:
-    """Forget the baselines and references (for tests)."""
-    with _state_lock:
-        _baselines.clear()
-        _references.clear()

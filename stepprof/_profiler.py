@@ -32,7 +32,6 @@ readings and writes the ``kind: "memory"`` record right after that step's.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import time
@@ -44,16 +43,20 @@ from typing import Any
 import torch
 
 from . import _dist, _memory
-from ._device.backend import ALLOCATOR_COUNTERS, SYNC_MECHANISMS, Backend, HostBackend
+from ._device.backend import ALLOCATOR_COUNTERS, Backend, HostBackend
 from ._device.cuda import memory_backend, select_backend
 from ._device.facts import device_name
-from ._errors import ConfigError, StepprofError, UsageError, check_count
-from ._log import JsonlWriter, check_log
+from ._errors import StepprofError, UsageError
+from ._log import JsonlWriter
 from ._memory import MemoryReport, Snapshot
+from ._options import ProfilerOptions
 from ._records import Percentiles, Summary
-from ._roofline import FlopCount, check_flops, ideal_ms, load_calibration
+from ._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
+from ._roofline import FlopCount, ideal_ms, load_calibration
 from ._schema import SCHEMA_VERSION
-from ._syncs import SyncTracker, check_max_syncs, check_on_sync
+from ._scopes import StepScope, make_measure
+from ._syncs import SyncTracker
+from ._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 
 __all__ = ["Profiler"]
 
@@ -116,135 +119,8 @@ class _Step:
         self.backend: Any = None
 
 
-def check_device(device: Any) -> torch.device | None:
-    """``device`` as a ``torch.device`` (None stays None), or a ConfigError naming it."""
-    if device is None:
-        return None
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(
-            f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
-        ) from e
-
-
-def check_warmup(warmup: Any, argument: str = "warmup") -> int:
-    if isinstance(warmup, bool) or not isinstance(warmup, int):
-        raise ConfigError(f"{argument!r} must be an int >= 0 (got {warmup!r}); pass e.g. {argument}=3")
-    if warmup < 0:
-        raise ConfigError(f"{argument!r} must be >= 0 (got {warmup}); pass 0 to keep every step")
-    return warmup
-
-
-#: Default of ``Profiler(memory_every=...)``: a memory record costs about 100 µs of
-#: the training thread's time, so every 1000 steps it adds under 0.1 µs per step,
-#: and a run of 100k steps logs 100 of them.
-MEMORY_EVERY = 1000
 #: ``_memory_due`` when no further memory record is due (no step has index -1).
 _NEVER = -1
-
-
-def check_memory_every(memory_every: Any, argument: str = "memory_every") -> int:
-    return check_count(
-        memory_every, argument,
-        f"pass e.g. {argument}={MEMORY_EVERY}, or 0 to write no periodic memory record",
-    )
-
-
-#: Default of ``Profiler(phase_peaks_every=...)``.  A phase's peak costs one raw
-#: allocator-stats read at its exit (12 µs in a tight loop, 25-40 µs inside a
-#: launch-bound step on the H200), so three phases read on every step cost more
-#: than the rest of stepprof together.  While the step's own peak (read on every
-#: step) holds steady, phase peaks are read on one step in this many.
-PHASE_PEAKS_EVERY = 50
-
-
-def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
-    return check_count(
-        n, argument,
-        f"pass 1 to read every phase's peak on every step, {PHASE_PEAKS_EVERY} (the default) to "
-        f"read them on one step in {PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never "
-        f"to read them",
-    )
-
-
-def check_name(name: Any, argument: str = "name") -> str | None:
-    if name is not None and not isinstance(name, str):
-        if callable(name):
-            hint = "; to make a function a step, decorate it with @stepprof.measure"
-        elif isinstance(name, int) and not isinstance(name, bool):
-            hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
-        else:
-            hint = "; pass a name such as 'train', or nothing for the default"
-        raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
-    return name
-
-
-def check_batch_size(batch_size: Any) -> int | None:
-    fix = "pass the number of samples in the step, e.g. batch_size=len(batch), or None"
-    if batch_size is None:
-        return None
-    if isinstance(batch_size, bool):
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}")
-    try:
-        n = int(batch_size.__index__())
-    except (AttributeError, TypeError):
-        raise ConfigError(
-            f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}"
-        ) from None
-    if n <= 0:
-        raise ConfigError(f"'batch_size' must be a positive int or None (got {n}); {fix}")
-    return n
-
-
-def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
-    return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
-
-
-class _HostRss:
-    """This process's resident set size, read at every step on the host.
-
-    On Linux: one ``pread`` of ``/proc/self/statm``, kept open (about 1 µs; procfs
-    regenerates the file on every read from offset 0), which is the figure psutil
-    reads too.  Elsewhere: ``psutil.Process().memory_info().rss`` (about 12 µs).
-    A forked child reopens its own (see :func:`_forget_collectors_in_child`).
-    """
-
-    def __init__(self) -> None:
-        self._fd: int | None = None
-        self._page = 0
-        self._process: Any = None
-
-    def read(self) -> int | None:
-        try:
-            if self._fd is None and self._process is None:
-                self._open()
-            if self._fd is not None:
-                return int(os.pread(self._fd, 256, 0).split()[1]) * self._page
-            return int(self._process.memory_info().rss)
-        except Exception:  # noqa: BLE001 - a missing figure, never a crash
-            return None
-
-    def _open(self) -> None:
-        try:
-            self._page = os.sysconf("SC_PAGE_SIZE")
-            self._fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (OSError, AttributeError, ValueError):
-            import psutil
-
-            self._process = psutil.Process()
-
-    def forget(self) -> None:
-        """After a fork: the open file and the psutil handle are the parent's."""
-        fd, self._fd, self._process = self._fd, None, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-_HOST_RSS = _HostRss()
 
 
 #: The token of a step entered after recording stopped (see ``_unrecorded_step``).
@@ -255,16 +131,13 @@ _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing 
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
 
-# Why an inherited profiler records nothing in a forked child (see _forget_collectors_in_child).
+# Why an inherited profiler records nothing in a forked child (see Profiler._forked).
 _INHERITED_PREFIX = "this Profiler was inherited by the forked process"
 _INHERITED = _INHERITED_PREFIX + (
     " {pid}: a profiler records only in the "
     "process that created it, so it records nothing here; open a new stepprof.Profiler in the "
     "child to profile it"
 )
-
-# Open profilers, held strongly: one that is never closed is still flushed at exit.
-_open_profilers: set[Profiler] = set()
 
 
 class Profiler:
@@ -348,27 +221,24 @@ class Profiler:
         _gather: Any = None,
         _close_wait_s: float = _dist.CLOSE_WAIT_S,
     ) -> None:
-        log = check_log(log)
-        self.warmup = check_warmup(warmup)
-        flops_mode, given = check_flops(flops, flops_per_step)  # before the log is opened
-        ranks_every = _dist.check_ranks_every(ranks_every)
-        log_ranks = _dist.check_log_ranks(log_ranks)
-        device = check_device(device)
-        if not isinstance(nvtx, bool):
-            raise ConfigError(f"'nvtx' must be True or False (got {nvtx!r})")
-        if syncs not in SYNC_MECHANISMS:
-            raise ConfigError(
-                f"'syncs' must be one of {', '.join(map(repr, SYNC_MECHANISMS))} (got {syncs!r}); "
-                f"'warn' is the cheap default"
-            )
+        options = ProfilerOptions(  # every argument is checked before the log is opened
+            log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
+            on_sync=on_sync, memory_every=memory_every, phase_peaks_every=phase_peaks_every,
+            flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
+            log_ranks=log_ranks, group=group,
+        )
+        log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
+        flops_mode, given = options.flops, options.flops_per_step
+        ranks_every, log_ranks, group = options.ranks_every, options.log_ranks, options.group
+        self.warmup = options.warmup
         self._sync_mode = syncs
-        self.max_syncs = check_max_syncs(max_syncs)
-        self.on_sync = check_on_sync(on_sync)
+        self.max_syncs = options.max_syncs
+        self.on_sync = options.on_sync
         self._tracker = SyncTracker(syncs)
         self._watching = False
         self._counters: tuple[int, ...] | None = None
-        self.memory_every = check_memory_every(memory_every)
-        self.phase_peaks_every = n = check_phase_peaks_every(phase_peaks_every)
+        self.memory_every = options.memory_every
+        self.phase_peaks_every = n = options.phase_peaks_every
         self._phase_peaks_why = (  # why a step's phases have no peak (built once, not per record)
             "phase peaks are off (phase_peaks_every=0); the step's peak is exact" if n == 0 else
             f"not read on this step: while the step's peak holds steady, phase peaks are read "
@@ -380,7 +250,7 @@ class Profiler:
         self._phase_peaks_at = -1  # the last step that read its phases' peaks
         # Distributed: rank fields on every record, a log per rank, the exchange.
         ident = _dist.identify()
-        group = _dist.check_group(group, ident, ranks_every)
+        group = check_group(group, ident, ranks_every)
         self._rank_fields = ident.fields() if ident is not None else None
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
@@ -455,7 +325,7 @@ class Profiler:
         elif self._flops_mode == "auto":
             self._begin_step = self._begin_counting_step  # type: ignore[method-assign]
             self._end_step = self._end_counting_step  # type: ignore[method-assign]
-        _open_profilers.add(self)
+        track_open(self)
 
     # -- public -------------------------------------------------------------
 
@@ -466,7 +336,7 @@ class Profiler:
         batch_size: int | None = None,
         max_syncs: int | None = None,
         on_sync: str | None = None,
-    ) -> _StepContext:
+    ) -> StepScope:
         """A context manager around one training step.
 
         Args:
@@ -475,12 +345,12 @@ class Profiler:
             max_syncs, on_sync: this step's sync budget and policy (default: the
                 profiler's).
         """
-        return _StepContext(self, check_name(name), check_batch_size(batch_size),
-                            *check_budget(max_syncs, on_sync))
+        return StepScope(self, check_name(name), check_batch_size(batch_size),
+                         *check_budget(max_syncs, on_sync))
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
-        return _make_measure(name, self)
+        return make_measure(name, self)
 
     @property
     def summary(self) -> Summary | None:
@@ -543,18 +413,14 @@ class Profiler:
         if self._writer is not None:
             self._writer.close()
         self._warn_async()
-        _open_profilers.discard(self)
+        forget_open(self)
         return self._summary
 
     def __enter__(self) -> Profiler:
-        from ._api import push_active
-
         push_active(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from ._api import pop_active
-
         pop_active(self)
         self.close()
 
@@ -784,7 +650,7 @@ class Profiler:
                 step.counters = tuple(now - then for now, then in zip(counters, previous))
             self._counters = counters
         if isinstance(b, HostBackend):
-            step.rss = _HOST_RSS.read()
+            step.rss = HOST_RSS.read()
         b.range_pop()
         if step.index == self._memory_due:
             self._snapshot_memory(step, b)
@@ -1399,73 +1265,3 @@ def _message(exc: BaseException) -> str:
         return str(exc)[:2000]
     except Exception as e:  # noqa: BLE001 - its own __str__ failing is the user's, not ours
         return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
-
-
-class _StepContext:
-    """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
-
-    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_tokens")
-
-    def __init__(
-        self,
-        profiler: Profiler | None,
-        name: str | None,
-        batch_size: int | None,
-        max_syncs: int | None = None,
-        on_sync: str | None = None,
-    ) -> None:
-        self._profiler = profiler
-        self._name = name
-        self._batch_size = batch_size
-        self._budget = (max_syncs, on_sync)
-        self._tokens: list[tuple[Profiler, Any]] = []
-
-    def __enter__(self) -> _StepContext:
-        if torch.compiler.is_compiling():
-            return self
-        from ._api import current
-
-        prof = self._profiler or current()
-        self._tokens.append(
-            (prof, prof._enter(self._name, self._batch_size, step=True, budget=self._budget))
-        )
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if torch.compiler.is_compiling() or not self._tokens:
-            return
-        prof, token = self._tokens.pop()
-        prof._exit(token, exc)
-
-
-def _make_measure(name: Any, profiler: Profiler | None) -> Any:
-    from ._api import make_measure
-
-    global _make_measure
-    _make_measure = make_measure  # bind once: this sits on the per-phase path
-    return make_measure(name, profiler)
-
-
-def _forget_collectors_in_child() -> None:
-    # A forked child (a DataLoader worker, say) inherits the parent's profilers, their
-    # pending steps and their log's descriptor.  A profiler records only in the process that
-    # made it: in the child it goes inert, so that nothing is written twice or mixed into
-    # the parent's log, and no device call is made (CUDA cannot be used after a fork).
-    _HOST_RSS.forget()
-    for prof in _open_profilers:
-        prof._forked()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_collectors_in_child)
-
-
-def _close_all_at_exit() -> None:
-    for prof in list(_open_profilers):
-        try:
-            prof.close()
-        except Exception:  # noqa: BLE001 - at interpreter exit, nothing may raise
-            pass
-
-
-atexit.register(_close_all_at_exit)

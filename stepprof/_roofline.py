@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import warnings
@@ -38,7 +37,6 @@ __all__ = [
     "FlopCount",
     "cache_dir",
     "calibration_path",
-    "check_flops",
     "ideal_ms",
     "load_calibration",
     "roofline",
@@ -50,30 +48,6 @@ CALIBRATED_DTYPES = ("bf16", "tf32", "fp32")
 #: fp16 runs on the same tensor cores at the bf16 rate on Ampere and Hopper.
 _PEAK_OF = {"bf16": "bf16", "fp16": "bf16", "tf32": "tf32", "fp32": "fp32"}
 CALIBRATION_VERSION = 1
-
-
-def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | None]:
-    """Validate ``Profiler(flops=..., flops_per_step=...)``."""
-    from ._errors import ConfigError
-
-    if flops not in ("auto", None):
-        raise ConfigError(
-            f"'flops' must be 'auto' or None (got {flops!r}); pass flops='auto' to count one "
-            f"step's FLOPs, or flops_per_step=N if you know them"
-        )
-    if flops_per_step is not None:
-        if (
-            isinstance(flops_per_step, bool)
-            or not isinstance(flops_per_step, (int, float))
-            or not (math.isfinite(flops_per_step) and flops_per_step > 0)
-        ):
-            raise ConfigError(
-                f"'flops_per_step' must be a positive number of FLOPs (got {flops_per_step!r}); "
-                f"e.g. flops_per_step=6 * n_params * tokens_per_step"
-            )
-        if flops is not None:
-            raise ConfigError("pass either flops='auto' (count them) or flops_per_step=N (given), not both")
-    return flops, None if flops_per_step is None else float(flops_per_step)
 
 
 # -- counting -----------------------------------------------------------------------

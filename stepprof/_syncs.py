@@ -45,14 +45,12 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigError, SyncBudgetExceeded
+from ._errors import SyncBudgetExceeded
 
 __all__ = [
     "SYNC_MESSAGE",
     "SyncTracker",
     "WarningTap",
-    "check_on_sync",
-    "check_max_syncs",
     "classify",
     "count_elsewhere",
     "defer",
@@ -61,9 +59,6 @@ __all__ = [
 
 #: The text of torch's sync-debug warning (c10/cuda/CUDAFunctions.cpp).
 SYNC_MESSAGE = "called a synchronizing CUDA operation"
-
-#: Policies for a step over its sync budget.
-ON_SYNC = ("count", "warn", "raise")
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -120,26 +115,6 @@ _BOOL_OPS = frozenset(
 _FORMAT_OPS = frozenset({"FORMAT_VALUE", "FORMAT_SIMPLE", "FORMAT_WITH_SPEC"})
 
 _Site = tuple[str, str, str]  # (where, kind, code)
-
-
-def check_max_syncs(max_syncs: Any) -> int | None:
-    if max_syncs is None:
-        return None
-    if isinstance(max_syncs, bool) or not isinstance(max_syncs, int) or max_syncs < 0:
-        raise ConfigError(
-            f"'max_syncs' must be an int >= 0 or None (got {max_syncs!r}); "
-            f"pass e.g. max_syncs=0 to require sync-free steps"
-        )
-    return max_syncs
-
-
-def check_on_sync(on_sync: Any) -> str:
-    if on_sync not in ON_SYNC:
-        raise ConfigError(
-            f"'on_sync' must be one of {', '.join(map(repr, ON_SYNC))} (got {on_sync!r}); "
-            f"'count' records, 'warn' warns once per site, 'raise' raises SyncBudgetExceeded"
-        )
-    return on_sync
 
 
 # -- naming a sync point -------------------------------------------------------

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import stepprof
-from stepprof import _api, _memory
-from stepprof._device.nvml import shutdown as shutdown_nvml
+from stepprof import _registry
 
 from .fakes import FakeGpu, FakeNvml
 
@@ -40,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, request):
-    """Reset module singletons; afterwards assert stepprof left no global state behind.
+    """Reset stepprof's process-wide state (stepprof._registry); afterwards assert none was left behind.
 
     Tests without the ``cuda`` marker never reach the real NVML: ``import pynvml``
     fails in them (NVML missing) unless the test installs a ``FakeNvml``.
@@ -51,19 +50,11 @@ def clean_state(monkeypatch, request):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     if "cuda" not in request.keywords:
         monkeypatch.setitem(sys.modules, "pynvml", None)
-    shutdown_nvml()
-    _memory.reset()
+    _registry.reset()
     filters = list(warnings.filters)
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
     yield
-    leftover = list(_api._active)
-    _api._active.clear()
-    if _api._default is not None:
-        _api._default.close()
-        _api._default = None
-    _api._warned_no_log = False
-    shutdown_nvml()
-    _memory.reset()
+    leftover = _registry.reset()
     assert not leftover, f"a Profiler was left active: {leftover}"
     assert warnings.filters == filters, "warning filters were not restored"
     if sync_mode is not None:
@@ -77,7 +68,7 @@ def gpu() -> FakeGpu:
 
 @pytest.fixture
 def nvml(monkeypatch, gpu) -> FakeNvml:
-    """A fake NVML that sees ``gpu``, imported by stepprof._device.nvml as ``pynvml``."""
+    """A fake NVML that sees ``gpu``, imported by stepprof._nvml as ``pynvml``."""
     fake = FakeNvml(gpu)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return fake

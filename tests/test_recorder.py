@@ -429,31 +429,6 @@ def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
     prof.close()
 
 
-def test_host_rss_is_the_figure_psutil_gives_and_falls_back_to_psutil(monkeypatch):
-    import os
-
-    import psutil
-
-    from stepprof._profiler import _HostRss
-
-    rss = _HostRss()
-    first = rss.read()
-    assert abs(first - psutil.Process().memory_info().rss) < 8 << 20  # same pages, read apart
-    grown = bytearray(64 << 20)
-    grown[::4096] = b"\1" * len(grown[::4096])  # touch every page: the RSS grows by 64 MiB
-    assert rss.read() - first > 48 << 20  # re-read, not cached
-    rss.forget()  # what a forked child does: reopen its own
-    assert abs(rss.read() - psutil.Process().memory_info().rss) < 8 << 20
-
-    def no_proc(*args, **kwargs):
-        raise OSError("no /proc here")
-
-    monkeypatch.setattr(os, "open", no_proc)
-    fallback = _HostRss()
-    assert abs(fallback.read() - psutil.Process().memory_info().rss) < 8 << 20
-    assert fallback._process is not None and fallback._fd is None
-
-
 def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, monkeypatch):
     """device=None: step 0 runs before CUDA is initialised (host), step 1 after (CUDA).  Step 0 is
     still waiting for the collector when the backend switches; its record is the host's."""
@@ -539,7 +514,7 @@ def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu)
     normally (closing its inherited profilers at interpreter exit) must not write them too."""
     import os
 
-    from stepprof import _profiler
+    from stepprof import _registry
 
     prof = make(log, gpu, _collect_every_s=30, memory_every=0)  # step 0 stays pending
     with prof.step():
@@ -547,7 +522,7 @@ def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu)
     pid = os.fork()
     if pid == 0:                                 # the child: as at its interpreter exit
         try:
-            _profiler._close_all_at_exit()
+            _registry._close_all_at_exit()
         finally:
             os._exit(0)
     os.waitpid(pid, 0)

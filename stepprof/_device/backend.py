@@ -14,9 +14,10 @@ same attributes and methods.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from .. import _syncs
+if TYPE_CHECKING:  # annotations only: _syncs imports torch, and this module needs none
+    from .._syncs import SyncTracker
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
@@ -88,7 +89,7 @@ class Backend(Protocol):
     def wait(self, marks: list[Any]) -> None: ...
     def range_push(self, name: str) -> None: ...
     def range_pop(self) -> None: ...
-    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None: ...
+    def watch_syncs(self, tracker: SyncTracker) -> str | None: ...
     def unwatch_syncs(self) -> None: ...
     # For the memory reconciliation, never per step:
     def read_allocator(self) -> AllocatorFigures | None: ...
@@ -154,7 +155,7 @@ class HostBackend:
     def range_pop(self) -> None:
         pass
 
-    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str:
+    def watch_syncs(self, tracker: SyncTracker) -> str:
         return self.sync_reason
 
     def unwatch_syncs(self) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .._registry import register_state
+
 __all__ = ["SIDE_STREAMS", "ExchangeSlots"]
 
 
@@ -36,7 +38,7 @@ class _SideStreams:
         self._streams.clear()
 
 
-SIDE_STREAMS = _SideStreams()
+SIDE_STREAMS = register_state(_SideStreams())
 
 
 class _Slot:

@@ -28,6 +28,7 @@ import torch
 
 from .. import _syncs
 from .._errors import SyncBudgetExceeded
+from .._registry import register_state
 
 __all__ = [
     "ROUTES",
@@ -80,7 +81,7 @@ class _RouteState:
         self.trace_probe = None
 
 
-ROUTES = _RouteState()
+ROUTES = register_state(_RouteState())
 
 # Set on a thread while one of the wrappers below runs its original: a wrapper reached
 # from inside another one (a user's replacement, made during a step, that calls the

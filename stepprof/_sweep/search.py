@@ -33,11 +33,11 @@ from collections.abc import Callable
 from typing import Any
 
 
-from .._api import pop_active, push_active
+from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
 from .._log import JsonlWriter
 from .._schema import SCHEMA_VERSION
-from .._profiler import check_device
+from .._validate import check_device
 from .._units import format_bytes
 from .checks import (
     check_callable,

@@ -1,0 +1,259 @@
+"""The step and phase scopes that user code opens, and the two public objects that make them.
+
+- :class:`StepScope`: ``with prof.step():`` and ``with stepprof.profile_step():``;
+- :class:`MeasureScope`: ``with stepprof.measure("forward"):`` and ``@stepprof.measure``,
+  a phase inside an open step, else a step;
+- :class:`ProfileStepFunction` and :class:`MeasureFunction`: the types of
+  ``stepprof.profile_step`` and ``stepprof.measure``, functions that also refuse
+  ``with stepprof.measure:`` (no brackets) with a hint.
+
+A scope made without a profiler finds it when it is entered, through
+:func:`stepprof._registry.current`.  Inside a ``torch.compile``d region every
+scope does nothing (and adds no graph break).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, overload
+
+import torch
+
+from ._errors import UsageError
+from ._registry import current
+from ._validate import check_batch_size, check_budget, check_name
+
+__all__ = ["MeasureFunction", "MeasureScope", "ProfileStepFunction", "Recorder", "StepScope", "make_measure"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Recorder(Protocol):
+    """What a scope asks of a profiler (:class:`stepprof.Profiler` is one)."""
+
+    def _enter(
+        self, name: str | None, batch_size: int | None, *, step: bool,
+        budget: tuple[int | None, str | None] = (None, None),
+    ) -> Any: ...
+
+    def _exit(self, token: Any, exc: BaseException | None) -> None: ...
+
+
+class StepScope:
+    """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
+
+    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_tokens")
+
+    def __init__(
+        self,
+        profiler: Recorder | None,
+        name: str | None,
+        batch_size: int | None,
+        max_syncs: int | None = None,
+        on_sync: str | None = None,
+    ) -> None:
+        self._profiler = profiler
+        self._name = name
+        self._batch_size = batch_size
+        self._budget = (max_syncs, on_sync)
+        self._tokens: list[tuple[Recorder, Any]] = []
+
+    def __enter__(self) -> StepScope:
+        if torch.compiler.is_compiling():
+            return self
+        prof = self._profiler or current()
+        self._tokens.append(
+            (prof, prof._enter(self._name, self._batch_size, step=True, budget=self._budget))
+        )
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if torch.compiler.is_compiling() or not self._tokens:
+            return
+        prof, token = self._tokens.pop()
+        prof._exit(token, exc)
+
+
+class MeasureScope:
+    """A named measurement: a context manager, and a decorator via ``__call__``.
+
+    Inside an open step it times a phase of that step; outside, it is a step.
+    """
+
+    __slots__ = ("_name", "_profiler", "_tokens")
+
+    def __init__(self, name: str | None, profiler: Recorder | None) -> None:
+        self._name = name
+        self._profiler = profiler
+        self._tokens: list[tuple[Recorder, Any]] = []
+
+    def __enter__(self) -> MeasureScope:
+        if torch.compiler.is_compiling():
+            return self
+        if self._name is None:
+            raise UsageError(
+                "measure() used as a context manager needs a name: `with stepprof.measure('forward'):`"
+            )
+        prof = self._profiler or current()
+        self._tokens.append((prof, prof._enter(self._name, None, step=False)))
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if torch.compiler.is_compiling() or not self._tokens:
+            return
+        prof, token = self._tokens.pop()
+        prof._exit(token, exc)
+
+    def __call__(self, fn: F) -> F:
+        if isinstance(fn, (staticmethod, classmethod)):
+            # @measure above @staticmethod/@classmethod: measure the function inside and
+            # wrap it again, so that it still binds as a static or class method.
+            return type(fn)(self(fn.__func__))  # type: ignore[return-value]
+        if not callable(fn):
+            raise UsageError(
+                f"measure({self._name!r}) decorates a function; got {fn!r}. "
+                f"Use `@stepprof.measure({self._name!r})` above a def"
+            )
+        if inspect.iscoroutinefunction(fn) or inspect.isgeneratorfunction(fn) or (
+            inspect.isasyncgenfunction(fn)
+        ):
+            raise UsageError(
+                f"measure cannot time {getattr(fn, '__qualname__', fn)!r}: it is a generator or "
+                f"coroutine function, whose body runs after the call returns. Measure the code "
+                f"that consumes it with `with stepprof.measure(...)` instead"
+            )
+        name = self._name or getattr(fn, "__qualname__", None) or repr(fn)
+        bound = self._profiler
+
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            prof = bound or current()
+            token = prof._enter(name, None, step=False)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                prof._exit(token, e)
+                raise
+            prof._exit(token, None)
+            return result
+
+        return measured  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"<stepprof.measure {self._name!r}>"
+
+
+def make_measure(name: Any, profiler: Recorder | None) -> Any:
+    """What ``measure(name)`` returns: a :class:`MeasureScope`, or ``name`` measured if it is a function."""
+    if name is None or isinstance(name, str):
+        return MeasureScope(name, profiler)
+    if callable(name) or isinstance(name, (staticmethod, classmethod)):  # bare decorator: @measure
+        return MeasureScope(None, profiler)(name)
+    raise UsageError(
+        f"measure() takes a name (str) or a function (got {name!r}); "
+        f"use @stepprof.measure, @stepprof.measure('name') or `with stepprof.measure('name'):`"
+    )
+
+
+class _PublicFunction:
+    """A public function that is an object, so that ``with f:`` (no brackets) gets a hint.
+
+    To ``help()`` and ``inspect.signature`` it is the function ``stepprof.<name>``:
+    they show its ``__call__``'s signature and docstring.
+    """
+
+    _hint = ""
+
+    def __init__(self, name: str) -> None:
+        call = self.__call__  # type: ignore[attr-defined]
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = "stepprof"
+        self.__doc__ = call.__doc__
+        self.__wrapped__ = call
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        # Being a descriptor makes it a routine to pydoc (help() documents a function, not
+        # the instance of a class); as a class attribute it stays itself, like a staticmethod.
+        return self
+
+    def __enter__(self) -> None:
+        raise UsageError(self._hint)
+
+    def __exit__(self, *exc: Any) -> None:  # pragma: no cover - __enter__ always raises
+        pass
+
+    def __repr__(self) -> str:
+        return f"<function stepprof.{self.__name__}>"
+
+
+class ProfileStepFunction(_PublicFunction):
+    """The type of ``stepprof.profile_step``."""
+
+    _hint = "use `with stepprof.profile_step():` (did you forget the brackets?)"
+
+    def __call__(
+        self,
+        name: str | None = None,
+        *,
+        batch_size: int | None = None,
+        max_syncs: int | None = None,
+        on_sync: str | None = None,
+    ) -> StepScope:
+        """A context manager around one training step of the current profiler.
+
+        The current profiler is the calling thread's innermost active ``with
+        stepprof.Profiler(...)``, else the default one (see :func:`stepprof.configure`).
+
+        Args:
+            name: the step's name in the log (default ``"step"``).
+            batch_size: samples in the step; enables ``samples_per_s``.
+            max_syncs: this step's sync budget (default: the profiler's, None).
+            on_sync: ``"count"``, ``"warn"`` or ``"raise"`` when the step goes over
+                ``max_syncs`` (default: the profiler's, ``"count"``).
+
+        Example:
+            >>> import stepprof
+            >>> with stepprof.Profiler(None) as prof:
+            ...     with stepprof.profile_step(batch_size=16):
+            ...         pass
+            >>> prof.summary.steps
+            1
+        """
+        return StepScope(
+            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync)
+        )
+
+
+class MeasureFunction(_PublicFunction):
+    """The type of ``stepprof.measure``."""
+
+    _hint = "use `with stepprof.measure('name'):` (did you forget the brackets?)"
+
+    @overload
+    def __call__(self, name: F) -> F: ...
+    @overload
+    def __call__(self, name: str | None = None) -> MeasureScope: ...
+
+    def __call__(self, name: str | Callable[..., Any] | None = None) -> Any:
+        """Time a phase of the current step, or a whole step when no step is open.
+
+        Usable three ways: ``@stepprof.measure``, ``@stepprof.measure("name")``
+        and ``with stepprof.measure("name"):``.  A phase name used several
+        times in one step (gradient accumulation) is summed, with a ``count``.
+
+        Example:
+            >>> import stepprof
+            >>> with stepprof.Profiler(None) as prof:
+            ...     @stepprof.measure
+            ...     def train_step():
+            ...         with stepprof.measure("forward"):
+            ...             pass
+            ...     train_step()
+            >>> prof.summary.steps
+            1
+        """
+        return make_measure(name, None)
