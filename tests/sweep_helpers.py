@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import stepprof
+from stepprof._sweep.search import sweep_on
 
 from .fakes import FakeSweepGpu, SyntheticStep
 
@@ -11,7 +11,7 @@ GB = 10**9
 
 def run(step, gpu, **kw):
     kw.setdefault("progress", False)
-    return stepprof.sweep(step, step.make_batch, _backend=gpu, _clock=gpu.clock, **kw)
+    return sweep_on(gpu, gpu.clock, step, step.make_batch, **kw)
 
 
 def setup(capacity=40 * GB, usable=0.985, **kw):

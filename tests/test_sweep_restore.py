@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import stepprof
+from stepprof._sweep.search import sweep_on
 
 from .sweep_helpers import setup
 
@@ -53,7 +54,6 @@ def test_profile_step_inside_train_step_records_nothing_during_the_sweep(log):
             step(batch)
 
     with stepprof.Profiler(log) as prof:
-        stepprof.sweep(train_step, step.make_batch, max_batch=64, _backend=gpu, _clock=gpu.clock,
-                       progress=False)
+        sweep_on(gpu, gpu.clock, train_step, step.make_batch, max_batch=64, progress=False)
         train_step(step.make_batch(4))           # after the sweep, recording works again
     assert prof.summary.steps == 1

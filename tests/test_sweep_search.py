@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import stepprof
+from stepprof._sweep.search import sweep_on
 from stepprof._device.backend import HostSweepBackend
 
 from .fakes import FakeGpu, FakeSweepGpu, SyntheticStep
@@ -128,8 +129,7 @@ def test_plateau_jumps_to_the_predicted_boundary():
 def test_plateau_without_memory_figures_stops_growth_and_says_so():
     gpu = FakeGpu()
     step = SyntheticStep(gpu, fixed_ms=0.0, per_sample_ms=0.01, usable=40 * GB)
-    r = stepprof.sweep(step, step.make_batch, _backend=HostSweepBackend("fake host"),
-                       _clock=gpu.clock, progress=False)
+    r = sweep_on(HostSweepBackend("fake host"), gpu.clock, step, step.make_batch, progress=False)
     assert r.stopped == "plateau" and r.first_oom is None and r.max_fit == 4
     assert r.predicted_max is None and "predicted_max" in r.unavailable
     assert any("was not searched" in n for n in r.notes)
@@ -142,8 +142,7 @@ def test_plateau_without_memory_figures_grows_on_to_max_batch_when_given():
     # The plateau note says "pass max_batch to sweep further": with max_batch, growth goes on.
     gpu = FakeGpu()
     step = SyntheticStep(gpu, fixed_ms=0.0, per_sample_ms=0.01, usable=40 * GB)
-    r = stepprof.sweep(step, step.make_batch, _backend=HostSweepBackend("fake host"),
-                       _clock=gpu.clock, progress=False, max_batch=64)
+    r = sweep_on(HostSweepBackend("fake host"), gpu.clock, step, step.make_batch, progress=False, max_batch=64)
     assert r.stopped == "max_batch" and r.max_fit == 64
     assert not any("was not searched" in n for n in r.notes)
 
@@ -151,8 +150,7 @@ def test_plateau_without_memory_figures_grows_on_to_max_batch_when_given():
 def test_without_memory_figures_an_oom_is_bisected_to_3_percent():
     gpu = FakeGpu()
     step = SyntheticStep(gpu, usable=int(0.985 * 40 * GB))
-    r = stepprof.sweep(step, step.make_batch, _backend=HostSweepBackend("fake host"),
-                       _clock=gpu.clock, progress=False)
+    r = sweep_on(HostSweepBackend("fake host"), gpu.clock, step, step.make_batch, progress=False)
     assert r.stopped == "boundary"
     assert 0 <= step.true_max - r.max_fit <= 0.03 * step.true_max
     assert all(p.leaked_bytes is None for p in r.points if p.oom)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stepprof
+from stepprof._sweep.search import sweep_on
 from stepprof._sweep.trial import is_oom
 
 from .fakes import FakeSweepGpu
@@ -30,8 +31,7 @@ def test_without_cuda_events_the_fallback_span_starts_after_the_warm_up(monkeypa
     def train_step(batch):
         gpu.launch(10.0)                # asynchronous: the host does not wait for the GPU
 
-    r = stepprof.sweep(train_step, lambda n: torch.randn(n, 1), max_batch=1, steps=3, max_steps=3,
-                       _backend=gpu, _clock=gpu.clock, progress=False)
+    r = sweep_on(gpu, gpu.clock, train_step, lambda n: torch.randn(n, 1), max_batch=1, steps=3, max_steps=3, progress=False)
     p = r.point(1)
     assert "step_ms" in p.unavailable and p.timed_steps == 3
     assert p.step_ms == pytest.approx(10.0)
@@ -93,7 +93,7 @@ def test_runtime_error_oom_messages_count_as_oom(message):
             raise RuntimeError(message)
         inner(batch)
 
-    r = stepprof.sweep(train_step, step.make_batch, _backend=gpu, _clock=gpu.clock, progress=False)
+    r = sweep_on(gpu, gpu.clock, train_step, step.make_batch, progress=False)
     assert r.max_fit >= 970 and r.max_fit <= 1000 and r.stopped == "boundary"
     assert all(p.error.startswith("RuntimeError: ") for p in r.points if p.oom)
 
@@ -111,11 +111,10 @@ def test_ambiguous_cudnn_errors_are_oom_only_after_a_smaller_batch_ran(message):
             raise RuntimeError(message)
         inner(batch)
 
-    r = stepprof.sweep(train_step, step.make_batch, _backend=gpu, _clock=gpu.clock, progress=False)
+    r = sweep_on(gpu, gpu.clock, train_step, step.make_batch, progress=False)
     assert 97 <= r.max_fit <= 100
     with pytest.raises(RuntimeError, match="CUDNN_STATUS") as info:
-        stepprof.sweep(train_step, step.make_batch, start=128, _backend=gpu, _clock=gpu.clock,
-                       progress=False)
+        sweep_on(gpu, gpu.clock, train_step, step.make_batch, start=128, progress=False)
     assert "batch size 128" in "".join(getattr(info.value, "__notes__", []))
 
 
@@ -181,5 +180,5 @@ def test_oom_in_make_batch_counts_as_oom():
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
         return step.make_batch(n)
 
-    r = stepprof.sweep(step, make_batch, _backend=gpu, _clock=gpu.clock, progress=False)
+    r = sweep_on(gpu, gpu.clock, step, make_batch, progress=False)
     assert 485 <= r.max_fit <= 500 and r.stopped == "boundary"

@@ -27,6 +27,7 @@ the points (knee, thrash zone, fit, recommendation) are :mod:`stepprof._sweep.ru
 from __future__ import annotations
 
 import math
+import contextvars
 import sys
 import time
 from collections.abc import Callable
@@ -79,6 +80,23 @@ PLATEAU_GAIN = 0.05
 MAX_PROBES = 24
 
 
+#: The device and clock a sweep runs on when tests or benchmarks replace them (see
+#: :func:`sweep_on`); None: the real ones.  Not part of :func:`sweep`'s signature.
+_seams: contextvars.ContextVar[tuple[Any, Clock] | None] = contextvars.ContextVar(
+    "stepprof_sweep_seams", default=None
+)
+
+
+def sweep_on(backend: Any, clock: Clock, train_step: Callable[[Any], Any],
+             make_batch: Callable[[int], Any], **settings: Any) -> SweepResult:
+    """:func:`sweep` on a given backend and clock (a fake device in tests)."""
+    token = _seams.set((backend, clock))
+    try:
+        return sweep(train_step, make_batch, **settings)
+    finally:
+        _seams.reset(token)
+
+
 def sweep(
     train_step: Callable[[Any], Any],
     make_batch: Callable[[int], Any],
@@ -95,8 +113,6 @@ def sweep(
     min_time_s: float = 0.05,
     max_steps: int = 50,
     knee_within: float = 0.10,
-    _backend: Any = None,
-    _clock: Clock | None = None,
 ) -> SweepResult:
     """Measure samples/s and peak memory over batch sizes, and recommend one.
 
@@ -159,12 +175,13 @@ def sweep(
             print(line, file=sys.stderr, flush=True)
     else:
         say = progress or None  # type: ignore[assignment]
-    backend = _backend if _backend is not None else select_sweep_backend(device)
+    seams = _seams.get()
+    backend = seams[0] if seams is not None else select_sweep_backend(device)
     search = BatchSearch(
-        train_step, make_batch, backend=backend, auto_backend=_backend is None and device is None,
+        train_step, make_batch, backend=backend, auto_backend=seams is None and device is None,
         start=start, max_batch=max_batch, budget_s=budget_s, say=say, warmup=warmup,
         steps=steps, min_time_s=min_time, max_steps=max_steps, knee_within=within,
-        clock=_clock or time.perf_counter_ns,
+        clock=seams[1] if seams is not None else time.perf_counter_ns,
     )
     saved = SavedState(objs)
     # isinstance, not ``backend.index``: the test fakes carry an index without a CUDA RNG.
