@@ -374,7 +374,7 @@ def test_cpu_backend_marks_gpu_fields_unavailable(log):
 
 
 def test_collector_thread_writes_completed_steps_without_close(log, gpu):
-    prof = make(log, gpu, _collect_every_s=0.001)
+    prof = make(log, gpu, collect_every_s=0.001)
     for _ in range(3):
         with prof.step():
             with prof.measure("forward"):
@@ -386,7 +386,7 @@ def test_collector_thread_writes_completed_steps_without_close(log, gpu):
     assert [r["step"] for r in steps(log)] == [0, 1, 2]
     assert gpu.syncs == 0
     prof.close()
-    assert prof._collector is not None and not prof._collector.is_alive()
+    assert prof._collector.thread is not None and not prof._collector.thread.is_alive()
     assert len(gpu.released) == gpu.marks_made
 
 
@@ -459,17 +459,18 @@ def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, 
     still waiting for the collector when the backend switches; its record is the host's."""
     import torch
 
-    from stepprof import _profiler
     from stepprof._cuda import HostBackend
+    from stepprof._profiler import _make_profiler
+    from stepprof._recorder import boundaries
 
     cuda_up = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(cuda_up))
     monkeypatch.setattr(
-        _profiler, "select_backend",
+        boundaries, "select_backend",
         lambda device, **kw: gpu if cuda_up else HostBackend("CUDA is not initialised"),
     )
-    prof = stepprof.Profiler(log, _clock=gpu.clock, _collect_every_s=30)  # no harvest before close
+    prof = _make_profiler(log, clock=gpu.clock, collect_every_s=30)  # no harvest before close
     with prof.step():
         gpu.host(1.0)
     cuda_up.append(True)            # the training code initialises CUDA
@@ -541,7 +542,7 @@ def test_a_forked_child_does_not_write_the_parents_pending_steps_again(log, gpu)
 
     from stepprof import _profiler
 
-    prof = make(log, gpu, _collect_every_s=30, memory_every=0)  # step 0 stays pending
+    prof = make(log, gpu, collect_every_s=30, memory_every=0)  # step 0 stays pending
     with prof.step():
         pass
     pid = os.fork()
