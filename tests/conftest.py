@@ -94,6 +94,11 @@ def make(log, gpu, **kw) -> stepprof.Profiler:
     return _make_profiler(log, backend=gpu, clock=gpu.clock, **kw)
 
 
+def steps(log, prof=None) -> list[dict]:
+    """The step records of ``log``, in file order."""
+    return list(stepprof.read(log, kind="step"))
+
+
 def marked_line(path: str, marker: str) -> str:
     """``file:line`` (relative to the working directory, as sync sites are) of the line in
     ``path`` that ends with ``# <marker>``."""

@@ -92,6 +92,7 @@ class Boundaries:
         self.next_index = 0
         self._collector = collector
         self._pending = collector.pending
+        self._writer = collector.log.writer  # read at each step exit: whether writing failed
         self._inline = collector.every_s is None
         self._clock = clock
         self._device_arg = device
@@ -155,7 +156,7 @@ class Boundaries:
         if self.broken is not None:
             if self._warn_at_entry is not None:
                 why, self._warn_at_entry = self._warn_at_entry, None
-                warnings.warn(f"stepprof: {why}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"stepprof: {why}", RuntimeWarning, stacklevel=4)
             return self._exchange.enter_unrecorded() if self._exchange is not None else None
         tid = threading.get_ident()
         if self.owner != tid:
@@ -384,7 +385,7 @@ class Boundaries:
             if not b.has_device_timing:
                 collector.harvest()  # nothing to wait for on the host: write it now
             return
-        if collector.error is not None or collector.log.failed is not None:
+        if collector.error is not None or (self._writer is not None and self._writer.failed is not None):
             self.warn_async()
         step.overhead_ns += self._clock() - t_in
         self._pending.append(step)
@@ -427,3 +428,4 @@ class Boundaries:
         self._hooks = self._begin_hooks = self._end_hooks = ()
         self._exchange = None
         self._pending = self._collector.pending
+        self._writer = None

@@ -23,18 +23,18 @@ class LogSink:
     """The log (or none): records are written one by one, or as one batch per harvest."""
 
     def __init__(self, path: str | os.PathLike[str] | None, rank_fields: dict[str, int] | None) -> None:
-        self._writer = JsonlWriter(path) if path is not None else None
-        self.path = self._writer.path if self._writer else None
+        self.writer = JsonlWriter(path) if path is not None else None
+        self.path = self.writer.path if self.writer else None
         self._rank_fields = rank_fields
         self._batch: list[dict[str, Any]] | None = None  # records of the harvest in progress
 
     @property
     def failed(self) -> str | None:
         """Why writing stopped (the disk filled up, say), or None."""
-        return self._writer.failed if self._writer is not None else None
+        return self.writer.failed if self.writer is not None else None
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._writer is not None:
+        if self.writer is not None:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
             if self._rank_fields is not None:
@@ -43,7 +43,7 @@ class LogSink:
             if self._batch is not None:  # inside a harvest: written with the others
                 self._batch.append(record)
             else:
-                self._writer.write(record)
+                self.writer.write(record)
 
     def begin_batch(self) -> None:
         """Hold the records written from now on until :meth:`end_batch`."""
@@ -52,16 +52,16 @@ class LogSink:
     def end_batch(self) -> None:
         """Write the held records together, in one system call."""
         batch, self._batch = self._batch, None
-        if batch and self._writer is not None:
-            self._writer.write_many(batch)
+        if batch and self.writer is not None:
+            self.writer.write_many(batch)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def forget(self) -> None:
         """After a fork: close the child's copy of the descriptor (the parent's stays open)."""
-        writer, self._writer, self._batch = self._writer, None, None
+        writer, self.writer, self._batch = self.writer, None, None
         if writer is not None:
             writer.close()
 
