@@ -26,7 +26,10 @@ from ._memory import MemoryReport
 from ._records import Summary
 from ._recorder.boundaries import Boundaries
 from ._recorder.collector import Collector
-from ._recorder.hooks import FLOPS_NOT_REQUESTED, Closing, ExchangeHook, FlopsHook, Hook, MemoryHook
+from ._recorder.exchange import ExchangeHook
+from ._recorder.flops import FLOPS_NOT_REQUESTED, FlopsHook
+from ._recorder.hooks import Closing, Hook
+from ._recorder.memory_records import MemoryHook
 from ._recorder.seams import REAL, Seams
 from ._recorder.sinks import LogSink, SummarySink
 from ._roofline import check_flops
@@ -312,8 +315,7 @@ class Profiler:
         self._exit = b.exit
         # Optional behaviour: a hook each, in the order their records follow a step's.
         self._flops = (
-            FlopsHook("given" if given is not None else flops_mode, given, warmup=self.warmup,
-                      backend=seams.backend, retire=b.retire)
+            FlopsHook(given, warmup=self.warmup, backend=seams.backend, retire=b.retire)
             if flops_mode is not None or given is not None else None
         )
         self._memory = MemoryHook(warmup=self.warmup, every=self.memory_every, retire=b.retire)

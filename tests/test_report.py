@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import stepprof
 from stepprof import _cli
 from stepprof._log import ScanStats, scan
-from stepprof._recorder import hooks
+from stepprof._recorder import flops as flops_hook
 from stepprof._report import Dist, build_report, render
 from stepprof._roofline import save_calibration
 
@@ -575,7 +575,7 @@ def test_flops_arguments_are_checked():
 def test_mfu_uses_the_cached_calibration(log, gpu, monkeypatch, tmp_path):
     monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
     save_calibration({k: v for k, v in fx.CALIBRATION.items() if k != "calibration_version"})
-    monkeypatch.setattr(hooks, "device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(flops_hook, "device_name", lambda index: "NVIDIA H200")
     gpu.index = 0
     model, opt = _mlp()
     with make(log, gpu, warmup=1, flops="auto") as prof:

@@ -37,7 +37,8 @@ from .._cuda import Backend, select_backend
 from .._errors import StepprofError, UsageError
 from .._syncs import SyncTracker
 from .collector import Collector
-from .hooks import ExchangeHook, Hook
+from .exchange import ExchangeHook
+from .hooks import Hook
 from .step import OpenPhase, PhaseTotals, Step
 
 #: The step clock: nanoseconds, monotonic.
@@ -131,7 +132,8 @@ class Boundaries:
 
     def retire(self, hook: Hook) -> None:
         """Stop calling ``hook`` at step boundaries (it still gets records and close)."""
-        self._activate()
+        hook.retired = True
+        self._activate()  # new tuples: a loop over the old ones (this very call's) goes on
 
     def _activate(self) -> None:
         active = [h for h in self._hooks if not h.retired]
