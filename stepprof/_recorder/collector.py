@@ -161,7 +161,7 @@ class Collector:
         self._unix0 = unix0_s
         self._phase_peaks_why = phase_peaks_why
         self._keep_end_marks = keep_end_marks
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
         self.use(hooks)
 
@@ -173,14 +173,10 @@ class Collector:
 
     # -- the thread ---------------------------------------------------------------
 
-    @property
-    def thread(self) -> threading.Thread | None:
-        return self._thread
-
     def start(self) -> None:
         """Start the collector thread (once, at the first step's exit)."""
-        self._thread = threading.Thread(target=self._loop, name="stepprof-collector", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._loop, name="stepprof-collector", daemon=True)
+        self.thread.start()
 
     def _loop(self) -> None:
         """The collector thread: every ``every_s``, write completed steps."""
@@ -199,14 +195,14 @@ class Collector:
     def stop(self) -> None:
         """Stop the thread and wait for it (unless it is the caller)."""
         self._stop.set()
-        thread = self._thread
+        thread = self.thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
     def forget(self) -> None:
         """After a fork: the pending steps and the thread are the parent's."""
         self.pending = deque()
-        self._thread = None
+        self.thread = None
         self._stop = threading.Event()
         self.lock = threading.Lock()
         self.use(())
