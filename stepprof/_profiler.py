@@ -286,13 +286,6 @@ class Profiler:
         group = _dist.check_group(group, ident, ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
         seams = self._seams
-        n = self.phase_peaks_every
-        phase_peaks_why = (  # why a step's phases have no peak (built once, not per record)
-            "phase peaks are off (phase_peaks_every=0); the step's peak is exact" if n == 0 else
-            f"not read on this step: while the step's peak holds steady, phase peaks are read "
-            f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every "
-            f"step). The step's peak_allocated_bytes is exact"
-        )
         # Distributed: rank fields on every record, a log per rank, the exchange.
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
@@ -302,14 +295,13 @@ class Profiler:
         self._summary: Summary | None = None
         clock = seams.clock
         self._collector = Collector(
-            self._log, self._summary_sink, (), clock0_ns=clock(), unix0_s=time.time(),
-            phase_peaks_why=phase_peaks_why, collect_every_s=seams.collect_every_s,
-            keep_end_marks=ident is not None and ranks_every > 0,
+            self._log, self._summary_sink, clock0_ns=clock(), unix0_s=time.time(),
+            phase_peaks_every=self.phase_peaks_every, collect_every_s=seams.collect_every_s,
         )
         self._boundaries = b = Boundaries(
             self._collector, backend=seams.backend, clock=clock, device=device, nvtx=nvtx,
             syncs=syncs, warmup=self.warmup, max_syncs=self.max_syncs, on_sync=self.on_sync,
-            phase_peaks_every=n, read_rss=_HOST_RSS.read,
+            phase_peaks_every=self.phase_peaks_every, read_rss=_HOST_RSS.read,
         )
         self._enter = b.enter
         self._exit = b.exit

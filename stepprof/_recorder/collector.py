@@ -123,33 +123,42 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
     return record
 
 
+def phase_peaks_reason(phase_peaks_every: int) -> str:
+    """Why a step's phases have no peak when they were not read on it (built once, not per record)."""
+    n = phase_peaks_every
+    if n == 0:
+        return "phase peaks are off (phase_peaks_every=0); the step's peak is exact"
+    return (
+        f"not read on this step: while the step's peak holds steady, phase peaks are read "
+        f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every "
+        f"step). The step's peak_allocated_bytes is exact"
+    )
+
+
 class Collector:
     """Pending steps, the thread that harvests them, and what a harvest does with a step.
 
     Args:
         log: where records are written.
         summary: where step records are summed.
-        hooks: the hooks, in the order their records follow a step's.
         clock0_ns, unix0_s: one reading of the step clock and the time since the epoch
             taken together, to date the steps.
-        phase_peaks_why: why a step's phases have no peak when they were not read on it.
+        phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
         collect_every_s: how often the thread harvests; None: the training thread
             harvests at each step's exit instead.
-        keep_end_marks: a hook keeps each step's end mark (the exchange, for the gap to
-            the next step) and releases it itself.
+
+    The hooks come later, with :meth:`use`.
     """
 
     def __init__(
         self,
         log: LogSink,
         summary: SummarySink,
-        hooks: Sequence[Hook],
         *,
         clock0_ns: int,
         unix0_s: float,
-        phase_peaks_why: str,
+        phase_peaks_every: int,
         collect_every_s: float | None,
-        keep_end_marks: bool,
     ) -> None:
         self.pending: deque[Step] = deque()
         self.log = log
@@ -159,14 +168,16 @@ class Collector:
         self.lock = threading.Lock()  # one harvest at a time
         self._clock0 = clock0_ns
         self._unix0 = unix0_s
-        self._phase_peaks_why = phase_peaks_why
-        self._keep_end_marks = keep_end_marks
+        self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
-        self.use(hooks)
+        self.use(())
 
     def use(self, hooks: Sequence[Hook]) -> None:
-        """Call these hooks from now on (each only for what it overrides)."""
+        """Call these hooks, in this order, from now on (each only for what it overrides)."""
+        # A hook that keeps each step's end mark (the exchange, for the gap to the next
+        # step) releases it itself.
+        self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
         self._harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
         self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
         self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)

@@ -25,6 +25,8 @@ class ExchangeHook(Hook):
         harvest_if_free: harvests now unless a harvest is under way.
     """
 
+    keeps_end_marks = True  # the start of the gap to the next step
+
     def __init__(self, exchange: Exchange, harvest_if_free: Callable[[], None]) -> None:
         self.exchange = exchange
         self._harvest_if_free = harvest_if_free
@@ -88,7 +90,7 @@ class ExchangeHook(Hook):
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
         """Add a completed step to the exchange window; keep its end mark for the next gap.
 
-        The collector leaves every step's end mark to this hook (``keep_end_marks``).
+        The collector leaves every step's end mark to this hook (``keeps_end_marks``).
         """
         b = step.backend
         prev, self._gap_from = self._gap_from, (step.end_mark, step.t1)

@@ -54,6 +54,8 @@ class Hook:
     #: Off the step boundaries: no longer called at step entry and exit
     #: (see ``Boundaries.retire``).  Records and close still reach it.
     retired = False
+    #: Keeps each step's end mark past its record, and releases it itself.
+    keeps_end_marks = False
 
     def on_step_begin(self, index: int) -> None:
         """Before the entry boundary of step ``index`` (outside its times)."""
