@@ -20,9 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import stepprof  # noqa: E402
 from stepprof import _log  # noqa: E402
 from stepprof._device.cuda import CudaBackend  # noqa: E402
+from stepprof._profiler import _make_profiler  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_workload, phased_step  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> int:
     _log.JsonlWriter.write_many = timed("log write (collector: orjson + write)", orig_write)
 
     tmp = args.log_dir or tempfile.mkdtemp()
-    prof = stepprof.Profiler(os.path.join(tmp, "costs.jsonl"), _backend=backend)
+    prof = _make_profiler(os.path.join(tmp, "costs.jsonl"), backend=backend)
     wall0 = time.perf_counter_ns()
     for _ in range(args.steps):
         phased_step(prof, 64, fwd, bwd, opt)

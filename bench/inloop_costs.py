@@ -51,9 +51,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import stepprof  # noqa: E402
 from stepprof import _syncs  # noqa: E402
 from stepprof._device import sync_routes  # noqa: E402
+from stepprof._profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
 from overhead import make_workload, median_ci, phased_step  # noqa: E402
 
@@ -189,8 +189,8 @@ def collpy_yield():
     fwd(); bwd(); opt(); _cy[0] += 1
 
 def prof(**kw):
-    return stepprof.Profiler(os.path.join(tmp, f"p{len(os.listdir(tmp))}.jsonl"), **kw)
-p_step, p_full, p_full_ng, p_full_inl = prof(), prof(), prof(), prof(_collect_every_s=None)
+    return _make_profiler(os.path.join(tmp, f"p{len(os.listdir(tmp))}.jsonl"), **kw)
+p_step, p_full, p_full_ng, p_full_inl = prof(), prof(), prof(), prof(collect_every_s=None)
 def bare(): fwd(); bwd(); opt()
 def step():
     with p_step.step(batch_size=64):

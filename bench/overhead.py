@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
-import stepprof  # noqa: E402
+from stepprof._profiler import _make_profiler  # noqa: E402
 from _common import run_info, timed_round  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def median_ci(xs, n_boot: int = 2000, seed: int = 0):
 VARIANTS = {
     "step": {},
     "full": {},
-    "full-inline": {"_collect_every_s": None},
+    "full-inline": {"collect_every_s": None},
 }
 #: With --ablate: one feature changed at a time, to attribute the full loop's cost.
 ABLATIONS = {
@@ -114,7 +114,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
         ablate: bool = False) -> dict:
     fwd, bwd, opt = make_workload(width, batch)
     settings = {**VARIANTS, **(ABLATIONS if ablate else {})}
-    profs = {v: stepprof.Profiler(os.path.join(tmp, f"{name}-{v}.jsonl"), **kw) for v, kw in settings.items()}
+    profs = {v: _make_profiler(os.path.join(tmp, f"{name}-{v}.jsonl"), **kw) for v, kw in settings.items()}
 
     def bare():
         fwd(); bwd(); opt()

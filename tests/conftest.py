@@ -9,6 +9,7 @@ import torch
 
 import stepprof
 from stepprof import _registry
+from stepprof._profiler import _make_profiler
 
 from .fakes import FakeGpu, FakeNvml
 
@@ -81,8 +82,13 @@ def log(tmp_path):
 
 def make(log, gpu, **kw) -> stepprof.Profiler:
     """A profiler on the fake device, harvesting inline at step exits (deterministic)."""
-    kw.setdefault("_collect_every_s", None)
-    return stepprof.Profiler(log, _backend=gpu, _clock=gpu.clock, **kw)
+    kw.setdefault("collect_every_s", None)
+    return _make_profiler(log, backend=gpu, clock=gpu.clock, **kw)
+
+
+def steps(log, prof=None) -> list[dict]:
+    """The step records of ``log``, in file order."""
+    return list(stepprof.read(log, kind="step"))
 
 
 def marked_line(path: str, marker: str) -> str:

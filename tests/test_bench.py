@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import stepprof
+from stepprof._profiler import _make_profiler
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -39,13 +39,13 @@ def test_overhead_leaves_no_records_for_the_next_round(overhead, monkeypatch, tm
     timing = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: timing.append(True))
 
-    class Profiler(stepprof.Profiler):
-        def __init__(self, *a, **kw):
-            kw.setdefault("_collect_every_s", 3600.0)
-            super().__init__(*a, **kw)
-            made.append(self)
+    def make_profiler(*a, **kw):
+        kw.setdefault("collect_every_s", 3600.0)
+        prof = _make_profiler(*a, **kw)
+        made.append(prof)
+        return prof
 
-    monkeypatch.setattr(stepprof, "Profiler", Profiler)
+    monkeypatch.setattr(overhead, "_make_profiler", make_profiler)
     make = overhead.make_workload
     leftovers = []
 
@@ -54,7 +54,7 @@ def test_overhead_leaves_no_records_for_the_next_round(overhead, monkeypatch, tm
 
         def checked_fwd():
             if timing:
-                leftovers.extend(os.path.basename(p.log) for p in made if p._step is None and p._pending)
+                leftovers.extend(os.path.basename(p.log) for p in made if p._boundaries.step is None and p._collector.pending)
             fwd()
 
         return checked_fwd, bwd, opt

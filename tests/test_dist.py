@@ -177,7 +177,7 @@ class FakeGather:
 def test_records_carry_the_rank_and_each_rank_its_log(rank0, tmp_path, gpu):
     gather = FakeGather(slow=3.0)
     log = str(tmp_path / "run.jsonl")
-    with make(log, gpu, ranks_every=2, _gather=gather) as prof:
+    with make(log, gpu, ranks_every=2, gather=gather) as prof:
         for _ in range(6):
             with prof.step():
                 with prof.measure("forward"):
@@ -216,7 +216,7 @@ def test_log_ranks_zero_keeps_no_log_on_other_ranks(monkeypatch, tmp_path, gpu):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     gather = FakeGather()
-    with make(str(tmp_path / "run.jsonl"), gpu, ranks_every=1, log_ranks="zero", _gather=gather) as prof:
+    with make(str(tmp_path / "run.jsonl"), gpu, ranks_every=1, log_ranks="zero", gather=gather) as prof:
         with prof.step():
             pass
     assert prof.log is None and os.listdir(tmp_path) == []
@@ -225,7 +225,7 @@ def test_log_ranks_zero_keeps_no_log_on_other_ranks(monkeypatch, tmp_path, gpu):
 
 def test_close_waits_a_bounded_time_for_ranks_that_never_join(rank0, log, gpu):
     gather = FakeGather(complete=False)
-    prof = make(log, gpu, ranks_every=1, _gather=gather, _close_wait_s=0.05)
+    prof = make(log, gpu, ranks_every=1, gather=gather, close_wait_s=0.05)
     for _ in range(2):
         with prof.step():
             gpu.launch(1.0)
@@ -239,7 +239,7 @@ def test_close_waits_a_bounded_time_for_ranks_that_never_join(rank0, log, gpu):
 
 def test_a_rank_whose_recording_failed_still_takes_part(rank0, log, gpu):
     gather = FakeGather()
-    prof = make(log, gpu, ranks_every=2, _gather=gather)
+    prof = make(log, gpu, ranks_every=2, gather=gather)
     with pytest.warns(RuntimeWarning, match="internal error"):
         for i in range(8):
             gpu.fail_on = "reset_peak" if i == 3 else None
@@ -256,7 +256,7 @@ def test_a_step_where_recording_fails_counts_once_in_the_exchange(rank0, gpu, fa
     # Recording fails inside step 3 (as it opens, in a phase, or as it ends).  That step
     # must still count exactly once: not zero times (no token), nor once per later phase.
     gather = FakeGather()
-    prof = make(None, gpu, ranks_every=1, phase_peaks_every=1, _gather=gather)
+    prof = make(None, gpu, ranks_every=1, phase_peaks_every=1, gather=gather)
     with pytest.warns(RuntimeWarning, match="internal error"):
         for i in range(6):
             gpu.fail_on = fail_on if i == 3 else None
@@ -274,7 +274,7 @@ def test_a_failed_collective_is_recorded(rank0, log, gpu):
             raise RuntimeError("connection closed by peer")
         return pending
 
-    with make(log, gpu, ranks_every=1, _gather=gather) as prof:
+    with make(log, gpu, ranks_every=1, gather=gather) as prof:
         with prof.step():
             pass
     (rec,) = stepprof.read(prof.log, kind="ranks")

@@ -49,7 +49,7 @@ def test_options_check_as_the_profiler_does(kwargs, match):
 
 def test_configure_takes_the_options_and_names_an_unknown_one(tmp_path):
     prof = stepprof.configure(log=str(tmp_path / "run.jsonl"), warmup=2, nvtx=False)
-    assert prof.warmup == 2 and prof._nvtx is False
+    assert prof.warmup == 2 and prof._options.nvtx is False
     with pytest.raises(stepprof.UsageError, match=r"configure\(\) got an unknown option 'warump'.*'warmup'"):
         stepprof.configure(warump=2)
     assert stepprof.configure().log is None  # log defaults to None, as Profiler's options do

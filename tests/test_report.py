@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import stepprof
-from stepprof import _profiler
+from stepprof._recorder import flops as flops_hook
 from stepprof._roofline import save_calibration
 
 from . import logfixtures as fx
@@ -97,7 +97,7 @@ def test_flops_auto_counts_one_step_on_the_cpu(log):
                 model(torch.randn(32, 64)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
-        assert "_begin_step" not in prof.__dict__  # the class's boundaries again after the count
+        assert prof._flops.retired  # off the step boundaries after the count
     recs = list(stepprof.read(log))
     flops = [r for r in recs if r["kind"] == "flops"]
     assert len(flops) == 1 and flops[0]["flops_per_step"] == EXPECTED
@@ -113,7 +113,7 @@ def test_flops_auto_counts_one_step_on_the_cpu(log):
 
 def test_no_flops_requested_leaves_records_and_boundaries_alone(log):
     with stepprof.Profiler(log) as prof:
-        assert "_begin_step" not in prof.__dict__ and "_end_step" not in prof.__dict__
+        assert prof._flops is None and prof._boundaries._begin_hooks == ()
         with prof.step():
             pass
     rec = next(stepprof.read(log, kind="step"))
@@ -133,7 +133,7 @@ def test_flops_arguments_are_checked():
 def test_mfu_uses_the_cached_calibration(log, gpu, monkeypatch, tmp_path):
     monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path / "cache"))
     save_calibration({k: v for k, v in fx.CALIBRATION.items() if k != "calibration_version"})
-    monkeypatch.setattr(_profiler, "device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(flops_hook, "device_name", lambda index: "NVIDIA H200")
     gpu.index = 0
     model, opt = _mlp()
     with make(log, gpu, warmup=1, flops="auto") as prof:
@@ -237,7 +237,7 @@ def test_an_error_in_the_counter_is_a_reason_and_the_step_goes_on(log, monkeypat
     with stepprof.Profiler(log, warmup=0, flops="auto") as prof:
         with prof.step():
             model(torch.randn(32, 64)).sum()
-    assert "_begin_step" not in prof.__dict__
+    assert prof._flops.retired
     flops = next(stepprof.read(log, kind="flops"))
     assert flops["flops_per_step"] is None and "no dtype" in flops["unavailable"]["flops_per_step"]
     assert next(stepprof.read(log, kind="step"))["error"] is None

@@ -57,7 +57,7 @@ def test_step_record_rebuilds_a_gpu_step_with_syncs_allocator_and_ranks(tmp_path
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     gather = lambda vec: (lambda: [list(vec), list(vec)])  # noqa: E731 - rank 1 is rank 0's twin
-    with make(str(tmp_path / "run.jsonl"), gpu, ranks_every=2, _gather=gather) as prof:
+    with make(str(tmp_path / "run.jsonl"), gpu, ranks_every=2, gather=gather) as prof:
         for _ in range(3):
             with prof.step(batch_size=4):
                 with prof.measure("forward"):
@@ -112,7 +112,7 @@ def test_no_column_changes_json_type_between_kinds(tmp_path, gpu, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     gather = lambda vec: (lambda: [list(vec), list(vec)])  # noqa: E731
-    with make(str(tmp_path / "gpu.jsonl"), gpu, ranks_every=2, _gather=gather, flops_per_step=10) as prof:
+    with make(str(tmp_path / "gpu.jsonl"), gpu, ranks_every=2, gather=gather, flops_per_step=10) as prof:
         for _ in range(4):
             with prof.step(batch_size=4):
                 with prof.measure("forward"):

@@ -12,6 +12,7 @@ import pytest
 
 import stepprof
 from stepprof import _syncs
+from stepprof._profiler import _make_profiler
 
 from . import fake_torch
 from .conftest import make, marked_line
@@ -244,7 +245,7 @@ def test_budget_is_per_step_overridable_and_skips_warmup(log, gpu):
         with prof.step():
             t.item()
     prof.close()
-    with stepprof.Profiler(None, _backend=gpu, _clock=gpu.clock, _collect_every_s=None):
+    with _make_profiler(None, backend=gpu, clock=gpu.clock, collect_every_s=None):
         with stepprof.profile_step(max_syncs=0, on_sync="raise"):
             with pytest.raises(stepprof.SyncBudgetExceeded):
                 t.item()

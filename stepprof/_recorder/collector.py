@@ -1,0 +1,297 @@
+"""The collector: turns completed steps into records, off the training thread.
+
+Steps wait in ``pending`` (oldest first) until their end event, and each of their
+phases' end events, has completed; events are only *queried*, never waited on, except
+once at close.  A harvest builds the records of every completed step, hands each to the
+hooks and the sinks, and writes them to the log together, in one system call.
+
+The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
+(tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from .._device.backend import ALLOCATOR_COUNTERS, Backend
+from .._schema import SCHEMA_VERSION
+from .hooks import Hook
+from .sinks import LogSink, SummarySink
+from .step import Step, elapsed_ms
+
+#: How often the collector thread looks for completed steps to write.
+COLLECT_EVERY_S = 0.02
+
+_NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
+
+
+def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
+    """The ``kind: "step"`` record of a completed step (its marks' events have completed).
+
+    Args:
+        s: the step.
+        b: the backend it was measured on.
+        start_unix_s: when it started, in seconds since the epoch.
+        phase_peaks_why: why its phases have no peak when they were not read on it.
+    """
+    unavailable: dict[str, str] = {}
+    wall_ms = (s.t1 - s.t0) / 1e6
+    gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
+    if gpu_ms is None:
+        unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or _NO_EVENT
+    phases: dict[str, dict[str, Any]] = {}
+    for key, total in s.phases.items():
+        pg: float | None = 0.0
+        for start, end in total.marks:
+            ms = elapsed_ms(b, start, end)
+            if ms is None:
+                pg = None
+            elif pg is not None:
+                pg += ms
+        phases[key] = {
+            "wall_ms": total.wall_ns / 1e6,
+            "gpu_ms": pg,
+            "peak_allocated_bytes": total.peak if total.peak >= 0 else None,
+            "count": total.count,
+            "syncs": total.syncs if s.syncs is not None else None,
+        }
+        if pg is None:
+            unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
+        if total.peak < 0:
+            unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
+                phase_peaks_why if not s.phase_peaks else "not read"
+            )
+    peak = s.peak if s.peak >= 0 else None
+    if peak is None:
+        unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
+    if s.reserved is None:
+        unavailable["reserved_bytes"] = b.memory_reason or "not read"
+    gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
+    if gpu_busy is None and gpu_ms is not None:
+        unavailable["gpu_busy"] = "wall time was zero"
+    samples_per_s = None
+    if s.batch_size is None:
+        unavailable["samples_per_s"] = "no batch_size was given"
+    else:
+        span_ms = max(wall_ms, gpu_ms or 0.0)
+        if span_ms > 0:
+            samples_per_s = s.batch_size / (span_ms / 1e3)
+        else:
+            unavailable["samples_per_s"] = "step took no measurable time"
+    record: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "step",
+        "step": s.index,
+        "name": s.name,
+        "warmup": s.warmup,
+        "device": b.device,
+        "start_unix_s": start_unix_s,
+        "wall_ms": wall_ms,
+        "gpu_ms": gpu_ms,
+        "gpu_busy": gpu_busy,
+        "peak_allocated_bytes": peak,
+        "reserved_bytes": s.reserved,
+        "batch_size": s.batch_size,
+        "samples_per_s": samples_per_s,
+        "phases": phases,
+        "overhead_us": s.overhead_ns / 1e3,
+        "error": s.error,
+        "syncs": s.syncs,
+        "allocator": dict(zip(ALLOCATOR_COUNTERS, s.counters)) if s.counters else None,
+        "unavailable": unavailable,
+    }
+    if s.syncs is None:
+        unavailable["syncs"] = s.syncs_reason or "not counted"
+        if phases:
+            unavailable["phases.syncs"] = unavailable["syncs"]
+    if s.counters is None:
+        if not b.has_device_memory:
+            unavailable["allocator"] = (
+                f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
+            )
+        else:
+            unavailable["allocator"] = (
+                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
+            )
+    if not b.has_device_memory:
+        record["host_rss_bytes"] = s.rss
+        if s.rss is None:
+            unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+    return record
+
+
+def phase_peaks_reason(phase_peaks_every: int) -> str:
+    """Why a step's phases have no peak when they were not read on it (built once, not per record)."""
+    n = phase_peaks_every
+    if n == 0:
+        return "phase peaks are off (phase_peaks_every=0); the step's peak is exact"
+    return (
+        f"not read on this step: while the step's peak holds steady, phase peaks are read "
+        f"on one step in {n} (phase_peaks_every={n}; phase_peaks_every=1 reads them on every "
+        f"step). The step's peak_allocated_bytes is exact"
+    )
+
+
+class Collector:
+    """Pending steps, the thread that harvests them, and what a harvest does with a step.
+
+    Args:
+        log: where records are written.
+        summary: where step records are summed.
+        clock0_ns, unix0_s: one reading of the step clock and the time since the epoch
+            taken together, to date the steps.
+        phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
+        collect_every_s: how often the thread harvests; None: the training thread
+            harvests at each step's exit instead.
+
+    The hooks come later, with :meth:`use`.
+    """
+
+    def __init__(
+        self,
+        log: LogSink,
+        summary: SummarySink,
+        *,
+        clock0_ns: int,
+        unix0_s: float,
+        phase_peaks_every: int,
+        collect_every_s: float | None,
+    ) -> None:
+        self.pending: deque[Step] = deque()
+        self.log = log
+        self.summary = summary
+        self.every_s = collect_every_s
+        self.error: str | None = None  # why the thread stopped writing records
+        self.lock = threading.Lock()  # one harvest at a time
+        self._clock0 = clock0_ns
+        self._unix0 = unix0_s
+        self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
+        self.thread: threading.Thread | None = None  # started at the first step's exit
+        self._stop = threading.Event()
+        self.use(())
+
+    def use(self, hooks: Sequence[Hook]) -> None:
+        """Call these hooks, in this order, from now on (each only for what it overrides)."""
+        # A hook that keeps each step's end mark (the exchange, for the gap to the next
+        # step) releases it itself.
+        self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
+        self._harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
+        self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
+        self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
+
+    # -- the thread ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the collector thread (once, at the first step's exit)."""
+        self.thread = threading.Thread(target=self._loop, name="stepprof-collector", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        """The collector thread: every ``every_s``, write completed steps."""
+        assert self.every_s is not None
+        while not self._stop.wait(self.every_s):
+            with self.lock:
+                try:
+                    self.harvest()
+                except Exception as e:  # noqa: BLE001 - reported from the training thread
+                    self.error = (
+                        f"stepprof stopped writing records after an internal error: "
+                        f"{type(e).__name__}: {e}"
+                    )
+                    return
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (unless it is the caller)."""
+        self._stop.set()
+        thread = self.thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def forget(self) -> None:
+        """After a fork: the pending steps and the thread are the parent's."""
+        self.pending = deque()
+        self.thread = None
+        self._stop = threading.Event()
+        self.lock = threading.Lock()
+        self.use(())
+
+    # -- harvesting ---------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Write every completed step now, from the calling thread (never waits on the device)."""
+        with self.lock:
+            self.harvest()
+
+    def harvest_if_free(self) -> None:
+        """Harvest now unless a harvest is under way (then it is as good as done)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.harvest()
+            finally:
+                self.lock.release()
+
+    def finish(self) -> None:
+        """At close: wait for the pending steps' own events, then write them all."""
+        if not self.pending:
+            return
+        # Steps that finished before any internal error are still written.  Wait on their
+        # own events, not the whole device: a collective that another rank never joins (an
+        # exchange, or the user's own) would hold a device-wide synchronize forever, and
+        # sync-debug mode "error" would refuse it.
+        waits: dict[int, tuple[Backend, list[Any]]] = {}
+        for s in self.pending:
+            marks = waits.setdefault(id(s.backend), (s.backend, []))[1]
+            marks.append(s.end_mark)
+            for total in s.phases.values():
+                marks.extend(end for _, end in total.marks)
+        for b, marks in waits.values():
+            b.wait(marks)
+        self.harvest()
+
+    def harvest(self) -> None:
+        """Write every pending step, oldest first, whose events have all completed.
+
+        The records are written together at the end, in one system call.
+        """
+        for hook in self._harvest_hooks:
+            hook.on_harvest(self.log.write)
+        pending = self.pending
+        if not pending:
+            return
+        self.log.begin_batch()
+        try:
+            while pending:
+                s = pending[0]
+                b = s.backend
+                if not b.is_done(s.end_mark):
+                    return
+                for total in s.phases.values():
+                    for _, end in total.marks:
+                        if not b.is_done(end):  # a phase on another stream, still running
+                            return
+                pending.popleft()
+                self._record(s, b)
+        finally:
+            self.log.end_batch()
+
+    def _record(self, s: Step, b: Backend) -> None:
+        """Build a completed step's record and hand it to the hooks and the sinks."""
+        record = build_step_record(
+            s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
+            phase_peaks_why=self._phase_peaks_why,
+        )
+        for hook in self._record_hooks:
+            hook.on_record(s, record)
+        released: set[int] = {id(s.end_mark)} if self._keep_end_marks else set()
+        for pair in s.marks():  # top-level phases share boundary events: release each once
+            for m in pair:
+                if m is not None and id(m) not in released:
+                    released.add(id(m))
+                    b.release(m)
+        self.log.write(record)
+        for hook in self._after_hooks:
+            hook.after_record(s, self.log.write)
+        self.summary.add(record)

@@ -1,0 +1,79 @@
+"""Optional behaviour of the recorder, as objects with a fixed interface.
+
+The recorder calls a hook only at the points whose method the hook's class overrides,
+and only while the hook is active: a profiler without FLOPs or a distributed exchange
+runs none of their code.  A hook that has nothing more to do at step boundaries (the
+FLOPs once counted, memory records once none is due) retires from them.
+
+- ``FlopsHook`` (:mod:`.flops`): ``flops="auto"`` counts one step's FLOPs; either way
+  (or given) the step records get ``flops``, ``tflops_per_s`` and ``mfu``, and a
+  ``kind: "flops"`` record is written.
+- ``MemoryHook`` (:mod:`.memory_records`): the ``kind: "memory"`` records, after
+  warm-up, every ``memory_every`` steps and at close (CUDA only).
+- ``ExchangeHook`` (:mod:`.exchange`): the cross-rank exchange of a distributed run;
+  every step exit counts in it, including steps that recording dropped after an
+  internal error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .._device.backend import Backend
+from .sinks import Write
+from .step import Step
+
+
+@attrs.frozen
+class Closing:
+    """What a hook may use at close.
+
+    Attributes:
+        write: writes a record to the log.
+        backend: the profiler's backend, or None if no step ran.
+        last_step: the index of the last step entered, or None.
+        stopped: recording stopped early (an internal error, or a forked child).
+    """
+
+    write: Write
+    backend: Backend | None
+    last_step: int | None
+    stopped: bool
+
+
+class Hook:
+    """The points where the recorder calls optional behaviour; each does nothing here.
+
+    Training thread: :meth:`on_step_begin`, :meth:`on_step_end`, :meth:`on_fail`.
+    Collector: :meth:`on_harvest`, :meth:`on_record`, :meth:`after_record`.
+    Close: :meth:`on_close`.
+    """
+
+    #: Off the step boundaries: no longer called at step entry and exit
+    #: (see ``Boundaries.retire``).  Records and close still reach it.
+    retired = False
+    #: Keeps each step's end mark past its record, and releases it itself.
+    keeps_end_marks = False
+
+    def on_step_begin(self, index: int) -> None:
+        """Before the entry boundary of step ``index`` (outside its times)."""
+
+    def on_step_end(self, step: Step, exc: BaseException | None) -> None:
+        """After the exit boundary of ``step`` (within its overhead), before it is queued."""
+
+    def on_fail(self, step_open: bool, why: str) -> None:
+        """Recording stopped after an internal error (``why``), inside a step or not."""
+
+    def on_harvest(self, write: Write) -> None:
+        """At the start of each harvest."""
+
+    def on_record(self, step: Step, record: dict[str, Any]) -> None:
+        """Amend a completed step's record before it is written (its marks are still held)."""
+
+    def after_record(self, step: Step, write: Write) -> None:
+        """Write the records that follow a step's record."""
+
+    def on_close(self, closing: Closing) -> None:
+        """At close, after every pending step's record was written."""

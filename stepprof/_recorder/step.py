@@ -1,0 +1,84 @@
+"""The state of one step while it is measured and until its record is written.
+
+Also :func:`elapsed_ms`, the device time between two of its marks.
+
+A :class:`Step` is made at the step's entry, filled in at its boundaries on the training
+thread, queued at its exit, and read once by the collector.  All three classes use
+``__slots__``: one ``Step`` is the only allocation a step without phases makes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OpenPhase:
+    """A phase that has been entered and not yet exited: where it started."""
+
+    __slots__ = ("key", "mark", "t0", "peak", "syncs")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.mark: Any = None
+        self.t0 = 0
+        self.peak = -1
+        self.syncs = 0
+
+
+class PhaseTotals:
+    """A phase name's totals within one step (it may run several times)."""
+
+    __slots__ = ("wall_ns", "marks", "peak", "count", "syncs")
+
+    def __init__(self) -> None:
+        self.wall_ns = 0
+        self.marks: list[tuple[Any, Any]] = []
+        self.peak = -1
+        self.count = 0
+        self.syncs = 0
+
+
+class Step:
+    """One step: its clock readings, device marks, memory reads and phases."""
+
+    __slots__ = (
+        "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
+        "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
+        "counters", "phase_peaks", "backend",
+    )
+
+    def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
+        self.index = index
+        self.name = name
+        self.warmup = warmup
+        self.batch_size = batch_size
+        self.t0 = self.t1 = 0
+        self.start_mark: Any = None
+        self.end_mark: Any = None
+        self.peak = -1
+        self.reserved: int | None = None
+        self.rss: int | None = None
+        self.phases: dict[str, PhaseTotals] = {}
+        self.overhead_ns = 0
+        self.error: dict[str, str] | None = None
+        self.syncs: dict[str, Any] | None = None
+        self.syncs_reason: str | None = None
+        self.counters: tuple[int, ...] | None = None
+        self.phase_peaks = True
+        # The backend it was measured on: harvested with it even if the profiler has
+        # moved from the host to CUDA since (device=None, CUDA initialised later).
+        self.backend: Any = None
+
+    def marks(self) -> list[tuple[Any, Any]]:
+        """Every (start, end) pair of device marks the step holds: its own, then its phases'."""
+        return [(self.start_mark, self.end_mark)] + [m for t in self.phases.values() for m in t.marks]
+
+
+def elapsed_ms(b: Any, start: Any, end: Any) -> float | None:
+    """Device time between two marks of backend ``b``, or None if either is missing or unusable."""
+    if start is None or end is None:
+        return None
+    try:
+        return b.elapsed_ms(start, end)
+    except RuntimeError:
+        return None

@@ -1,0 +1,152 @@
+"""The collector and the step record (stepprof._recorder.collector), driven by a fake device and clock."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+
+import stepprof
+
+from .conftest import make, steps
+
+
+def test_step_record_figures(log, gpu):
+    with make(log, gpu) as prof:
+        with prof.step(batch_size=32):
+            gpu.launch(5.0)         # 5 ms of device work queued at once...
+            gpu.host(2.0)           # ...then 2 ms of host work while it runs
+            gpu.alloc(1000)
+        gpu.wait_idle()
+    (r,) = steps(log)
+    assert r["schema_version"] == stepprof.SCHEMA_VERSION
+    assert r["kind"] == "step" and r["step"] == 0 and r["name"] == "step"
+    assert r["device"] == "cuda:0"
+    assert r["wall_ms"] == pytest.approx(2.0)
+    assert r["gpu_ms"] == pytest.approx(5.0)
+    assert r["gpu_busy"] == pytest.approx(2.5)
+    assert r["peak_allocated_bytes"] == 1000
+    assert r["reserved_bytes"] == 1000
+    # The step cannot complete faster than its device span: samples/s uses max(wall, gpu).
+    assert r["samples_per_s"] == pytest.approx(32 / 5e-3)
+    assert r["error"] is None
+    assert r["unavailable"] == {}
+    assert r["phases"] == {}
+    assert r["overhead_us"] >= 0
+
+
+def test_records_are_written_lazily_without_any_sync(log, gpu):
+    prof = make(log, gpu)
+    for _ in range(3):
+        with prof.step():
+            gpu.launch(10.0)        # device far behind the host
+            gpu.host(1.0)
+    assert steps(log, prof) == []  # nothing has completed yet, and nothing waited
+    assert gpu.syncs == 0
+    gpu.host(15.0)                  # device finishes step 0 (ends at 10 ms) only
+    with prof.step():
+        gpu.host(1.0)
+    assert [r["step"] for r in steps(log, prof)] == [0]
+    assert gpu.syncs == 0
+    summary = prof.close()
+    assert gpu.syncs == 1           # close synchronises exactly once
+    assert [r["step"] for r in steps(log)] == [0, 1, 2, 3]
+    assert summary.steps == 4
+    # every event went back to the pool exactly once
+    assert len(gpu.released) == gpu.marks_made
+
+
+def test_gpu_time_is_the_device_span_idle_gaps_included(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        gpu.host(2.0)               # device idles while the host prepares
+        gpu.launch(5.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["gpu_ms"] == pytest.approx(7.0)   # a span, not kernel-busy time (docs say so)
+
+
+def test_gpu_time_excludes_the_backlog_before_the_step(log, gpu):
+    prof = make(log, gpu)
+    gpu.launch(50.0)                # backlog queued before the step
+    with prof.step():
+        gpu.launch(5.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["gpu_ms"] == pytest.approx(5.0)   # the backlog is not charged to the step
+
+
+def test_cpu_backend_marks_gpu_fields_unavailable(log):
+    prof = stepprof.Profiler(log, device="cpu")
+    with prof.step(batch_size=2):
+        with prof.measure("forward"):
+            sum(range(1000))
+    s = prof.close()
+    (r,) = steps(log)
+    assert r["device"] == "cpu"
+    for field in ("gpu_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes"):
+        assert r[field] is None
+        assert r["unavailable"][field]
+    assert r["phases"]["forward"]["gpu_ms"] is None
+    assert r["unavailable"]["phases.gpu_ms"]
+    assert r["host_rss_bytes"] > 0
+    assert r["wall_ms"] > 0 and r["samples_per_s"] > 0
+    assert s.gpu_ms is None and s.unavailable["gpu_ms"]
+    assert s.peak_allocated_bytes_max is None and s.unavailable["peak_allocated_bytes_max"]
+
+
+def test_collector_thread_writes_completed_steps_without_close(log, gpu):
+    prof = make(log, gpu, collect_every_s=0.001)
+    for _ in range(3):
+        with prof.step():
+            with prof.measure("forward"):
+                gpu.launch(1.0)
+    gpu.wait_idle()
+    deadline = time.monotonic() + 5
+    while len(steps(log)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert [r["step"] for r in steps(log)] == [0, 1, 2]
+    assert gpu.syncs == 0
+    prof.close()
+    assert prof._collector.thread is not None and not prof._collector.thread.is_alive()
+    assert len(gpu.released) == gpu.marks_made
+
+
+def test_phase_gpu_time_tiles_the_step(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        with prof.measure("forward"):
+            gpu.launch(1.0)
+        gpu.launch(0.5)             # device work between phases counts toward the next
+        with prof.measure("backward"):
+            gpu.launch(2.0)
+    prof.close()
+    (r,) = steps(log)
+    assert r["phases"]["forward"]["gpu_ms"] == pytest.approx(1.0)
+    assert r["phases"]["backward"]["gpu_ms"] == pytest.approx(2.5)
+    assert r["gpu_ms"] == pytest.approx(3.5)
+
+
+def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
+    from stepprof import _log
+
+    prof = make(log, gpu, memory_every=0)
+    for _ in range(4):
+        with prof.step():
+            gpu.launch(5.0)          # the device runs behind: the steps stay pending
+    calls = []
+    real_write = _log.os.write
+
+    def counting_write(fd, data):
+        calls.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_log.os, "write", counting_write)
+    gpu.wait_idle()
+    prof._drain()
+    assert len(calls) == 1
+    lines = calls[0].splitlines()
+    assert [orjson.loads(x)["step"] for x in lines if b'"kind":"step"' in x] == [0, 1, 2, 3]
+    assert calls[0].endswith(b"\n")
+    prof.close()
