@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from stepprof import _log  # noqa: E402
 from stepprof._device.cuda import CudaBackend  # noqa: E402
-from stepprof._profiler import _make_profiler  # noqa: E402
+from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import make_workload, phased_step  # noqa: E402

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from stepprof import _syncs  # noqa: E402
 from stepprof._device import sync_routes  # noqa: E402
-from stepprof._profiler import _make_profiler  # noqa: E402
+from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
 from overhead import make_workload, median_ci, phased_step  # noqa: E402
 

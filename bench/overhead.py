@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
-from stepprof._profiler import _make_profiler  # noqa: E402
+from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info, timed_round  # noqa: E402
 
 

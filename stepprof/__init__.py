@@ -21,7 +21,7 @@ from ._sweep.result import SweepPoint, SweepResult
 if typing.TYPE_CHECKING:
     from ._api import configure, measure, memory_report, profile_step
     from ._memory import MemoryReport
-    from ._profiler import Profiler
+    from ._recorder.profiler import Profiler
     from ._sweep.search import sweep
 
 del typing
@@ -55,7 +55,7 @@ def __getattr__(name: str) -> object:
     # use, so that `stepprof report` and `stepprof.read` start without it.
     module = {
         "MemoryReport": "_memory",
-        "Profiler": "_profiler",
+        "Profiler": "_recorder.profiler",
         "configure": "_api",
         "measure": "_api",
         "memory_report": "_api",

@@ -14,7 +14,7 @@ from ._device.cuda import memory_backend
 from ._errors import ConfigError
 from ._memory import MemoryReport
 from ._options import NAMES
-from ._profiler import Profiler
+from ._recorder.profiler import Profiler
 from ._scopes import MeasureFunction, ProfileStepFunction
 from ._validate import check_option_names, check_report_device, check_warmup_variable
 

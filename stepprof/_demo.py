@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ._log import read
-from ._profiler import Profiler
+from ._recorder.profiler import Profiler
 from ._records import Summary
 
 

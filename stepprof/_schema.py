@@ -6,7 +6,7 @@ Every line of a stepprof log is one record, a JSON object with ``schema_version`
 - ``step``: :func:`step_record`.
 - ``summary``: :func:`summary_record` (through ``stepprof.Summary.to_record``).
 - ``memory``: ``stepprof.MemoryReport.to_record`` (stepprof/_memory.py).
-- ``flops``: ``Profiler._set_flops`` (stepprof/_profiler.py).
+- ``flops``: ``FlopsHook._set_flops`` (stepprof/_recorder/flops.py).
 - ``ranks``: ``ranks_record`` and ``unjoined_record`` (stepprof/_dist.py).
 - ``sweep_point``: ``stepprof.SweepPoint.to_record``.
 - ``sweep_result``: ``stepprof.SweepResult.to_record``.

@@ -9,7 +9,7 @@ import torch
 
 import stepprof
 from stepprof import _registry
-from stepprof._profiler import _make_profiler
+from stepprof._recorder.profiler import _make_profiler
 
 from .fakes import FakeGpu, FakeNvml
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from stepprof._profiler import _make_profiler
+from stepprof._recorder.profiler import _make_profiler
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 

@@ -239,7 +239,7 @@ def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, 
     import torch
 
     from stepprof._device.backend import HostBackend
-    from stepprof._profiler import _make_profiler
+    from stepprof._recorder.profiler import _make_profiler
     from stepprof._device import cuda
 
     cuda_up = []

@@ -472,7 +472,7 @@ def test_at_exit_the_last_records_read_nvml_before_it_shuts_down(tmp_path):
         "import sys\n"
         f"sys.path.insert(0, {ROOT!r})\n"
         "import stepprof\n"
-        "from stepprof._profiler import _make_profiler\n"
+        "from stepprof._recorder.profiler import _make_profiler\n"
         "from tests.fakes import FakeGpu, FakeNvml\n"
         "gpu = FakeGpu(); fake = FakeNvml(gpu); sys.modules['pynvml'] = fake\n"
         f"fake.nvmlShutdown = lambda: open({str(marker)!r}, 'w').write('down')\n"

@@ -12,7 +12,7 @@ import pytest
 
 import stepprof
 from stepprof import _syncs
-from stepprof._profiler import _make_profiler
+from stepprof._recorder.profiler import _make_profiler
 
 from . import fake_torch
 from .conftest import make, marked_line

@@ -380,7 +380,7 @@ def _forget_in_child() -> None:
     NVML.forget_in_child()
 
 
-# Registered at import, before stepprof._profiler registers its close-at-exit, so
+# Registered at import, before stepprof._registry registers its close-at-exit, so
 # (atexit runs last-in, first-out) profilers closing at exit can still read NVML.
 atexit.register(shutdown)
 if hasattr(os, "register_at_fork"):

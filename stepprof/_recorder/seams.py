@@ -1,7 +1,7 @@
 """What tests and benchmarks replace in a profiler: the device, the clock, the collector.
 
 These are not part of ``Profiler(...)``'s signature: a profiler made with seams comes from
-``stepprof._profiler._make_profiler(log, backend=..., clock=..., ...)``.
+``stepprof._recorder.profiler._make_profiler(log, backend=..., clock=..., ...)``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Data flows one way: the boundaries (``_recorder.boundaries``) measure each step 
 training thread and queue it; the collector (``_recorder.collector``) turns completed
 steps into records off that thread and hands them to the sinks (``_recorder.sinks``: the
 log and the summary).  FLOP counting, memory records and the cross-rank exchange are
-hooks (``_recorder.hooks``).  This module holds the facade, the argument checks and the
-scopes that ``profile_step`` and ``measure`` return.
+hooks (``_recorder.hooks``).  This module holds only the facade that wires them together;
+the settings are checked in :mod:`stepprof._options`, the scopes are in :mod:`stepprof._scopes`.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ from typing import Any
 
 import torch
 
-from . import _dist, _memory
-from ._device.cuda import memory_backend
-from ._memory import MemoryReport
-from ._options import ProfilerOptions
-from ._records import Summary
-from ._recorder.boundaries import Boundaries
-from ._recorder.collector import Collector
-from ._recorder.exchange import ExchangeHook
-from ._recorder.flops import FLOPS_NOT_REQUESTED, FlopsHook
-from ._recorder.hooks import Closing, Hook
-from ._recorder.memory_records import MemoryHook
-from ._recorder.seams import REAL, Seams
-from ._recorder.sinks import LogSink, SummarySink
-from ._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
-from ._scopes import StepScope, make_measure
-from ._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
+from .. import _dist, _memory
+from .._device.cuda import memory_backend
+from .._memory import MemoryReport
+from .._options import ProfilerOptions
+from .._records import Summary
+from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
+from .._scopes import StepScope, make_measure
+from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
+from .boundaries import Boundaries
+from .collector import Collector
+from .exchange import ExchangeHook
+from .flops import FLOPS_NOT_REQUESTED, FlopsHook
+from .hooks import Closing, Hook
+from .memory_records import MemoryHook
+from .seams import REAL, Seams
+from .sinks import LogSink, SummarySink
 
 __all__ = ["Profiler"]
 
