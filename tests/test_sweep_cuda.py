@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import contextlib
 import time
 
@@ -102,6 +103,9 @@ def test_twenty_forced_ooms_in_a_row_leak_nothing():
 
     model(torch.randn(4, 256, device="cuda")).sum().backward()   # cuBLAS workspaces, gradients
     torch.cuda.synchronize()
+    # Earlier tests' reference cycles may still hold CUDA tensors; the sweep's OOM clean-up
+    # collects them, so collect them first, or they would count as memory the sweep freed.
+    gc.collect()
     before = torch.cuda.memory_allocated()
     ooms_before = torch.cuda.memory_stats()["num_ooms"]
     # start=2**19 and every batch failing: 2**19, 2**18, ..., 1 is twenty OOMs in a row.
