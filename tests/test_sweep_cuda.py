@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import gc
 import contextlib
+import gc
 import time
 
 import pytest
