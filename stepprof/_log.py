@@ -25,7 +25,7 @@ class JsonlWriter:
     already written and never leaves half a line from stepprof.  A write that
     fails (disk full) sets :attr:`failed` and stops logging; it never raises.
     The profiler calls :meth:`write` from its collector thread, not from the
-    training loop (a ``write()`` system call cost 25-30 µs on the H200 host).
+    training loop (a ``write()`` system call costs tens of µs; see bench/boundary_costs.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, argument: str = "log") -> None:

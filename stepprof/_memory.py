@@ -162,9 +162,8 @@ class Mark:
 def take_snapshot(b: Backend) -> Snapshot:
     """Read the allocator, ``cudaMemGetInfo`` and NVML for ``b``'s device, now.
 
-    About 65 µs on the H200 host (raw stats 10.7 µs, ``mem_get_info`` 5.7 µs,
-    NVML memory info ≈7 µs and process query 36-44 µs), plus ``nvmlInit`` the
-    first time.  Never raises: a failed reading is None with its reason.
+    Its cost, dominated by NVML's process query, is measured by bench/memory_costs.py
+    (plus ``nvmlInit`` the first time).  Never raises: a failed reading is None with its reason.
     """
     reasons: dict[str, str] = {}
     allocator = free_total = None
