@@ -5,8 +5,8 @@ Each check returns the value as stepprof uses it (a path as a str, a device as a
 cannot use) or :class:`~stepprof.UsageError` (a call it does not support), naming
 the argument, the value and the fix.
 
-Sections: integers (shared), ``Profiler(...)`` and ``configure(...)``, a step,
-and the sweep.
+Sections: integers (shared), ``Profiler(...)`` and ``configure(...)``, a step, reading
+a log (``read``, ``frame``) and the sweep.
 
 This module does not import torch: :func:`check_log` runs in ``stepprof.read``,
 which works without it.  The few checks that need torch import it when called
@@ -25,6 +25,7 @@ from typing import Any
 from ._device.backend import SYNC_MECHANISMS
 from ._dist import LOG_RANKS, RANKS_EVERY, Identity
 from ._errors import ConfigError, UsageError
+from ._schema import RECORD_KINDS
 
 __all__ = [
     "MEMORY_EVERY",
@@ -38,10 +39,12 @@ __all__ = [
     "check_device",
     "check_flops",
     "check_fraction",
+    "check_frame_kind",
     "check_group",
     "check_int",
     "check_log",
     "check_log_ranks",
+    "check_logs",
     "check_max_batch",
     "check_max_syncs",
     "check_memory_every",
@@ -52,6 +55,8 @@ __all__ = [
     "check_phase_peaks_every",
     "check_progress",
     "check_ranks_every",
+    "check_read_kind",
+    "check_read_path",
     "check_report_device",
     "check_restore",
     "check_seconds",
@@ -332,6 +337,52 @@ def check_batch_size(batch_size: Any) -> int | None:
 def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
     """A step's own sync budget: None leaves the profiler's in force."""
     return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
+
+
+# -- reading a log: read(...), frame(...) ----------------------------------------------
+
+
+def check_read_path(path: Any) -> Any:
+    """``read(path)``: ``path`` if it is a str, bytes or os.PathLike, else a ConfigError."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"'path' must be the path of a stepprof log, a str or os.PathLike (got {path!r}); "
+            f"e.g. stepprof.read('run.jsonl')"
+        )
+    return path
+
+
+def check_read_kind(kind: Any) -> str | None:
+    """``read(kind=...)``: a str or None; a kind no record has is warned about as it reads."""
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(
+            f"'kind' must be a record kind such as 'step' or 'summary', or None for every "
+            f"record (got {kind!r})"
+        )
+    return kind
+
+
+def check_logs(log: Any) -> list[str | os.PathLike[str]]:
+    """``frame(log)``: one path (a str or os.PathLike) or a non-empty list or tuple of them, as a list."""
+    if isinstance(log, (str, os.PathLike)):
+        return [log]
+    if isinstance(log, (list, tuple)) and log and all(isinstance(p, (str, os.PathLike)) for p in log):
+        return list(log)
+    raise ConfigError(
+        f"'log' must be the path of a stepprof log (a str or os.PathLike), or a non-empty list "
+        f"of them (got {log!r}); e.g. stepprof.frame('run.jsonl') or "
+        f"stepprof.frame(['run.rank0.jsonl', 'run.rank1.jsonl'])"
+    )
+
+
+def check_frame_kind(kind: Any) -> str:
+    """``frame(kind=...)``: one of the kinds stepprof writes."""
+    if not isinstance(kind, str) or kind not in RECORD_KINDS:
+        raise ConfigError(
+            f"'kind' must be a record kind, one of {', '.join(map(repr, sorted(RECORD_KINDS)))} "
+            f"(got {kind!r}); e.g. stepprof.frame(log, kind='step')"
+        )
+    return kind
 
 
 # -- the sweep: sweep(...) and the batches its make_batch returns ------------------------
