@@ -6,12 +6,12 @@ cannot use) or :class:`~stepprof.UsageError` (a call it does not support), namin
 the argument, the value and the fix.
 
 Sections: integers (shared), ``Profiler(...)`` and ``configure(...)``, a step, reading
-a log (``read``, ``frame``) and the sweep.
+a log (``read``, ``frame``), the sweep, and the command line.
 
 This module does not import torch: :func:`check_log` runs in ``stepprof.read``,
 which works without it.  The few checks that need torch import it when called
-(when a profiler or a sweep is made, a memory report asked for, or a trial's batch
-checked), never on a step.
+(when a profiler or a sweep is made, a memory report asked for, a trial's batch
+checked, or the demo started), never on a step.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ __all__ = [
     "check_batch",
     "check_batch_size",
     "check_budget",
+    "check_calibrate_device",
     "check_callable",
     "check_count",
+    "check_demo_options",
     "check_device",
     "check_flops",
     "check_fraction",
@@ -53,6 +55,7 @@ __all__ = [
     "check_on_sync",
     "check_option_names",
     "check_phase_peaks_every",
+    "check_plot_run",
     "check_progress",
     "check_ranks_every",
     "check_read_kind",
@@ -516,3 +519,55 @@ def _sample_list_lengths(batch: Any, tensor: type, depth: int = 0) -> list[int]:
         inner = [s for x in batch for s in _sample_list_lengths(x, tensor, depth + 1)]
         return ([len(batch)] if _leading_sizes(batch, tensor, depth) else []) + inner
     return []
+
+
+# -- the command line: stepprof demo | plot | calibrate ----------------------------------
+# The CLI shows a demo's or a plot's ConfigError as that subcommand's usage error (exit 2).
+
+
+def check_demo_options(steps: int, warmup: int, device: str | None) -> None:
+    """``stepprof demo``: steps >= 1, warmup >= 0, and a device it can train on (the CPU or
+    a CUDA GPU here), refused before training starts."""
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1 (got {steps})")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0 (got {warmup}); pass --warmup 0 to keep every step")
+    if device is None:
+        return
+    import torch  # slow to import; see the module docstring
+
+    fix = "pass --device cpu, or leave --device out to use CUDA if present"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a torch device; {fix}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ConfigError(f"--device {device!r}: the demo runs on 'cpu' or 'cuda[:N]'; {fix}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r} needs CUDA, which is not available here; {fix}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(
+            f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+            f"pass one of those, or --device cpu"
+        )
+
+
+def check_plot_run(run: int) -> int:
+    """``stepprof plot --run``: 1-based, or 0 (the default) for the last run."""
+    if run < 0:
+        raise ConfigError(f"--run must be >= 1 (got {run})")
+    return run
+
+
+def check_calibrate_device(device: int) -> int:
+    """``stepprof calibrate --device``: the index of a CUDA device of this machine."""
+    import torch  # slow to import; see the module docstring
+
+    if not torch.cuda.is_available():
+        raise ConfigError("calibrate measures a CUDA GPU, and CUDA is not available here")
+    if not 0 <= device < torch.cuda.device_count():
+        raise ConfigError(f"'--device' must be 0..{torch.cuda.device_count() - 1} (got {device})")
+    return device

@@ -227,3 +227,18 @@ def test_an_unwritable_log_fails_before_any_trial(tmp_path):
     with pytest.raises(stepprof.ConfigError, match="'log' cannot be written"):
         stepprof.sweep(calls.append, _ok_batch, log=tmp_path / "missing" / "x.jsonl", progress=False)
     assert calls == []
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_the_cli_checks_name_a_cuda_device_this_machine_lacks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(stepprof.ConfigError, match=r"^--device 'cuda:2': this machine has 2 CUDA device\(s\), "
+                       r"cuda:0 to cuda:1; pass one of those, or --device cpu$"):
+        _validate.check_demo_options(1, 0, "cuda:2")
+    _validate.check_demo_options(1, 0, "cuda:1")
+    with pytest.raises(stepprof.ConfigError, match=r"^'--device' must be 0\.\.1 \(got 2\)$"):
+        _validate.check_calibrate_device(2)
+    assert _validate.check_calibrate_device(1) == 1
