@@ -75,39 +75,15 @@ def _dumps(obj: Any) -> str:
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._demo import run_demo
+    from ._errors import ConfigError
+    from ._validate import check_demo_options
 
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1 (got {args.steps})")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0 (got {args.warmup}); pass --warmup 0 to keep every step")
-    _check_demo_device(parser, args.device)
+    try:
+        check_demo_options(args.steps, args.warmup, args.device)
+    except ConfigError as e:
+        parser.error(str(e))
     run_demo(steps=args.steps, warmup=args.warmup, log=args.log, device=args.device)
     return 0
-
-
-def _check_demo_device(parser: argparse.ArgumentParser, device: str | None) -> None:
-    """The demo trains on the CPU or a CUDA GPU: refuse anything else before training starts."""
-    if device is None:
-        return
-    import torch
-
-    fix = "pass --device cpu, or leave --device out to use CUDA if present"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        parser.error(f"--device {device!r} is not a torch device; {fix}")
-    if dev.type == "cpu":
-        return
-    if dev.type != "cuda":
-        parser.error(f"--device {device!r}: the demo runs on 'cpu' or 'cuda[:N]'; {fix}")
-    if not torch.cuda.is_available():
-        parser.error(f"--device {device!r} needs CUDA, which is not available here; {fix}")
-    count = torch.cuda.device_count()
-    if dev.index is not None and dev.index >= count:
-        parser.error(
-            f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
-            f"pass one of those, or --device cpu"
-        )
 
 
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -122,10 +98,14 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._errors import ConfigError
     from ._plot import plot_log
+    from ._validate import check_plot_run
 
-    if args.run < 0:
-        parser.error(f"--run must be >= 1 (got {args.run})")
+    try:
+        check_plot_run(args.run)
+    except ConfigError as e:
+        parser.error(str(e))
     out = plot_log(args.log, args.output, run=args.run - 1 if args.run else -1, sweep=args.sweep)
     print(f"stepprof: wrote {out}")
     return 0
@@ -143,14 +123,9 @@ def _env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    import torch
+    from ._validate import check_calibrate_device
 
-    from ._errors import ConfigError
-
-    if not torch.cuda.is_available():
-        raise ConfigError("calibrate measures a CUDA GPU, and CUDA is not available here")
-    if not 0 <= args.device < torch.cuda.device_count():
-        raise ConfigError(f"'--device' must be 0..{torch.cuda.device_count() - 1} (got {args.device})")
+    check_calibrate_device(args.device)
     from ._device.calibrate import calibrate
     from ._roofline import save_calibration
 

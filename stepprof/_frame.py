@@ -6,9 +6,9 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, MissingExtraError
+from ._errors import MissingExtraError
 from ._log import read
-from ._schema import RECORD_KINDS
+from ._validate import check_frame_kind, check_logs
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas
@@ -35,18 +35,6 @@ def _pandas() -> Any:
             "Install it with: pip install 'stepprof[frame]'"
         ) from e
     return pandas
-
-
-def _check_logs(log: Any) -> list[str | os.PathLike[str]]:
-    if isinstance(log, (str, os.PathLike)):
-        return [log]
-    if isinstance(log, (list, tuple)) and log and all(isinstance(p, (str, os.PathLike)) for p in log):
-        return list(log)
-    raise ConfigError(
-        f"'log' must be the path of a stepprof log (a str or os.PathLike), or a non-empty list "
-        f"of them (got {log!r}); e.g. stepprof.frame('run.jsonl') or "
-        f"stepprof.frame(['run.rank0.jsonl', 'run.rank1.jsonl'])"
-    )
 
 
 def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -139,12 +127,8 @@ def frame(
         >>> df["step"].tolist(), str(df["wall_ms"].dtype), "phase.forward.wall_ms" in df
         ([0, 1], 'float64', True)
     """
-    paths = _check_logs(log)
-    if not isinstance(kind, str) or kind not in RECORD_KINDS:
-        raise ConfigError(
-            f"'kind' must be a record kind, one of {', '.join(map(repr, sorted(RECORD_KINDS)))} "
-            f"(got {kind!r}); e.g. stepprof.frame(log, kind='step')"
-        )
+    paths = check_logs(log)
+    check_frame_kind(kind)
     pd = _pandas()
     rows: list[dict[str, Any]] = []
     for path in paths:

@@ -11,7 +11,7 @@ import orjson
 
 from ._errors import ConfigError
 from ._schema import RECORD_KINDS, upgrade_record
-from ._validate import check_log
+from ._validate import check_log, check_read_kind, check_read_path
 
 __all__ = ["JsonlWriter", "ScanStats", "check_log", "read", "scan"]
 
@@ -180,17 +180,7 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
         >>> [r["kind"] for r in stepprof.read(log)]
         ['step', 'summary']
     """
-    if not isinstance(path, (str, bytes, os.PathLike)):
-        raise ConfigError(
-            f"'path' must be the path of a stepprof log, a str or os.PathLike (got {path!r}); "
-            f"e.g. stepprof.read('run.jsonl')"
-        )
-    if kind is not None and not isinstance(kind, str):
-        raise ConfigError(
-            f"'kind' must be a record kind such as 'step' or 'summary', or None for every "
-            f"record (got {kind!r})"
-        )
-    return _read(path, kind)
+    return _read(check_read_path(path), check_read_kind(kind))
 
 
 def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, Any]]:

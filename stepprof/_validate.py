@@ -5,9 +5,13 @@ Each check returns the value as stepprof uses it (a path as a str, a device as a
 cannot use) or :class:`~stepprof.UsageError` (a call it does not support), naming
 the argument, the value and the fix.
 
+Sections: integers (shared), ``Profiler(...)`` and ``configure(...)``, a step, reading
+a log (``read``, ``frame``), the sweep, and the command line.
+
 This module does not import torch: :func:`check_log` runs in ``stepprof.read``,
 which works without it.  The few checks that need torch import it when called
-(when a profiler is made, or a memory report asked for), never on a step.
+(when a profiler or a sweep is made, a memory report asked for, a trial's batch
+checked, or the demo started), never on a step.
 """
 
 from __future__ import annotations
@@ -15,25 +19,35 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._device.backend import SYNC_MECHANISMS
 from ._dist import LOG_RANKS, RANKS_EVERY, Identity
 from ._errors import ConfigError, UsageError
+from ._schema import RECORD_KINDS
 
 __all__ = [
     "MEMORY_EVERY",
     "ON_SYNC",
     "PHASE_PEAKS_EVERY",
+    "check_batch",
     "check_batch_size",
     "check_budget",
+    "check_calibrate_device",
+    "check_callable",
     "check_count",
+    "check_demo_options",
     "check_device",
     "check_flops",
+    "check_fraction",
+    "check_frame_kind",
     "check_group",
+    "check_int",
     "check_log",
     "check_log_ranks",
+    "check_logs",
+    "check_max_batch",
     "check_max_syncs",
     "check_memory_every",
     "check_name",
@@ -41,8 +55,14 @@ __all__ = [
     "check_on_sync",
     "check_option_names",
     "check_phase_peaks_every",
+    "check_plot_run",
+    "check_progress",
     "check_ranks_every",
+    "check_read_kind",
+    "check_read_path",
     "check_report_device",
+    "check_restore",
+    "check_seconds",
     "check_syncs",
     "check_warmup",
     "check_warmup_variable",
@@ -63,12 +83,34 @@ PHASE_PEAKS_EVERY = 50
 ON_SYNC = ("count", "warn", "raise")
 
 
+# -- integers ------------------------------------------------------------------------
+
+
+def check_int(
+    value: Any, argument: str, minimum: int, fix: str, *, fix_below: str | None = None,
+    requirement: str | None = None,
+) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else a ConfigError.
+
+    The message names ``argument``, the value and what it must be: ``an int >= minimum``
+    when it is not an int, ``>= minimum`` when it is one under ``minimum``, or
+    ``requirement`` in both cases where given.  It ends with ``fix`` (what to pass
+    instead), or ``fix_below`` for an int under ``minimum`` where given.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{argument!r} must be {requirement or f'an int >= {minimum}'} (got {value!r}); {fix}")
+    if value < minimum:
+        fix = fix if fix_below is None else fix_below
+        if requirement is not None:
+            raise ConfigError(f"{argument!r} must be {requirement} (got {value!r}); {fix}")
+        raise ConfigError(f"{argument!r} must be >= {minimum} (got {value}); {fix}")
+    return value
+
+
 def check_count(value: object, argument: str, fix: str) -> int:
     """``value`` if it is an int >= 0 (not a bool), else a ConfigError naming ``argument``,
-    the value and ``fix`` (what to pass instead)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{argument!r} must be an int >= 0 (got {value!r}); {fix}")
-    return value
+    the value and ``fix`` (what to pass instead), and saying "an int >= 0" in either case."""
+    return check_int(value, argument, 0, fix, requirement="an int >= 0")
 
 
 # -- Profiler(...) and configure(...) ------------------------------------------------
@@ -107,11 +149,7 @@ def check_log(path: Any, argument: str = "log") -> str | None:
 
 
 def check_warmup(warmup: Any, argument: str = "warmup") -> int:
-    if isinstance(warmup, bool) or not isinstance(warmup, int):
-        raise ConfigError(f"{argument!r} must be an int >= 0 (got {warmup!r}); pass e.g. {argument}=3")
-    if warmup < 0:
-        raise ConfigError(f"{argument!r} must be >= 0 (got {warmup}); pass 0 to keep every step")
-    return warmup
+    return check_int(warmup, argument, 0, f"pass e.g. {argument}=3", fix_below="pass 0 to keep every step")
 
 
 def check_warmup_variable(raw: str) -> int:
@@ -174,12 +212,10 @@ def check_syncs(syncs: Any) -> str:
 def check_max_syncs(max_syncs: Any) -> int | None:
     if max_syncs is None:
         return None
-    if isinstance(max_syncs, bool) or not isinstance(max_syncs, int) or max_syncs < 0:
-        raise ConfigError(
-            f"'max_syncs' must be an int >= 0 or None (got {max_syncs!r}); "
-            f"pass e.g. max_syncs=0 to require sync-free steps"
-        )
-    return max_syncs
+    return check_int(
+        max_syncs, "max_syncs", 0, "pass e.g. max_syncs=0 to require sync-free steps",
+        requirement="an int >= 0 or None",
+    )
 
 
 def check_on_sync(on_sync: Any) -> str:
@@ -304,3 +340,234 @@ def check_batch_size(batch_size: Any) -> int | None:
 def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
     """A step's own sync budget: None leaves the profiler's in force."""
     return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
+
+
+# -- reading a log: read(...), frame(...) ----------------------------------------------
+
+
+def check_read_path(path: Any) -> Any:
+    """``read(path)``: ``path`` if it is a str, bytes or os.PathLike, else a ConfigError."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(
+            f"'path' must be the path of a stepprof log, a str or os.PathLike (got {path!r}); "
+            f"e.g. stepprof.read('run.jsonl')"
+        )
+    return path
+
+
+def check_read_kind(kind: Any) -> str | None:
+    """``read(kind=...)``: a str or None; a kind no record has is warned about as it reads."""
+    if kind is not None and not isinstance(kind, str):
+        raise ConfigError(
+            f"'kind' must be a record kind such as 'step' or 'summary', or None for every "
+            f"record (got {kind!r})"
+        )
+    return kind
+
+
+def check_logs(log: Any) -> list[str | os.PathLike[str]]:
+    """``frame(log)``: one path (a str or os.PathLike) or a non-empty list or tuple of them, as a list."""
+    if isinstance(log, (str, os.PathLike)):
+        return [log]
+    if isinstance(log, (list, tuple)) and log and all(isinstance(p, (str, os.PathLike)) for p in log):
+        return list(log)
+    raise ConfigError(
+        f"'log' must be the path of a stepprof log (a str or os.PathLike), or a non-empty list "
+        f"of them (got {log!r}); e.g. stepprof.frame('run.jsonl') or "
+        f"stepprof.frame(['run.rank0.jsonl', 'run.rank1.jsonl'])"
+    )
+
+
+def check_frame_kind(kind: Any) -> str:
+    """``frame(kind=...)``: one of the kinds stepprof writes."""
+    if not isinstance(kind, str) or kind not in RECORD_KINDS:
+        raise ConfigError(
+            f"'kind' must be a record kind, one of {', '.join(map(repr, sorted(RECORD_KINDS)))} "
+            f"(got {kind!r}); e.g. stepprof.frame(log, kind='step')"
+        )
+    return kind
+
+
+# -- the sweep: sweep(...) and the batches its make_batch returns ------------------------
+# Its integers go through check_int: start, warmup, steps, max_steps.
+
+
+def check_callable(fn: Any, name: str, example: str) -> None:
+    """Raise a :class:`UsageError` (a TypeError) when ``fn`` is not callable."""
+    if callable(fn):
+        return
+    import torch  # slow to import; see the module docstring
+
+    hint = ""
+    if isinstance(fn, torch.Tensor) or fn is None:
+        hint = " (did you call it? pass the function itself, without brackets)"
+    raise UsageError(f"{name!r} must be callable (got {fn!r}){hint}; {example}")
+
+
+def check_max_batch(max_batch: Any, start: int) -> None:
+    """``max_batch`` must be None, or an int >= 1 and >= ``start``."""
+    if max_batch is None:
+        return
+    check_int(max_batch, "max_batch", 1, "pass None for no limit")
+    if max_batch < start:
+        raise ConfigError(
+            f"'max_batch' must be >= 'start' ({start}) (got {max_batch}); raise max_batch, "
+            f"lower start, or pass max_batch=None"
+        )
+
+
+def check_seconds(value: Any, name: str, *, allow_zero: bool) -> float:
+    """``value`` as float seconds: finite, and > 0 (or >= 0 with ``allow_zero``)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name!r} must be a finite number of seconds {bound} (got {value!r})")
+    return float(value)
+
+
+def check_fraction(value: Any, name: str, example: str) -> float:
+    """``value`` as a float strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(f"{name!r} must be a fraction between 0 and 1 (got {value!r}); e.g. {example}")
+    return float(value)
+
+
+def check_progress(progress: Any) -> None:
+    """``progress`` must be True, False or a callable taking a line."""
+    if not (isinstance(progress, bool) or callable(progress)):
+        raise ConfigError(f"'progress' must be True, False or a callable taking a line (got {progress!r})")
+
+
+def check_restore(restore: Any) -> tuple[Any, ...]:
+    """The objects of ``restore`` (None, one, or a list or tuple), each with state dicts."""
+    if restore is None:
+        return ()
+    objs = tuple(restore) if isinstance(restore, (list, tuple)) else (restore,)
+    for obj in objs:
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(
+                f"'restore' takes objects with state_dict() and load_state_dict(), such as a "
+                f"module or an optimizer (got {obj!r}); pass e.g. restore=(model, optimizer)"
+            )
+    return objs
+
+
+def check_batch(batch: Any, n: int) -> None:
+    """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
+
+    Tensors (alone, or in a tuple, list or dict) must have ``n`` as some tensor's
+    leading dimension, or sit in a list or tuple of ``n`` items (a list of samples);
+    a list or tuple without tensors must have ``n`` items; a
+    dict without tensors must have a list or tuple of ``n`` items among its values.
+    Other objects cannot be sized and are accepted.
+    """
+    if batch is None:
+        raise ConfigError(
+            f"make_batch({n}) returned None; make_batch(n) must return the batch of n samples "
+            f"that train_step takes"
+        )
+    import torch  # slow to import; see the module docstring (a trial has imported it already)
+
+    sizes = _leading_sizes(batch, torch.Tensor)
+    if sizes:
+        if n not in sizes and n not in _sample_list_lengths(batch, torch.Tensor):
+            got = ", ".join(str(s) for s in sorted(set(sizes)))
+            raise ConfigError(
+                f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "
+                f"tensors), not {n}; make_batch(n) must return exactly n samples"
+            )
+        return
+    if isinstance(batch, (list, tuple)):
+        if len(batch) != n:
+            raise ConfigError(
+                f"make_batch({n}) returned a {type(batch).__name__} of {len(batch)} items, not {n}; "
+                f"make_batch(n) must return exactly n samples"
+            )
+        return
+    if isinstance(batch, Mapping):
+        lens = [len(v) for v in batch.values() if isinstance(v, (list, tuple))]
+        if lens and n not in lens:
+            raise ConfigError(
+                f"make_batch({n}) returned a dict whose lists hold {sorted(set(lens))} items, not {n}; "
+                f"make_batch(n) must return exactly n samples"
+            )
+
+
+def _leading_sizes(batch: Any, tensor: type, depth: int = 0) -> list[int]:
+    """The leading dimensions of the tensors in a batch (a tensor, or containers of them)."""
+    if isinstance(batch, tensor):
+        return [int(batch.shape[0])] if batch.dim() >= 1 else []
+    if depth >= 3:
+        return []
+    if isinstance(batch, Mapping):
+        items: Any = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return []
+    return [s for x in items for s in _leading_sizes(x, tensor, depth + 1)]
+
+
+def _sample_list_lengths(batch: Any, tensor: type, depth: int = 0) -> list[int]:
+    """The lengths of the lists and tuples in a batch that hold tensors: a list of n
+    per-sample tensors (or of n dicts of them, as detection models take) is n samples."""
+    if depth >= 3:
+        return []
+    if isinstance(batch, Mapping):
+        return [s for x in batch.values() for s in _sample_list_lengths(x, tensor, depth + 1)]
+    if isinstance(batch, (list, tuple)):
+        inner = [s for x in batch for s in _sample_list_lengths(x, tensor, depth + 1)]
+        return ([len(batch)] if _leading_sizes(batch, tensor, depth) else []) + inner
+    return []
+
+
+# -- the command line: stepprof demo | plot | calibrate ----------------------------------
+# The CLI shows a demo's or a plot's ConfigError as that subcommand's usage error (exit 2).
+
+
+def check_demo_options(steps: int, warmup: int, device: str | None) -> None:
+    """``stepprof demo``: steps >= 1, warmup >= 0, and a device it can train on (the CPU or
+    a CUDA GPU here), refused before training starts."""
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1 (got {steps})")
+    if warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0 (got {warmup}); pass --warmup 0 to keep every step")
+    if device is None:
+        return
+    import torch  # slow to import; see the module docstring
+
+    fix = "pass --device cpu, or leave --device out to use CUDA if present"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device {device!r} is not a torch device; {fix}") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ConfigError(f"--device {device!r}: the demo runs on 'cpu' or 'cuda[:N]'; {fix}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r} needs CUDA, which is not available here; {fix}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(
+            f"--device {device!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+            f"pass one of those, or --device cpu"
+        )
+
+
+def check_plot_run(run: int) -> int:
+    """``stepprof plot --run``: 1-based, or 0 (the default) for the last run."""
+    if run < 0:
+        raise ConfigError(f"--run must be >= 1 (got {run})")
+    return run
+
+
+def check_calibrate_device(device: int) -> int:
+    """``stepprof calibrate --device``: the index of a CUDA device of this machine."""
+    import torch  # slow to import; see the module docstring
+
+    if not torch.cuda.is_available():
+        raise ConfigError("calibrate measures a CUDA GPU, and CUDA is not available here")
+    if not 0 <= device < torch.cuda.device_count():
+        raise ConfigError(f"'--device' must be 0..{torch.cuda.device_count() - 1} (got {device})")
+    return device

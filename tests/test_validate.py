@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import stepprof
 from stepprof import _validate
@@ -101,3 +102,143 @@ def test_the_checks_do_not_import_torch():
 def test_an_unknown_option_names_the_argument_and_the_valid_names(given, match):
     with pytest.raises(stepprof.UsageError, match=match):
         _validate.check_option_names(given, ("log", "warmup", "device", "group"), "configure()")
+
+
+# -- integers: one check serves the profiler's, the step's and the sweep's ---------------------
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: _validate.check_warmup(-1), "'warmup' must be >= 0 (got -1); pass 0 to keep every step"),
+        (lambda: _validate.check_warmup("3"), "'warmup' must be an int >= 0 (got '3'); pass e.g. warmup=3"),
+        (lambda: _validate.check_memory_every(-5, "every"),
+         "'every' must be an int >= 0 (got -5); pass e.g. every=1000, or 0 to write no periodic memory record"),
+        (lambda: _validate.check_ranks_every(1.0),
+         "'ranks_every' must be an int >= 0 (got 1.0); pass e.g. ranks_every=100, or 0 to turn the "
+         "cross-rank exchange off"),
+        (lambda: _validate.check_max_syncs(-1),
+         "'max_syncs' must be an int >= 0 or None (got -1); pass e.g. max_syncs=0 to require sync-free steps"),
+        (lambda: _validate.check_max_syncs(True),
+         "'max_syncs' must be an int >= 0 or None (got True); pass e.g. max_syncs=0 to require sync-free steps"),
+        (lambda: _validate.check_int(3, "max_steps", 5, "max_steps bounds the timed steps"),
+         "'max_steps' must be >= 5 (got 3); max_steps bounds the timed steps"),
+        (lambda: _validate.check_int(None, "steps", 1, "pass e.g. steps=3"),
+         "'steps' must be an int >= 1 (got None); pass e.g. steps=3"),
+    ],
+)
+def test_the_integer_checks_say_what_the_value_misses(call, message):
+    with pytest.raises(stepprof.ConfigError) as e:
+        call()
+    assert str(e.value) == message
+
+
+def test_a_good_integer_comes_back_unchanged():
+    assert _validate.check_warmup(0) == 0
+    assert _validate.check_count(7, "n", "") == 7
+    assert _validate.check_max_syncs(None) is None
+    assert _validate.check_int(5, "steps", 5, "") == 5
+
+
+# -- the sweep: sweep(...) and the batches its make_batch returns -----------------------------
+
+
+def _ok_step(batch):
+    pass
+
+
+def _ok_batch(n):
+    return torch.zeros(n, 1)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"start": 0}, stepprof.ConfigError, r"'start' must be >= 1 \(got 0\)"),
+    ({"start": 2.5}, stepprof.ConfigError, r"'start' must be an int >= 1 \(got 2.5\)"),
+    ({"start": True}, stepprof.ConfigError, r"'start' must be an int"),
+    ({"start": 64, "max_batch": 32}, stepprof.ConfigError, r"'max_batch' must be >= 'start' \(64\) \(got 32\)"),
+    ({"max_batch": 0}, stepprof.ConfigError, r"'max_batch' must be >= 1 \(got 0\)"),
+    ({"time_budget_s": -1}, stepprof.ConfigError, r"'time_budget_s' must be a finite number of seconds > 0 \(got -1\)"),
+    ({"time_budget_s": 0}, stepprof.ConfigError, r"'time_budget_s'.*\(got 0\)"),
+    ({"time_budget_s": float("nan")}, stepprof.ConfigError, r"'time_budget_s'.*\(got nan\)"),
+    ({"warmup": -1}, stepprof.ConfigError, r"'warmup' must be >= 0 \(got -1\)"),
+    ({"steps": 0}, stepprof.ConfigError, r"'steps' must be >= 1 \(got 0\)"),
+    ({"steps": 5, "max_steps": 4}, stepprof.ConfigError, r"'max_steps' must be >= 5 \(got 4\)"),
+    ({"min_time_s": -0.1}, stepprof.ConfigError, r"'min_time_s'.*\(got -0.1\)"),
+    ({"knee_within": 1.5}, stepprof.ConfigError, r"'knee_within'.*\(got 1.5\)"),
+    ({"progress": "yes"}, stepprof.ConfigError, r"'progress'.*\(got 'yes'\)"),
+    ({"restore": (object(),)}, stepprof.ConfigError, r"'restore' takes objects with state_dict"),
+    ({"device": "gpu0"}, stepprof.ConfigError, r"'device'.*\(got 'gpu0'\)"),
+])
+def test_bad_arguments_name_the_value(kwargs, error, match):
+    kwargs.setdefault("progress", False)
+    with pytest.raises(error, match=match):
+        stepprof.sweep(_ok_step, _ok_batch, **kwargs)
+
+
+def test_non_callables_are_usage_errors():
+    with pytest.raises(stepprof.UsageError, match=r"'train_step' must be callable \(got None\) \(did you call it"):
+        stepprof.sweep(None, _ok_batch)
+    with pytest.raises(stepprof.UsageError, match=r"'make_batch' must be callable \(got tensor"):
+        stepprof.sweep(_ok_step, torch.zeros(3, 1))
+    with pytest.raises(TypeError):                  # UsageError is a TypeError
+        stepprof.sweep(_ok_step, 5)
+
+
+@pytest.mark.parametrize(("make_batch", "match"), [
+    (lambda n: torch.zeros(2 * n, 3), r"make_batch\(1\) returned a batch of 2 samples"),
+    (lambda n: (torch.zeros(n + 1, 3), torch.zeros(n + 1)), r"make_batch\(1\) returned a batch of 2 samples"),
+    (lambda n: {"x": torch.zeros(7, 3)}, r"make_batch\(1\) returned a batch of 7 samples"),
+    (lambda n: ["a"] * (n + 2), r"make_batch\(1\) returned a list of 3 items, not 1"),
+    (lambda n: {"text": ["a"] * 5}, r"make_batch\(1\) returned a dict whose lists hold \[5\] items"),
+    (lambda n: None, r"make_batch\(1\) returned None"),
+])
+def test_a_batch_of_the_wrong_size_is_rejected(make_batch, match):
+    with pytest.raises(stepprof.ConfigError, match=match):
+        stepprof.sweep(_ok_step, make_batch, progress=False)
+
+
+def test_batches_whose_size_cannot_be_known_are_accepted():
+    r = stepprof.sweep(_ok_step, lambda n: object(), max_batch=2, progress=False, min_time_s=0)
+    assert r.max_fit == 2
+    # A tuple of tensors where some other tensor has another leading size is fine.
+    r = stepprof.sweep(_ok_step, lambda n: (torch.zeros(n, 3), torch.zeros(5)), max_batch=2,
+                       progress=False, min_time_s=0)
+    assert r.max_fit == 2
+
+
+def test_a_list_of_n_samples_is_a_batch_of_n():
+    # torchvision's detection models take a list of n images and a list of n target dicts.
+    def make_batch(n):
+        images = [torch.randn(3, 8, 8) for _ in range(n)]
+        targets = [{"boxes": torch.rand(2, 4), "labels": torch.ones(2)} for _ in range(n)]
+        return images, targets
+
+    r = stepprof.sweep(_ok_step, make_batch, max_batch=4, progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    r = stepprof.sweep(_ok_step, lambda n: [torch.randn(5) for _ in range(n)], max_batch=4,
+                       progress=False, min_time_s=0)
+    assert r.max_fit == 4
+    with pytest.raises(stepprof.ConfigError, match=r"make_batch\(1\) returned a batch of 3 samples"):
+        stepprof.sweep(_ok_step, lambda n: [torch.randn(3, 8, 8) for _ in range(n + 1)], progress=False)
+
+
+def test_an_unwritable_log_fails_before_any_trial(tmp_path):
+    calls = []
+    with pytest.raises(stepprof.ConfigError, match="'log' cannot be written"):
+        stepprof.sweep(calls.append, _ok_batch, log=tmp_path / "missing" / "x.jsonl", progress=False)
+    assert calls == []
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_the_cli_checks_name_a_cuda_device_this_machine_lacks(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(stepprof.ConfigError, match=r"^--device 'cuda:2': this machine has 2 CUDA device\(s\), "
+                       r"cuda:0 to cuda:1; pass one of those, or --device cpu$"):
+        _validate.check_demo_options(1, 0, "cuda:2")
+    _validate.check_demo_options(1, 0, "cuda:1")
+    with pytest.raises(stepprof.ConfigError, match=r"^'--device' must be 0\.\.1 \(got 2\)$"):
+        _validate.check_calibrate_device(2)
+    assert _validate.check_calibrate_device(1) == 1

@@ -7,7 +7,6 @@
 - ``rules``: pure decisions over the points (knee, thrash zone, memory fit,
   recommendation and its reason).
 - ``restore``: saving and restoring the user's state; the muted profiler.
-- ``checks``: the sweep's argument checks.
 - ``result`` and ``plot``: the records and their PNG.
 
 This file imports nothing, so that the records (``result``) load without torch.

@@ -38,10 +38,10 @@ from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
 from .._log import JsonlWriter
 from .._schema import SCHEMA_VERSION
-from .._validate import check_device
 from .._units import format_bytes
-from .checks import (
+from .._validate import (
     check_callable,
+    check_device,
     check_fraction,
     check_int,
     check_max_batch,

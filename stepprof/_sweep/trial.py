@@ -24,7 +24,7 @@ import torch
 
 from .._stats import quantile
 from .._units import format_bytes
-from .checks import check_batch
+from .._validate import check_batch
 from .result import SweepPoint
 
 __all__ = ["TrialRunner", "is_oom", "leak_note"]
