@@ -14,7 +14,7 @@ import typing
 from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._frame import frame
 from ._log import read
-from ._records import Percentiles, Summary
+from ._records import Percentiles, PhaseFigures, Summary
 from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 
@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "MemoryReport",
     "Percentiles",
+    "PhaseFigures",
     "Profiler",
     "SCHEMA_VERSION",
     "StepprofError",

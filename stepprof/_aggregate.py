@@ -6,8 +6,10 @@ read back, and keeps them in bounded memory: each per-step figure in a
 :class:`~stepprof._stats.QuantileSketch`, sync sites, phases and batch sizes in
 capped tables, the slowest steps in a small heap.  :meth:`RunAggregate.figures`
 and :meth:`RunAggregate.unavailable` give the figures and, for each that is
-missing, why; :meth:`RunAggregate.summary_fields` gives them as the fields of
-:class:`stepprof.Summary`, so that the summary and ``stepprof report`` agree.
+missing, why; :meth:`RunAggregate.phase_figures` gives each phase's; and
+:meth:`RunAggregate.summary_fields` gives them as the fields of :class:`stepprof.Summary`.
+``Profiler.close()`` and ``stepprof report`` both read them from here, so that they agree
+to the last digit.
 
 What counts, in one place:
 
@@ -28,12 +30,13 @@ from typing import Any
 
 import attrs
 
-from ._records import Percentiles
+from ._records import Percentiles, PhaseFigures
 from ._stats import QuantileSketch
 
 __all__ = [
     "NO_MEASURED_STEPS",
     "NOT_REQUESTED_FLOPS",
+    "NO_STEP_AFTER_THE_COUNT",
     "RunAggregate",
     "RunFigures",
     "finite_number",
@@ -61,6 +64,14 @@ _STEP_REASONS = {
     "samples_per_s_median": ("samples_per_s", "not recorded"),
     "syncs_per_step_median": ("syncs", "not in this log (written by an older stepprof)"),
     "peak_allocated_bytes_max": ("peak_allocated_bytes", "not recorded"),
+}
+
+#: Phase figures whose reason comes from the step records' ``unavailable``: the
+#: :class:`~stepprof.PhaseFigures` field -> (the reason's key in the summary, in the steps).
+_PHASE_REASONS = {
+    "gpu_ms_median": ("phases.gpu_ms", "phases.gpu_ms"),
+    "peak_allocated_bytes_max": ("phases.peak_allocated_bytes_max", "phases.peak_allocated_bytes"),
+    "syncs_per_step": ("phases.syncs_per_step", "phases.syncs"),
 }
 
 
@@ -117,12 +128,13 @@ def _percentiles(sketch: QuantileSketch) -> Percentiles | None:
 class PhaseAggregate:
     """One phase name's figures over a run's timed steps."""
 
-    __slots__ = ("wall", "gpu", "peak", "syncs", "count", "steps")
+    __slots__ = ("wall", "gpu", "peak", "syncs", "sync_steps", "count", "steps")
 
     def __init__(self) -> None:
         self.wall, self.gpu = QuantileSketch(), QuantileSketch()
         self.peak: float | None = None
         self.syncs = 0
+        self.sync_steps = 0  # steps that counted its syncs
         self.count = 0  # how many times it ran
         self.steps = 0  # in how many steps
 
@@ -131,14 +143,29 @@ class PhaseAggregate:
         self.gpu.merge(other.gpu)
         self.peak = _larger(self.peak, other.peak)
         self.syncs += other.syncs
+        self.sync_steps += other.sync_steps
         self.count += other.count
         self.steps += other.steps
 
+    def figures(self) -> PhaseFigures:
+        """Its figures (the sketches settled)."""
+        steps = self.steps
+        return PhaseFigures(
+            steps=steps,
+            runs_per_step=self.count / steps if steps else None,
+            wall_ms_median=self.wall.quantile(0.5),
+            wall_ms_p90=self.wall.quantile(0.9),
+            gpu_ms_median=self.gpu.quantile(0.5),
+            gpu_ms_p90=self.gpu.quantile(0.9),
+            peak_allocated_bytes_max=self.peak,  # type: ignore[arg-type]  # an int, unless a log said otherwise
+            syncs_per_step=self.syncs / self.sync_steps if self.sync_steps else None,
+        )
+
     def __getstate__(self) -> tuple[Any, ...]:
-        return (self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps)
+        return (self.wall, self.gpu, self.peak, self.syncs, self.sync_steps, self.count, self.steps)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.wall, self.gpu, self.peak, self.syncs, self.count, self.steps = state
+        self.wall, self.gpu, self.peak, self.syncs, self.sync_steps, self.count, self.steps = state
 
 
 class RunAggregate:
@@ -233,14 +260,22 @@ class RunAggregate:
             self.last_step = idx
         else:
             idx = -1
-        if self.identity is None:
+        if self.identity is None and "rank" in r:
             self.take_identity(r)
         device = get("device")
         if type(device) is str:
-            _count(self.devices, device)
+            table = self.devices
+            if device in table:
+                table[device] += 1
+            else:
+                _count(table, device)
         name = get("name")
         if type(name) is str:
-            _count(self.names, name)
+            table = self.names
+            if name in table:
+                table[name] += 1
+            else:
+                _count(table, name)
         if "tflops_per_s" in r and (get("mfu") is None or not self.flops_requested):
             self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
         if get("warmup") is True:
@@ -428,8 +463,9 @@ class RunAggregate:
             if (t is int or t is float) and (agg.peak is None or x > agg.peak):
                 agg.peak = x
             x = get("syncs")
-            if x and type(x) is int:
+            if type(x) is int:
                 agg.syncs += x
+                agg.sync_steps += 1
             x = get("count")
             agg.count += x if type(x) is int else 1
 
@@ -572,7 +608,9 @@ class RunAggregate:
     def unavailable(self) -> dict[str, str]:
         """Why each missing figure is missing, keyed by :class:`stepprof.Summary`'s field names.
 
-        Also ``step_ms`` (the report's), and ``sync_mechanism`` when no step counted syncs.
+        Also ``step_ms`` (the report's), ``sync_mechanism`` when no step counted syncs, and
+        ``phases.gpu_ms``, ``phases.peak_allocated_bytes_max`` and ``phases.syncs_per_step``
+        when that figure is None for at least one phase.
         """
         figures = self.figures()
         present = {
@@ -603,7 +641,18 @@ class RunAggregate:
                 if figures.tflops_per_s_median is None
                 else self.mfu_reason or self._flops_record_reason("ideal_ms") or "not computed"
             )
+        for field, (key, step_key) in _PHASE_REASONS.items():
+            if any(getattr(ph, field) is None for ph in self._phase_figures().values()):
+                why[key] = self.step_reasons.get(step_key) or "not recorded"
         return why
+
+    def phase_figures(self) -> dict[str, PhaseFigures]:
+        """Each phase's figures over the timed steps, by name, in the order first seen (settles)."""
+        self.settle()
+        return self._phase_figures()
+
+    def _phase_figures(self) -> dict[str, PhaseFigures]:
+        return {name: ph.figures() for name, ph in self.phases.items()}
 
     def _flops_unavailable(self) -> str:
         if not self.flops_requested:
@@ -649,4 +698,5 @@ class RunAggregate:
             "tflops_per_s_median": figures.tflops_per_s_median,
             "mfu_median": figures.mfu_median,
             "unavailable": unavailable,
+            "phases": self._phase_figures(),
         }

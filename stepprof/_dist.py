@@ -383,7 +383,6 @@ class Exchange:
         self._gather = gather  # None: built at the first exchange, when the device is known
         self._close_wait_s = close_wait_s
         self.exits = 0
-        self.unrecorded_open = False  # a step entered after recording stopped
         self._outstanding: list[tuple[int | None, list[str], Callable[[], Any]]] = []
         self._lock = threading.Lock()
         self.failed: str | None = None

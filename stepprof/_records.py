@@ -11,7 +11,7 @@ from ._schema import summary_record
 from ._stats import quantile
 from ._units import format_bytes
 
-__all__ = ["Percentiles", "Summary"]
+__all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 
 @attrs.frozen
@@ -34,11 +34,40 @@ class Percentiles:
 
 
 @attrs.frozen
+class PhaseFigures:
+    """One phase name's figures over a run's measured steps (``Summary.phases``).
+
+    The same figures as the phase table of ``stepprof report``.  A figure that no step
+    had (``gpu_ms`` without CUDA, say) is None; ``Summary.unavailable`` says why under
+    ``phases.<field>``.
+
+    Attributes:
+        steps: measured steps in which the phase ran.
+        runs_per_step: times it ran, per such step (its ``count``, on average).
+        wall_ms_median, wall_ms_p90: of its per-step ``wall_ms`` (summed over its runs).
+        gpu_ms_median, gpu_ms_p90: of its per-step ``gpu_ms``, over the steps that have one.
+        peak_allocated_bytes_max: its largest ``peak_allocated_bytes``.
+        syncs_per_step: its syncs, per step that counted them.
+    """
+
+    steps: int
+    runs_per_step: float | None
+    wall_ms_median: float | None
+    wall_ms_p90: float | None
+    gpu_ms_median: float | None
+    gpu_ms_p90: float | None
+    peak_allocated_bytes_max: int | None
+    syncs_per_step: float | None
+
+
+@attrs.frozen
 class Summary:
     """What :meth:`stepprof.Profiler.close` returns and logs as ``kind: "summary"``.
 
-    Figures are over the *measured* steps: past warm-up and without an error.
-    A figure that could not be measured is None, and ``unavailable`` says why.
+    Figures are over the *measured* steps: past warm-up and without an error, all but
+    the one step whose FLOPs were counted (it ran under ``FlopCounterMode``).  A
+    figure that could not be measured is None, and ``unavailable`` says why.
+    ``phases`` holds each phase's figures, by name, in the order they first finished.
 
     Example:
         >>> import stepprof
@@ -67,6 +96,7 @@ class Summary:
     tflops_per_s_median: float | None = None
     mfu_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
+    phases: dict[str, PhaseFigures] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).

@@ -3,7 +3,7 @@
 Every line of a stepprof log is one record, a JSON object with ``schema_version`` and
 ``kind``.  docs/schema.md describes each field.  One function builds each kind:
 
-- ``step``: :func:`step_record`.
+- ``step``: :func:`step_record` (the collector's ``build_step_record`` calls it).
 - ``summary``: :func:`summary_record` (through ``stepprof.Summary.to_record``).
 - ``memory``: ``stepprof.MemoryReport.to_record`` (stepprof/_memory.py).
 - ``flops``: ``FlopsHook._set_flops`` (stepprof/_recorder/flops.py).
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Final
 import attrs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._records import Percentiles, Summary
+    from ._records import Percentiles, PhaseFigures, Summary
 
 __all__ = [
     "RECORD_KINDS",
@@ -121,25 +121,32 @@ def step_record(
         "allocator": allocator,
         "unavailable": unavailable,
     }
-    optional = (
-        ("host_rss_bytes", host_rss_bytes),
-        ("flops", flops),
-        ("tflops_per_s", tflops_per_s),
-        ("mfu", mfu),
-    )
-    for key, value in optional:
-        if value is not ABSENT:
-            record[key] = value
+    # Written out rather than looped: the collector builds every step record here.
+    if host_rss_bytes is not ABSENT:
+        record["host_rss_bytes"] = host_rss_bytes
+    if flops is not ABSENT:
+        record["flops"] = flops
+    if tflops_per_s is not ABSENT:
+        record["tflops_per_s"] = tflops_per_s
+    if mfu is not ABSENT:
+        record["mfu"] = mfu
     if flops_counted:
         record["flops_counted"] = True
-    for key, value in (("rank", rank), ("local_rank", local_rank), ("world_size", world_size)):
-        if value is not None:
-            record[key] = value
+    if rank is not None:
+        record["rank"] = rank
+    if local_rank is not None:
+        record["local_rank"] = local_rank
+    if world_size is not None:
+        record["world_size"] = world_size
     return record
 
 
 def _percentiles(p: Percentiles | None) -> dict[str, float] | None:
     return None if p is None else attrs.asdict(p)
+
+
+def _phases(phases: dict[str, PhaseFigures]) -> dict[str, dict[str, Any]]:
+    return {name: attrs.asdict(figures) for name, figures in phases.items()}
 
 
 def summary_record(summary: Summary) -> dict[str, Any]:
@@ -148,7 +155,8 @@ def summary_record(summary: Summary) -> dict[str, Any]:
 
     The percentile figures go under ``wall_ms_percentiles`` and ``gpu_ms_percentiles``,
     and so do their reasons in ``unavailable``; the attributes of ``stepprof.Summary``
-    keep the names ``wall_ms`` and ``gpu_ms``.
+    keep the names ``wall_ms`` and ``gpu_ms``.  ``phases`` holds each phase's
+    ``stepprof.PhaseFigures`` as an object of the same fields.
     """
     s = summary
     return {
@@ -169,6 +177,7 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "sync_mechanism": s.sync_mechanism,
         "tflops_per_s_median": s.tflops_per_s_median,
         "mfu_median": s.mfu_median,
+        "phases": _phases(s.phases),
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
     }
 

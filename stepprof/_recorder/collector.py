@@ -3,7 +3,9 @@
 Steps wait in ``pending`` (oldest first) until their end event, and each of their
 phases' end events, has completed; events are only *queried*, never waited on, except
 once at close.  A harvest builds the records of every completed step, hands each to the
-hooks and the sinks, and writes them to the log together, in one system call.
+hooks and the sinks (the log and the summary), and writes them to the log together, in
+one system call.  The hooks' own records (flops, memory, ranks) reach both sinks through
+:meth:`Collector.write`.
 
 The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
 (tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
-from .._schema import SCHEMA_VERSION
+from .._schema import ABSENT, step_record
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
 from .step import Step, elapsed_ms
@@ -30,6 +32,9 @@ _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing 
 
 def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
     """The ``kind: "step"`` record of a completed step (its marks' events have completed).
+
+    Built by :func:`stepprof._schema.step_record`; the hooks add their fields after
+    (``FlopsHook``: ``flops``, ``tflops_per_s``, ``mfu``, ``flops_counted``).
 
     Args:
         s: the step.
@@ -81,34 +86,13 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
             samples_per_s = s.batch_size / (span_ms / 1e3)
         else:
             unavailable["samples_per_s"] = "step took no measurable time"
-    record: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "step",
-        "step": s.index,
-        "name": s.name,
-        "warmup": s.warmup,
-        "device": b.device,
-        "start_unix_s": start_unix_s,
-        "wall_ms": wall_ms,
-        "gpu_ms": gpu_ms,
-        "gpu_busy": gpu_busy,
-        "peak_allocated_bytes": peak,
-        "reserved_bytes": s.reserved,
-        "batch_size": s.batch_size,
-        "samples_per_s": samples_per_s,
-        "phases": phases,
-        "overhead_us": s.overhead_ns / 1e3,
-        "error": s.error,
-        "syncs": s.syncs,
-        "allocator": dict(zip(ALLOCATOR_COUNTERS, s.counters)) if s.counters else None,
-        "unavailable": unavailable,
-    }
     if s.syncs is None:
         unavailable["syncs"] = s.syncs_reason or "not counted"
         if phases:
             unavailable["phases.syncs"] = unavailable["syncs"]
+    on_host = not b.has_device_memory  # the host's RSS stands in for device memory
     if s.counters is None:
-        if not b.has_device_memory:
+        if on_host:
             unavailable["allocator"] = (
                 f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
             )
@@ -116,11 +100,29 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
             unavailable["allocator"] = (
                 "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
             )
-    if not b.has_device_memory:
-        record["host_rss_bytes"] = s.rss
-        if s.rss is None:
-            unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
-    return record
+    if on_host and s.rss is None:
+        unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+    return step_record(
+        step=s.index,
+        name=s.name,
+        warmup=s.warmup,
+        device=b.device,
+        start_unix_s=start_unix_s,
+        wall_ms=wall_ms,
+        gpu_ms=gpu_ms,
+        gpu_busy=gpu_busy,
+        peak_allocated_bytes=peak,
+        reserved_bytes=s.reserved,
+        batch_size=s.batch_size,
+        samples_per_s=samples_per_s,
+        phases=phases,
+        overhead_us=s.overhead_ns / 1e3,
+        error=s.error,
+        syncs=s.syncs,
+        allocator=dict(zip(ALLOCATOR_COUNTERS, s.counters)) if s.counters else None,
+        unavailable=unavailable,
+        host_rss_bytes=s.rss if on_host else ABSENT,
+    )
 
 
 def phase_peaks_reason(phase_peaks_every: int) -> str:
@@ -140,7 +142,7 @@ class Collector:
 
     Args:
         log: where records are written.
-        summary: where step records are summed.
+        summary: where records are aggregated for the summary.
         clock0_ns, unix0_s: one reading of the step clock and the time since the epoch
             taken together, to date the steps.
         phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
@@ -220,6 +222,11 @@ class Collector:
 
     # -- harvesting ---------------------------------------------------------------
 
+    def write(self, record: dict[str, Any]) -> None:
+        """Hand a record to the sinks: the log and the summary (the hooks' records go here)."""
+        self.log.write(record)
+        self.summary.add(record)
+
     def drain(self) -> None:
         """Write every completed step now, from the calling thread (never waits on the device)."""
         with self.lock:
@@ -257,7 +264,7 @@ class Collector:
         The records are written together at the end, in one system call.
         """
         for hook in self._harvest_hooks:
-            hook.on_harvest(self.log.write)
+            hook.on_harvest(self.write)
         pending = self.pending
         if not pending:
             return
@@ -292,6 +299,6 @@ class Collector:
                     released.add(id(m))
                     b.release(m)
         self.log.write(record)
+        self.summary.add_step(record)
         for hook in self._after_hooks:
-            hook.after_record(s, self.log.write)
-        self.summary.add(record)
+            hook.after_record(s, self.write)

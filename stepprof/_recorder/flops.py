@@ -5,16 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._aggregate import NO_STEP_AFTER_THE_COUNT
 from .._device.backend import Backend
 from .._device.facts import device_name
 from .._roofline import FlopCount, ideal_ms, load_calibration
 from .hooks import Hook
 from .sinks import Write
 from .step import Step
-
-
-#: Why a summary has no TFLOP/s or MFU when no FLOPs were asked for.
-FLOPS_NOT_REQUESTED = "FLOPs were not requested: pass Profiler(flops='auto') or flops_per_step=N"
 
 
 class FlopsHook(Hook):
@@ -55,10 +52,9 @@ class FlopsHook(Hook):
         """Whether FlopCounterMode is on (the counted step is open)."""
         return self._count is not None
 
-    def summary_reasons(self) -> tuple[str, str | None]:
-        """Why the summary has no TFLOP/s, and no MFU (see ``SummarySink.summary``)."""
-        return (self.reason if self.flops is None else "no measured step after the counted one",
-                self.mfu_reason)
+    def summary_reason(self) -> str:
+        """Why the summary has no TFLOP/s when no step record says why (see ``SummarySink.summary``)."""
+        return self.reason if self.flops is None else NO_STEP_AFTER_THE_COUNT
 
     # -- training thread ------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check
 from .boundaries import Boundaries
 from .collector import Collector
 from .exchange import ExchangeHook
-from .flops import FLOPS_NOT_REQUESTED, FlopsHook
+from .flops import FlopsHook
 from .hooks import Closing, Hook
 from .memory_records import MemoryHook
 from .seams import REAL, Seams
@@ -247,7 +247,7 @@ class Profiler:
             except Exception as e:  # noqa: BLE001 - close must always produce a summary
                 b.fail(e)
             collector.pending.clear()
-            closing = Closing(self._log.write, b.backend, b.next_index - 1 if b.next_index else None,
+            closing = Closing(collector.write, b.backend, b.next_index - 1 if b.next_index else None,
                               b.broken is not None)
             for hook in self._hooks:
                 hook.on_close(closing)
@@ -262,13 +262,11 @@ class Profiler:
     def _build_summary(self) -> Summary:
         b = self._boundaries.backend
         return self._summary_sink.summary(
-            device=b.device if b is not None else "none",
-            sync_mechanism=b.sync_mechanism if b is not None else None,
             log=self.log,
+            device=b.device if b is not None else "none",
             stopped=self._collector.error or self._boundaries.broken,
             log_failed=self._log.failed,
-            flops_reasons=(self._flops.summary_reasons() if self._flops is not None
-                           else (FLOPS_NOT_REQUESTED, None)),
+            flops_reason=self._flops.summary_reason() if self._flops is not None else None,
         )
 
     def __enter__(self) -> Profiler:
@@ -313,7 +311,7 @@ class Profiler:
                     self._collector.harvest()  # completed steps first, so the log stays in order
                 except Exception:  # noqa: BLE001, S110 - the collector meets and reports it too
                     pass
-                self._log.write(rep.to_record())
+                self._collector.write(rep.to_record())
         return rep
 
     def _forked(self) -> None:

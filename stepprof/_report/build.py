@@ -181,18 +181,8 @@ def _sync_table(agg: RunAggregate) -> SyncTable | None:
 
 
 def _phase_rows(agg: RunAggregate) -> tuple[PhaseRow, ...]:
-    agg.settle()
-    return tuple(
-        PhaseRow(
-            name=name,
-            wall_ms_median=ph.wall.quantile(0.5),
-            gpu_ms_median=ph.gpu.quantile(0.5),
-            peak_allocated_bytes_max=ph.peak,
-            syncs_per_step=ph.syncs / ph.steps if ph.steps else None,
-            runs_per_step=ph.count / ph.steps if ph.steps else None,
-        )
-        for name, ph in agg.phases.items()
-    )
+    """The aggregate's phase figures (the summary's ``phases``), one row per phase."""
+    return tuple(PhaseRow(name=name, **attrs.asdict(f)) for name, f in agg.phase_figures().items())
 
 
 def _spikes(agg: RunAggregate, median: float | None) -> Spikes | None:

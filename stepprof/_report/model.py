@@ -106,14 +106,17 @@ class SyncTable:
 
 @attrs.frozen
 class PhaseRow:
-    """One phase (``measure`` name) over the timed steps."""
+    """One phase (``measure`` name) over the timed steps: its ``stepprof.PhaseFigures``, named."""
 
     name: str
+    steps: int
+    runs_per_step: float | None
     wall_ms_median: float | None
+    wall_ms_p90: float | None
     gpu_ms_median: float | None
+    gpu_ms_p90: float | None
     peak_allocated_bytes_max: float | None
     syncs_per_step: float | None
-    runs_per_step: float | None
 
 
 @attrs.frozen
