@@ -132,3 +132,15 @@ def test_a_log_path_that_is_not_utf8_is_accepted_and_the_summary_says_so(tmp_pat
     assert summary["kind"] == "summary" and summary["steps"] == 1
     assert summary["log"] == str(tmp_path / "run_\ufffd.jsonl")
     assert summary["encoding_replaced"] == ["log"]
+
+
+@pytest.mark.parametrize(
+    "bad, why",
+    [("run_\ud800.jsonl", "cannot be encoded as a file name"), ("run\x00.jsonl", "must not hold a null character")],
+)
+def test_a_log_path_the_os_cannot_take_fails_at_construction(tmp_path, monkeypatch, bad, why):
+    """A lone surrogate that no byte decodes to (not what os.fsdecode gives), or a NUL: no OS takes it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(stepprof.ConfigError, match=rf"'log' {why} \(got {re.escape(repr(bad))}\).*; pass"):
+        stepprof.Profiler(bad)
+    assert not os.listdir(tmp_path)
