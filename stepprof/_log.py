@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from ._errors import ConfigError
 from ._schema import RECORD_KINDS, upgrade_record
 from ._validate import check_log, check_read_kind, check_read_path
 
-__all__ = ["JsonlWriter", "ScanStats", "check_log", "read", "scan"]
+__all__ = ["JsonlWriter", "ScanStats", "check_log", "encodable", "read", "scan"]
 
 
 class JsonlWriter:
@@ -72,8 +73,13 @@ class JsonlWriter:
         """
         if self._fd is None:
             return
+        if not isinstance(records, (list, tuple)):
+            records = list(records)
         dumps, option = orjson.dumps, orjson.OPT_APPEND_NEWLINE
-        line = b"".join([dumps(r, option=option) for r in records])
+        try:
+            line = b"".join([dumps(r, option=option) for r in records])
+        except orjson.JSONEncodeError:  # a value JSON cannot hold: repair that record alone
+            line = b"".join([_encode(r) for r in records])
         if not line:
             return
         written = 0
@@ -105,6 +111,120 @@ class JsonlWriter:
                 os.close(fd)
             except OSError:  # pragma: no cover - nothing useful to do
                 pass
+
+
+# -- records that orjson refuses ---------------------------------------------------------
+
+#: The ints orjson writes: from int64's least to uint64's greatest.
+_INT_RANGE = (-(2**63), 2**64 - 1)
+#: Containers nested deeper are written as a string (orjson stops at 255 levels).
+_MAX_DEPTH = 128
+
+
+def _encode(record: Any) -> bytes:
+    """One record as a line: as it is if orjson takes it, else repaired; never raises."""
+    option = orjson.OPT_APPEND_NEWLINE
+    try:
+        return orjson.dumps(record, option=option)
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return orjson.dumps(encodable(record), option=option)
+    except Exception as e:  # noqa: BLE001 - a repair that fails must not cost the other records
+        kind = record.get("kind") if isinstance(record, dict) else None
+        return orjson.dumps(
+            {
+                "kind": _text(kind) if isinstance(kind, str) else None,
+                "encoding_replaced": [""],
+                "unavailable": {"record": f"stepprof could not encode it: {type(e).__name__}"},
+            },
+            option=option,
+        )
+
+
+def encodable(record: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``record`` that JSON can hold, with the dotted paths of what changed in ``encoding_replaced``.
+
+    A str with a lone surrogate (a non-UTF-8 file name from ``os.listdir``, say) gets U+FFFD for
+    it; an int outside 64 bits becomes its decimal string; a key that is not a str becomes its
+    ``str()`` (with ``_`` appended while it would take an existing key's place); a value of a
+    type orjson does not write becomes its ``str()`` (a numpy scalar its Python number, unlisted).
+    NaN and infinities need no repair: they are written as null, as on every record.
+    ``record`` is not modified.  Paths join keys and list indices with dots (``phases.fwd�``).
+    """
+    replaced: list[str] = []
+    out = _repaired(record, "", replaced, 0)
+    if not isinstance(out, dict):  # pragma: no cover - the writer is only given dicts
+        out = {"record": out}
+    if replaced:
+        earlier = out.get("encoding_replaced")
+        out["encoding_replaced"] = [*(earlier if isinstance(earlier, list) else ()), *replaced]
+    return out
+
+
+def _text(s: str) -> str:
+    """``s`` with U+FFFD for each lone surrogate (a surrogate pair becomes its character)."""
+    return s.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _str_of(value: Any) -> str:
+    try:
+        return _text(str(value))
+    except Exception:  # noqa: BLE001 - its __str__ failing (or an int too long to print)
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _repaired(value: Any, path: str, replaced: list[str], depth: int) -> Any:
+    if value is None or isinstance(value, (bool, float)):
+        return value  # orjson writes NaN and the infinities as null
+    if isinstance(value, str):
+        if _is_utf8(value):
+            return value
+        replaced.append(path)
+        return _text(value)
+    if isinstance(value, int):
+        if _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+            return value
+        replaced.append(path)
+        return _str_of(value)
+    if isinstance(value, (dict, list, tuple)) and depth >= _MAX_DEPTH:
+        replaced.append(path)
+        return f"<{type(value).__name__} nested deeper than {_MAX_DEPTH} levels>"
+    if isinstance(value, dict):
+        taken = {k for k in value if type(k) is str and _is_utf8(k)}
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if type(k) is str and k in taken:
+                key = k
+            else:
+                key = _text(k) if isinstance(k, str) else _str_of(k)
+                while key in taken or key in out:
+                    key += "_"
+                replaced.append(f"{path}.{key}" if path else key)
+            out[key] = _repaired(v, f"{path}.{key}" if path else key, replaced, depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_repaired(v, f"{path}.{i}" if path else str(i), replaced, depth + 1)
+                for i, v in enumerate(value)]
+    try:
+        orjson.dumps(value)  # a type orjson writes itself: a dataclass, a datetime, an enum
+        return value
+    except orjson.JSONEncodeError:
+        pass
+    if isinstance(value, numbers.Integral):
+        return _repaired(int(value), path, replaced, depth)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    replaced.append(path)
+    return _str_of(value)
 
 
 class ScanStats:

@@ -130,9 +130,13 @@ def check_option_names(options: dict[str, Any], names: Sequence[str], caller: st
 
 
 def check_log(path: Any, argument: str = "log") -> str | None:
-    """``path`` as a str (None stays None), or a ConfigError naming ``argument``.
+    """``path`` as a str the OS can open (None stays None), or a ConfigError naming ``argument``.
 
     A bytes path would be opened, then fail at the first record (which holds it as ``log``).
+    A str that is not UTF-8 but that the OS takes (``os.fsdecode(b"run_\\xff.jsonl")``, a
+    name from ``os.listdir``) is accepted: the records that hold it get a replaced form
+    (``_log.encodable``).  A str the OS cannot take (a NUL, a lone surrogate that no byte
+    decodes to) is refused here, not with a bare ValueError from ``os.open``.
     """
     if path is None:
         return None
@@ -145,6 +149,18 @@ def check_log(path: Any, argument: str = "log") -> str | None:
             f"{argument!r} must be a str path or None (got {path!r}); "
             f"pass e.g. {argument}='run.jsonl', or None to keep no log"
         )
+    if "\x00" in text:
+        raise ConfigError(
+            f"{argument!r} must not hold a null character (got {path!r}); pass the path without it"
+        )
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as e:
+        raise ConfigError(
+            f"{argument!r} cannot be encoded as a file name (got {path!r}): {e.reason} at "
+            f"{e.object[e.start:e.end]!r}; pass a path of valid characters (for a name that is not "
+            f"UTF-8, pass os.fsdecode(the bytes name))"
+        ) from None
     return text
 
 
