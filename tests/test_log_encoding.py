@@ -49,7 +49,8 @@ def test_unencodable_step_fields_cost_no_other_record_and_later_steps_are_writte
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(8))      # every step, in order
     assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 8
-    assert "encoding_replaced" not in records[-1]
+    # The summary's per-phase figures are keyed by the phase names: the bad one is repaired there too.
+    assert records[-1]["encoding_replaced"] == ["phases.fwd\ufffd"] and "fwd\ufffd" in records[-1]["phases"]
     assert steps[1]["error"] == {"type": "FileNotFoundError", "message": "no such file: run_\ufffd.jsonl \ufffd"}
     assert steps[1]["encoding_replaced"] == ["error.message"]
     assert steps[2]["name"] == "step\ufffd" and steps[2]["encoding_replaced"] == ["name"]
