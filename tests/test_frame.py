@@ -47,7 +47,7 @@ def test_step_frame_has_the_figures_dtypes_and_phase_columns(log, gpu):
 
 def test_a_cpu_step_frame_has_nan_gpu_ms_and_nullable_ints(tmp_path):
     log = str(tmp_path / "cpu.jsonl")
-    with stepprof.Profiler(log) as prof:
+    with stepprof.Profiler(log, device="cpu") as prof:   # the host, also where CUDA is up
         for _ in range(2):
             with prof.step():
                 with prof.measure("forward"):

@@ -511,7 +511,7 @@ def test_memory_report_without_cuda_returns_nulls_with_reasons_and_creates_no_co
 
 
 def test_memory_report_inside_a_cpu_profiler_logs_the_nulls(log):
-    with stepprof.Profiler(log) as prof:
+    with stepprof.Profiler(log, device="cpu") as prof:   # the host, also where CUDA is up
         run_steps(prof, None, 2)
         r = stepprof.memory_report("cpu")
     (rec,) = memory_records(log)
