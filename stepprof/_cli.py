@@ -158,7 +158,9 @@ def _print(text: str) -> None:
         except ImportError:
             print(text, end="")
             return
-        console = Console(highlight=False)
+        # The text is already printable (stepprof._units.printable); rich must not reinterpret
+        # it either: markup is escaped below, and ":name:" stays text, not an emoji.
+        console = Console(highlight=False, emoji=False)
         for line in text.splitlines():
             style = (
                 "bold"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "unit_for"]
+__all__ = ["GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "printable", "unit_for"]
 
 MiB = 2**20
 GiB = 2**30
@@ -26,3 +26,23 @@ def format_bytes(n: int | float | None) -> str:
 def format_count(n: int | None) -> str:
     """An integer with thousands separators; ``n/a`` for None."""
     return "n/a" if n is None else f"{n:,}"
+
+
+#: C0 controls, DEL and C1 controls, each to its visible escape (``\\n``, ``\\r``, ``\\t``, else ``\\xNN``).
+_CONTROL_ESCAPES = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))},
+    0x09: "\\t",
+    0x0A: "\\n",
+    0x0D: "\\r",
+}
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character (C0, DEL, C1) as a visible escape.
+
+    For text that comes from a log and is printed to a terminal: an escape sequence
+    in a step name (``"\\x1b]0;title\\x07"``, ``"\\x1b[2J"``) shows as text instead of
+    acting on the terminal.  Newlines are escaped too, so a value stays on its line;
+    pass one line at a time.
+    """
+    return text.translate(_CONTROL_ESCAPES)

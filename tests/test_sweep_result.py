@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import warnings
+
+import pytest
+
 import stepprof
 
 from .sweep_helpers import run, setup
@@ -32,6 +37,50 @@ def test_log_has_a_point_per_trial_then_the_result(log):
     assert result["stopped"] == "boundary" and result["predicted_max"] == r.predicted_max
     assert "points" not in result
 
+
+
+def _disk_full_after(monkeypatch, log, lines):
+    """os.write in stepprof._log writes ``lines`` whole lines to ``log``, then fails with ENOSPC."""
+    import errno
+
+    from stepprof import _log
+
+    real_write, written = os.write, []
+
+    def disk_fills_up(fd, data):
+        if os.path.realpath(f"/proc/self/fd/{fd}") != os.path.realpath(log):
+            return real_write(fd, data)
+        if len(written) >= lines:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_log.os, "write", disk_fills_up)
+    return written
+
+
+@pytest.mark.parametrize("lines", [3, "all points"])
+def test_a_full_disk_warns_once_and_says_so_in_unavailable(log, monkeypatch, lines):
+    gpu, step = setup(thrash_from=3000, thrash_factor=1.3)
+    trials = run(step, gpu).trials
+    gpu, step = setup(thrash_from=3000, thrash_factor=1.3)
+    _disk_full_after(monkeypatch, log, trials if lines == "all points" else lines)  # the result record fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run(step, gpu, log=log)
+    full = [w for w in caught if issubclass(w.category, RuntimeWarning) and "No space left" in str(w.message)]
+    assert len(full) == 1 and log in str(full[0].message)
+    assert full[0].filename.endswith("sweep_helpers.py")  # the caller's line, not stepprof's
+    assert "No space left on device" in r.unavailable["log"] and log in r.unavailable["log"]
+    assert r.trials == trials  # the sweep itself went on
+    recs = list(stepprof.read(log))
+    assert [x["kind"] for x in recs] == ["sweep_point"] * min(trials, 3 if lines == 3 else trials)
+
+
+def test_a_sweep_that_logs_fine_has_no_log_reason(log):
+    gpu, step = setup(thrash_from=3000, thrash_factor=1.3)
+    assert "log" not in run(step, gpu, log=log).unavailable
+    assert "log" not in run(step, gpu).unavailable
 
 def test_str_is_a_table(log):
     gpu, step = setup(thrash_from=3000, thrash_factor=1.3)

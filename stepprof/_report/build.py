@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any
@@ -35,6 +36,9 @@ from .read import read_log
 from .sweeps import LoggedSweep, logged_sweeps
 
 __all__ = ["build_report", "report_log"]
+
+#: Missing ranks named one by one in the cross-rank note; beyond these, a count.
+MISSING_RANKS_NAMED = 8
 
 #: The aggregate's reason keys that the report names after its own lines.
 _REPORT_REASON_KEYS = {
@@ -270,10 +274,10 @@ def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:
         ))
     notes = []
     world = max((r.world_size for r in rows if type(r.world_size) is int), default=None)
-    if world is not None and len(rows) < world:
-        have = {r.rank for r in rows}
-        notes.append(f"logs of rank(s) {', '.join(str(r) for r in range(world) if r not in have)} "
-                     f"were not given")
+    if world is not None:
+        missing = _missing_ranks(world, {r.rank for r in rows})
+        if missing:
+            notes.append(missing)
     # The report's own check, on the per-rank medians over the whole run (rows in rank order;
     # the rule's index is the position, mapped back to the rank).
     gpu = all(r.gpu_ms_median is not None for r in rows)
@@ -295,3 +299,20 @@ def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:
         if run.ranks is not None:
             exchanges = run.ranks
     return DistributedView(ranks=tuple(rows), from_medians=check, exchanges=exchanges, notes=tuple(notes))
+
+
+def _missing_ranks(world: int, have: set[int]) -> str | None:
+    """The note on the ranks below ``world`` whose logs were not given, or None.
+
+    ``world`` comes from the log, so it never sizes the work: the note counts the
+    missing ranks and names the first :data:`MISSING_RANKS_NAMED`, in
+    O(len(have) + MISSING_RANKS_NAMED) steps whatever ``world`` is.
+    """
+    count = world - sum(1 for r in have if 0 <= r < world)
+    if count <= 0:
+        return None
+    first = list(itertools.islice((r for r in range(world) if r not in have), MISSING_RANKS_NAMED))
+    named = ", ".join(str(r) for r in first)
+    if count <= len(first):
+        return f"logs of rank(s) {named} were not given"
+    return f"logs of {count:,} rank(s) were not given (the first: {named}, ...)"

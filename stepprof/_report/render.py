@@ -1,9 +1,15 @@
-"""The report as text: per log its runs (figures, tables, diagnoses) and sweeps, then the ranks."""
+"""The report as text: per log its runs (figures, tables, diagnoses) and sweeps, then the ranks.
+
+Names, devices, sync sites, reasons and notes come from the log, which anyone can
+write: :func:`render` builds a list of lines and passes each through
+:func:`~stepprof._units.printable` as it joins them, so a control character in any
+of them (a terminal escape, a newline) prints as a visible escape, on its own line.
+"""
 
 from __future__ import annotations
 
 from .._records import Percentiles
-from .._units import format_bytes
+from .._units import format_bytes, printable
 from .model import DistributedView, Report, RunReport
 
 __all__ = ["render"]
@@ -38,7 +44,11 @@ def _number(x: float | None, fmt: str) -> str:
 
 
 def render(report: Report) -> str:
-    """The report as plain text: figures, then diagnoses with evidence and remedies."""
+    """The report as plain text: figures, then diagnoses with evidence and remedies.
+
+    Every line is printable: control characters from the log are escaped (``--json``
+    keeps the values exact).
+    """
     out: list[str] = []
     for log in report.logs:
         out.append(f"== {log.path}: {log.lines:,} lines")
@@ -56,13 +66,13 @@ def render(report: Report) -> str:
         for i, sweep in enumerate(log.sweeps):
             out.append("")
             out.append(f"-- sweep {i + 1}" if len(log.sweeps) > 1 else "-- sweep")
-            out.append(sweep.table or "(no points)")
+            out.extend((sweep.table or "(no points)").split("\n"))  # its lines; str(SweepResult) escapes values
             if sweep.result is None:
                 out.append("the sweep has no result record (it stopped before the end)")
         out.append("")
     if report.distributed is not None:
         _render_ranks(report.distributed, out)
-    return "\n".join(out).rstrip() + "\n"
+    return "\n".join(map(printable, out)).rstrip() + "\n"
 
 
 def _render_ranks(view: DistributedView, out: list[str]) -> None:

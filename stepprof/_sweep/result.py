@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from .._units import format_bytes, format_count
+from .._units import format_bytes, format_count, printable
 from .plot import plot_sweep
 
 __all__ = ["SweepPoint", "SweepResult"]
@@ -185,4 +185,5 @@ class SweepResult:
         )
         lines.append(f"recommended {format_count(self.recommended)}: {self.reason}")
         lines.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(lines)
+        # A result read back from a log may hold anything: each value stays on its line, escaped.
+        return "\n".join(map(printable, lines))

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import math
 import contextvars
+import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
@@ -270,8 +273,9 @@ class BatchSearch:
             self._refine()
         self._backfill()
         result = self._result()
-        if self.writer is not None:
-            self.writer.write({"schema_version": SCHEMA_VERSION, **result.to_record()})
+        self._log(result.to_record())
+        if self.writer is not None and self.writer.failed:
+            result = attrs.evolve(result, unavailable={**result.unavailable, "log": self.writer.failed})
         if self.say is not None:
             self.say(f"stepprof.sweep: recommended batch {result.recommended}: {result.reason}")
         return result
@@ -457,8 +461,7 @@ class BatchSearch:
         note = leak_note(point)
         if note is not None:
             self.notes.append(note)
-        if self.writer is not None:
-            self.writer.write({"schema_version": SCHEMA_VERSION, **point.to_record()})
+        self._log(point.to_record())
         if self.say is not None:
             tail = ""
             if point.oom:
@@ -469,6 +472,23 @@ class BatchSearch:
                 )
             self.say(f"stepprof.sweep: [{point.trial:>2} {phase:<8}] {point}{tail} ({point.wall_s:.2f} s)")
         return point
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the sweep's log, if it has one.
+
+        The writer never raises: a write that fails (disk full) stops the log.  The
+        sweep goes on, warns once here, and the result's ``unavailable["log"]`` says why.
+        """
+        writer = self.writer
+        if writer is None or writer.failed:
+            return
+        writer.write({"schema_version": SCHEMA_VERSION, **record})
+        if writer.failed:
+            warnings.warn(
+                f"stepprof.sweep: {writer.failed}; logging stopped, the sweep goes on",
+                RuntimeWarning,
+                stacklevel=_caller_stacklevel(),
+            )
 
     def _measure(self, n: int, phase: str) -> SweepPoint:
         return self.trials.measure(
@@ -521,3 +541,14 @@ class BatchSearch:
             fit_bytes_per_sample=None if fit is None else fit[1],
             knee_within=self.knee_within, notes=tuple(notes), unavailable=unavailable,
         )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside stepprof."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
