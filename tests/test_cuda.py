@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import warnings
+
 import pytest
 import torch
 
@@ -302,3 +304,16 @@ def test_close_waits_for_the_steps_events_not_the_whole_device(tmp_path):
     assert all(r["gpu_ms"] is not None for r in steps)
     assert not side_done, "the side stream finished before close returned: the test proves nothing"
     assert waited_s < 0.5, f"close() waited {waited_s:.2f} s: it waited for the side stream"
+
+
+@pytest.mark.cuda
+def test_a_step_name_nvtx_cannot_take_is_recorded_and_recording_goes_on(tmp_path):
+    """A lone surrogate in a step name (from a non-UTF-8 file name) reaches NVTX's C++ binding."""
+    log = str(tmp_path / "names.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "stepprof stopped recording"
+        with stepprof.Profiler(log, device="cuda") as prof:
+            for name in ("a", "b\udcff", "c"):
+                with prof.step(name=name):
+                    torch.ones(8, device="cuda").sum()
+    assert [r["name"] for r in stepprof.read(log, kind="step")] == ["a", "b\ufffd", "c"]

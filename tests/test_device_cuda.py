@@ -109,3 +109,25 @@ def test_the_sweep_gets_a_cuda_sweep_backend_on_the_device_chosen(monkeypatch):
     monkeypatch.setattr(cuda, "select_backend", lambda device, **kw: gpu)
     b = select_sweep_backend(None)
     assert isinstance(b, CudaSweepBackend) and b.index == 3 and b.device == "cuda:3"
+
+
+def test_an_nvtx_range_whose_name_nvtx_cannot_take_is_pushed_with_the_character_replaced():
+    """torch's NVTX binding takes a std::string: a lone surrogate (a step name made from a
+    non-UTF-8 file name) raises TypeError there, which would stop recording at the step."""
+    pushed = []
+
+    def push(name):
+        name.encode("utf-8")  # what pybind11 does, raising as it would
+        pushed.append(name)
+
+    def strict_push(name):
+        try:
+            push(name)
+        except UnicodeEncodeError as e:
+            raise TypeError("rangePushA(): incompatible function arguments") from e
+
+    b = cuda.CudaBackend.__new__(cuda.CudaBackend)
+    b._nvtx, b._push = True, strict_push
+    b.range_push("step 1")
+    b.range_push("step\udcff 2")
+    assert pushed == ["step 1", "step? 2"]

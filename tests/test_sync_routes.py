@@ -114,6 +114,7 @@ def test_a_sync_debug_mode_the_user_set_during_a_step_is_left_in_place(monkeypat
         _syncs.detach()
     tracker.end()
     assert mode == [2]
+    mode[0] = 0  # the user's setting ends with the test (the fake stays patched until teardown)
 
 
 def test_reset_forgets_the_warn_route_and_turns_the_trace_off(monkeypatch):

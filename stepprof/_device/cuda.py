@@ -183,7 +183,10 @@ class CudaBackend:
 
     def range_push(self, name: str) -> None:
         if self._nvtx:
-            self._push(name)
+            try:
+                self._push(name)
+            except (TypeError, UnicodeError):  # a name NVTX cannot take: a lone surrogate
+                self._push(name.encode("utf-8", "replace").decode("utf-8"))
 
     def range_pop(self) -> None:
         if self._nvtx:
