@@ -294,7 +294,7 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
     Example:
         >>> import stepprof, tempfile, os
         >>> log = os.path.join(tempfile.mkdtemp(), "run.jsonl")
-        >>> with stepprof.Profiler(log) as prof:
+        >>> with stepprof.Profiler(log, device="cpu") as prof:
         ...     with prof.step(batch_size=8):
         ...         pass
         >>> [r["kind"] for r in stepprof.read(log)]

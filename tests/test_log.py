@@ -128,7 +128,7 @@ def test_read_checks_its_arguments_at_the_call(tmp_path):
 
 def test_read_warns_about_a_kind_stepprof_never_writes(tmp_path):
     log = tmp_path / "run.jsonl"
-    with stepprof.Profiler(log) as prof:
+    with stepprof.Profiler(log, device="cpu") as prof:
         with prof.step():
             pass
     with pytest.warns(RuntimeWarning, match=r"no record of kind 'steps'.*of kind 'step', 'summary'"):

@@ -121,7 +121,7 @@ def test_a_log_path_that_is_not_utf8_is_accepted_and_the_summary_says_so(tmp_pat
     path = str(tmp_path / BAD_NAME)
     err = KeyError("the user's own")
     with pytest.raises(KeyError) as caught:
-        with stepprof.Profiler(path) as prof:
+        with stepprof.Profiler(path, device="cpu") as prof:
             with prof.step(batch_size=4):
                 pass
             raise err

@@ -91,7 +91,7 @@ EXPECTED = 2 * 32 * 64 * 128 * 2 + 2 * 32 * 128 * 8 * 3  # fwd+weight grads of b
 
 def test_flops_auto_counts_one_step_on_the_cpu(log):
     model, opt = _mlp()
-    with stepprof.Profiler(log, warmup=2, flops="auto") as prof:
+    with stepprof.Profiler(log, warmup=2, flops="auto", device="cpu") as prof:
         for _ in range(5):
             with prof.step(batch_size=32):
                 model(torch.randn(32, 64)).square().mean().backward()

@@ -27,7 +27,7 @@ def _rebuilt(record):
 
 def _cpu_log(log, **kw):
     model = torch.nn.Linear(8, 4)
-    with stepprof.Profiler(log, warmup=1, **kw) as prof:
+    with stepprof.Profiler(log, warmup=1, device="cpu", **kw) as prof:
         for _ in range(3):
             with prof.step(batch_size=8):
                 with prof.measure("forward"):

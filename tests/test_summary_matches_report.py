@@ -93,7 +93,7 @@ def _assert_shared_figures_equal(summary: stepprof.Summary, run: dict, log: str)
 
 def test_a_cpu_run_closes_to_the_figures_of_its_report(tmp_path, capsys):
     log = str(tmp_path / "cpu.jsonl")
-    prof = stepprof.Profiler(log, warmup=2, flops_per_step=4.0e6)
+    prof = stepprof.Profiler(log, warmup=2, flops_per_step=4.0e6, device="cpu")
     # The CPU has no calibration (`stepprof calibrate` measures CUDA GPUs), so MFU would be
     # null: give the FLOPs hook the ideal time that a calibration would have given.
     prof._flops.ideal_ms, prof._flops.mfu_reason = 0.001, None

@@ -219,7 +219,8 @@ def test_sweep_on_a_real_cpu_model():
         opt.zero_grad(set_to_none=True)
 
     r = stepprof.sweep(train_step, lambda n: (torch.randn(n, 32), torch.randint(0, 4, (n,))),
-                       max_batch=64, restore=(model, opt), progress=False, min_time_s=0.01)
+                       max_batch=64, restore=(model, opt), progress=False, min_time_s=0.01,
+                       device="cpu")
     assert r.device == "cpu" and r.stopped in ("max_batch", "plateau")
     assert all(p.samples_per_s > 0 and p.step_ms > 0 for p in r.points)
     assert r.recommended is not None and r.knee is not None
