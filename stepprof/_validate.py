@@ -36,6 +36,7 @@ __all__ = [
     "check_budget",
     "check_calibrate_device",
     "check_callable",
+    "check_choice",
     "check_count",
     "check_demo_options",
     "check_device",
@@ -216,13 +217,17 @@ def check_nvtx(nvtx: Any) -> bool:
     return nvtx
 
 
-def check_syncs(syncs: Any) -> str:
-    if syncs not in SYNC_MECHANISMS:
+def check_choice(value: Any, argument: str, choices: Sequence[Any], fix: str) -> Any:
+    """``value`` if it is one of ``choices``, else a ConfigError listing them."""
+    if value not in choices:
         raise ConfigError(
-            f"'syncs' must be one of {', '.join(map(repr, SYNC_MECHANISMS))} (got {syncs!r}); "
-            f"'warn' is the cheap default"
+            f"{argument!r} must be one of {', '.join(map(repr, choices))} (got {value!r}); {fix}"
         )
-    return syncs
+    return value
+
+
+def check_syncs(syncs: Any) -> str:
+    return check_choice(syncs, "syncs", SYNC_MECHANISMS, "'warn' is the cheap default")
 
 
 def check_max_syncs(max_syncs: Any) -> int | None:
@@ -235,12 +240,10 @@ def check_max_syncs(max_syncs: Any) -> int | None:
 
 
 def check_on_sync(on_sync: Any) -> str:
-    if on_sync not in ON_SYNC:
-        raise ConfigError(
-            f"'on_sync' must be one of {', '.join(map(repr, ON_SYNC))} (got {on_sync!r}); "
-            f"'count' records, 'warn' warns once per site, 'raise' raises SyncBudgetExceeded"
-        )
-    return on_sync
+    return check_choice(
+        on_sync, "on_sync", ON_SYNC,
+        "'count' records, 'warn' warns once per site, 'raise' raises SyncBudgetExceeded",
+    )
 
 
 def check_memory_every(memory_every: Any, argument: str = "memory_every") -> int:
