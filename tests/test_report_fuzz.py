@@ -125,12 +125,13 @@ def _apply(records: list[dict[str, Any]], kind: str, path: tuple[Any, ...], valu
             except (KeyError, IndexError, TypeError):
                 node = None
                 break
-        if type(node) is dict and path[-1] in node or type(node) is list and path[-1] < len(node):
+        key = path[-1]
+        if type(node) is dict and key in node or type(node) is list and type(key) is int and key < len(node):
             if value is DELETE:
                 if type(node) is dict:
-                    del node[path[-1]]
+                    del node[key]
             else:
-                node[path[-1]] = copy.deepcopy(value)
+                node[key] = copy.deepcopy(value)
 
 
 def _write(path: str, records: list[dict[str, Any]]) -> str:
