@@ -35,7 +35,7 @@ from .model import (
 from .read import read_log
 from .sweeps import LoggedSweep, logged_sweeps
 
-__all__ = ["build_report", "report_log"]
+__all__ = ["build_report", "read_calibration", "report_log"]
 
 #: Missing ranks named one by one in the cross-rank note; beyond these, a count.
 MISSING_RANKS_NAMED = 8
@@ -234,6 +234,7 @@ def _roofline(flops: dict[str, Any] | None, step_ms: float | None) -> tuple[dict
                 why or "the log has no calibration and names no GPU model"
             ) + " (MFU and the class use only measured peaks)"
         source = "this machine's cache"
+    calibration, ignored = read_calibration(calibration)
     try:
         r = roofline(
             step_ms=step_ms,
@@ -245,8 +246,47 @@ def _roofline(flops: dict[str, Any] | None, step_ms: float | None) -> tuple[dict
     except (TypeError, ValueError, ZeroDivisionError) as e:
         return None, f"the log's flops record is malformed ({e})"
     r["calibration_source"] = source
-    r["calibration"] = {k: calibration.get(k) for k in ("device_name", "matmul_tflops", "copy_gbps", "launch_us")}
+    r["calibration"] = calibration
+    r["calibration_ignored"] = ignored
     return r, r.get("reason") or ""
+
+
+def _positive(x: Any) -> float | None:
+    """A finite number above 0, else None."""
+    x = finite_number(x)
+    return x if x is not None and x > 0 else None
+
+
+def read_calibration(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The fields of a calibration (from a log or the cache) that the roofline reads, checked.
+
+    Returns the calibration, each figure a finite number above 0 or None (``matmul_tflops``:
+    only such rates, by dtype), and the names of the fields skipped for their type or value
+    (``matmul_tflops.fp8`` for one rate).  A field absent from ``raw`` is None and not named.
+    """
+    ignored: list[str] = []
+    rates = raw.get("matmul_tflops")
+    peaks: dict[str, float] = {}
+    if type(rates) is dict:
+        for dtype, rate in rates.items():
+            peak = _positive(rate)
+            if type(dtype) is str and peak is not None:
+                peaks[dtype] = peak
+            else:
+                ignored.append(f"matmul_tflops.{dtype}")
+    elif rates is not None:
+        ignored.append("matmul_tflops")
+    out: dict[str, Any] = {"device_name": raw.get("device_name"), "matmul_tflops": peaks}
+    if type(out["device_name"]) is not str:
+        if out["device_name"] is not None:
+            ignored.append("device_name")
+        out["device_name"] = None
+    for key in ("copy_gbps", "launch_us"):
+        value = raw.get(key)
+        out[key] = _positive(value)
+        if out[key] is None and value is not None:
+            ignored.append(key)
+    return out, ignored
 
 
 def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:

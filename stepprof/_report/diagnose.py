@@ -366,11 +366,12 @@ def roofline_class(run: RunReport, roofline_reason: str) -> Diagnosis | str:
     if roof is None or roof["class"] is None:
         return roofline_reason
     cls = roof["class"]
+    bw = roof["calibration"]["copy_gbps"]  # checked by build.read_calibration: a number > 0, or None
     evidence = [
         f"{_ms(roof['compute_ms'])} compute bound (FLOPs at the calibrated matmul rates), "
         f"{_ms(roof['memory_ms'])} memory bound (operation bytes at "
-        f"{roof['calibration']['copy_gbps']:,.0f} GB/s), "
-        f"{_ms(roof['host_ms'])} host bound, against a {roof['step_ms']:.2f} ms step"
+        + (f"{bw:,.0f} GB/s), " if bw is not None else "a copy bandwidth the calibration lacks), ")
+        + f"{_ms(roof['host_ms'])} host bound, against a {roof['step_ms']:.2f} ms step"
     ]
     mfu = run.figures.mfu_median
     if mfu is not None:
