@@ -699,4 +699,10 @@ class RunAggregate:
             "mfu_median": figures.mfu_median,
             "unavailable": unavailable,
             "phases": self._phase_figures(),
+            "ended_by": self._ended_by(),
         }
+
+    def _ended_by(self) -> str | None:
+        """The run's summary's ``ended_by`` (untrusted: a str of a sane length, else None)."""
+        ended = self.summary.get("ended_by") if self.summary is not None else None
+        return ended if type(ended) is str and len(ended) <= 40 else None

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ._stats import median
+from ._errors import raised_by_user
 
 __all__ = [
     "CLOSE_WAIT_S",
@@ -407,6 +408,8 @@ class Exchange:
         except _NotJoined as e:
             pending = _failed(str(e))
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
             self.failed = f"the cross-rank exchange failed: {type(e).__name__}: {e}"
             warnings.warn(f"stepprof: {self.failed}; exchanges stopped on this rank "
                           f"(other ranks' exchanges will not complete)", RuntimeWarning, stacklevel=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 
@@ -42,3 +43,31 @@ def _rebuild_sync_budget_exceeded(message: str, where: str, kind: str, count: in
 
 class MissingExtraError(StepprofError, ImportError):
     """An optional dependency is not installed; the message gives the install command."""
+
+
+def raised_by_user(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's, not stepprof's: a ``BaseException`` that is not an
+    ``Exception`` (``KeyboardInterrupt``, ``SystemExit``), or one raised by a signal handler.
+
+    A signal handler runs between two bytecodes of whatever code is running, stepprof's
+    included; what it raises has the handler's frame in its traceback.  Only called on
+    the exception path.
+    """
+    if not isinstance(exc, Exception):
+        return True
+    handlers = set()
+    for sig in signal.valid_signals():
+        try:
+            h = signal.getsignal(sig)
+        except (ValueError, OSError):  # pragma: no cover - a signal this platform lists but refuses
+            continue
+        h = getattr(h, "__func__", h)
+        code = getattr(h, "__code__", None) or getattr(getattr(h, "func", None), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False

@@ -13,10 +13,12 @@ import attrs
 
 from ._dist import RANKS_EVERY
 from ._validate import (
+    FLUSH_EVERY_S,
     MEMORY_EVERY,
     PHASE_PEAKS_EVERY,
     check_device,
     check_flops,
+    check_flush_every_s,
     check_log,
     check_log_ranks,
     check_max_syncs,
@@ -29,7 +31,7 @@ from ._validate import (
     check_warmup,
 )
 
-__all__ = ["NAMES", "ProfilerOptions"]
+__all__ = ["FLUSH_EVERY_S", "NAMES", "ProfilerOptions"]
 
 
 def _flops_mode(flops: Any) -> str | None:
@@ -46,7 +48,7 @@ def _one_source_of_flops(options: ProfilerOptions, _: attrs.Attribute[Any], flop
 
 @attrs.frozen
 class ProfilerOptions:
-    """The 14 settings of :class:`stepprof.Profiler` (documented there), checked.
+    """The 15 settings of :class:`stepprof.Profiler` (documented there), checked.
 
     Each value is converted as the profiler uses it (``device`` to a
     ``torch.device``, ``log`` to a str, ``flops_per_step`` to a float); a bad one
@@ -70,6 +72,7 @@ class ProfilerOptions:
     ranks_every: int = attrs.field(default=RANKS_EVERY, converter=check_ranks_every)
     log_ranks: str = attrs.field(default="all", converter=check_log_ranks)
     group: Any = None
+    flush_every_s: float = attrs.field(default=FLUSH_EVERY_S, converter=check_flush_every_s)
 
 
 #: The settings' names, in :class:`stepprof.Profiler`'s order.

@@ -97,6 +97,9 @@ class Summary:
     mfu_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
     phases: dict[str, PhaseFigures] = attrs.field(factory=dict)
+    #: How the run ended: ``"close"``, ``"exception"`` (the ``with Profiler`` block raised),
+    #: ``"exit"`` (still open at interpreter exit), ``"SIGTERM"`` or ``"SIGINT"``.
+    ended_by: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).

@@ -9,8 +9,9 @@
   at interpreter exit (:func:`track_open`);
 - the host RSS reader (:data:`HOST_RSS`) and the memory records' per-device
   baselines and references (:data:`MEMORY_MARKS`);
-- the handlers at fork (a child forgets its parent's profilers) and at exit
-  (every open profiler is closed).
+- the handlers at fork (a child forgets its parent's profilers), at exit (every
+  open profiler is closed) and at SIGTERM and SIGINT (every open profiler writes its
+  completed steps and a summary first; :mod:`stepprof._signals`).
 
 Profilers are kept as objects with the few methods named in :class:`Registered`,
 so this module imports neither torch nor the profiler.
@@ -24,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from . import _signals
 from ._device import nvml as _nvml
 
 __all__ = [
@@ -57,6 +59,10 @@ class Registered(Protocol):
     def close(self) -> Any: ...
 
     def _forked(self) -> None: ...
+
+    def _end(self, ended_by: str) -> Any: ...
+
+    def _on_signal(self, name: str) -> None: ...
 
 
 class HostRss:
@@ -212,11 +218,26 @@ def take_no_log_warning() -> bool:
 
 
 def track_open(prof: Registered) -> None:
+    """A profiler opened: it is closed at exit, and flushed when SIGTERM or SIGINT arrives."""
     _open.add(prof)
+    _signals.install(_flush_on_signal)
 
 
 def forget_open(prof: Registered) -> None:
+    """A profiler closed; with the last one, the previous signal handlers come back."""
     _open.discard(prof)
+    if not _open:
+        _signals.uninstall()
+
+
+def _flush_on_signal(name: str) -> None:
+    # Called by stepprof's SIGTERM/SIGINT handler, on the main thread, before the signal
+    # proceeds: every open profiler writes its completed steps and a summary.
+    for prof in list(_open):
+        try:
+            prof._on_signal(name)
+        except Exception:  # noqa: BLE001, S110 - the next profiler, and the signal, go on
+            pass
 
 
 def _forget_in_child() -> None:
@@ -227,12 +248,14 @@ def _forget_in_child() -> None:
     HOST_RSS.forget()
     for prof in _open:
         prof._forked()
+    _open.clear()  # inert: nothing to close at exit or flush on a signal
+    _signals.uninstall()
 
 
 def _close_all_at_exit() -> None:
     for prof in list(_open):
         try:
-            prof.close()
+            prof._end("exit")
         except Exception:  # noqa: BLE001 - at interpreter exit, nothing may raise
             pass
 
@@ -287,6 +310,8 @@ def reset() -> list[Registered]:
     HOST_RSS.forget()
     MEMORY_MARKS.reset()
     _nvml.NVML.reset()
+    if not _open:
+        _signals.uninstall()
     for state in _states:
         state.reset()
     return leftover

@@ -84,6 +84,7 @@ def step_record(
     allocator: dict[str, int] | None,
     unavailable: dict[str, str],
     host_rss_bytes: int | None | _Absent = ABSENT,
+    thread: str | _Absent = ABSENT,
     flops: float | None | _Absent = ABSENT,
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
@@ -95,7 +96,7 @@ def step_record(
     """A ``kind: "step"`` record, its keys in the order docs/schema.md gives.
 
     The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
-    only), ``flops``, ``tflops_per_s`` and ``mfu`` (with FLOPs requested),
+    only), ``thread`` (steps of a thread other than the training thread), ``flops``, ``tflops_per_s`` and ``mfu`` (with FLOPs requested),
     ``flops_counted`` (written only as True) and the rank fields (a distributed run).
     ``unavailable`` is kept by reference, so a caller may still add reasons to it.
     """
@@ -124,6 +125,8 @@ def step_record(
     # Written out rather than looped: the collector builds every step record here.
     if host_rss_bytes is not ABSENT:
         record["host_rss_bytes"] = host_rss_bytes
+    if thread is not ABSENT:
+        record["thread"] = thread
     if flops is not ABSENT:
         record["flops"] = flops
     if tflops_per_s is not ABSENT:
@@ -178,6 +181,7 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "tflops_per_s_median": s.tflops_per_s_median,
         "mfu_median": s.mfu_median,
         "phases": _phases(s.phases),
+        "ended_by": s.ended_by,
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
     }
 

@@ -64,16 +64,32 @@ class StepScope:
         if torch.compiler.is_compiling():
             return self
         prof = self._profiler or current()
-        self._tokens.append(
-            (prof, prof._enter(self._name, self._batch_size, step=True, budget=self._budget))
-        )
-        return self
+        token = None
+        try:
+            token = prof._enter(self._name, self._batch_size, step=True, budget=self._budget)
+            self._tokens.append((prof, token))
+            return self
+        except BaseException as e:
+            _abandon(self._tokens, prof, token, e)
+            raise
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if torch.compiler.is_compiling() or not self._tokens:
-            return
-        prof, token = self._tokens.pop()
-        prof._exit(token, exc)
+        tokens = token = None
+        try:
+            tokens = self._tokens
+            if not tokens or torch.compiler.is_compiling():
+                return
+            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
+            prof._exit(token, exc)
+        except BaseException as e:
+            if token is None and tokens:  # cut short before it read its token
+                prof, token = tokens[-1]
+            if token is not None:
+                _exit_again(prof, token, e)
+            raise
+        finally:
+            if tokens and token is not None and tokens[-1][1] is token:
+                tokens.pop()
 
 
 class MeasureScope:
@@ -97,14 +113,32 @@ class MeasureScope:
                 "measure() used as a context manager needs a name: `with stepprof.measure('forward'):`"
             )
         prof = self._profiler or current()
-        self._tokens.append((prof, prof._enter(self._name, None, step=False)))
-        return self
+        token = None
+        try:
+            token = prof._enter(self._name, None, step=False)
+            self._tokens.append((prof, token))
+            return self
+        except BaseException as e:
+            _abandon(self._tokens, prof, token, e)
+            raise
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if torch.compiler.is_compiling() or not self._tokens:
-            return
-        prof, token = self._tokens.pop()
-        prof._exit(token, exc)
+        tokens = token = None
+        try:
+            tokens = self._tokens
+            if not tokens or torch.compiler.is_compiling():
+                return
+            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
+            prof._exit(token, exc)
+        except BaseException as e:
+            if token is None and tokens:  # cut short before it read its token
+                prof, token = tokens[-1]
+            if token is not None:
+                _exit_again(prof, token, e)
+            raise
+        finally:
+            if tokens and token is not None and tokens[-1][1] is token:
+                tokens.pop()
 
     def __call__(self, fn: F) -> F:
         if isinstance(fn, (staticmethod, classmethod)):
@@ -132,19 +166,57 @@ class MeasureScope:
             if torch.compiler.is_compiling():
                 return fn(*args, **kwargs)
             prof = bound or current()
-            token = prof._enter(name, None, step=False)
+            token = None
             try:
+                token = prof._enter(name, None, step=False)
                 result = fn(*args, **kwargs)
             except BaseException as e:
-                prof._exit(token, e)
+                if token is not None:
+                    try:
+                        prof._exit(token, e)
+                    except BaseException as e2:
+                        _exit_again(prof, token, e2)
+                        raise
                 raise
-            prof._exit(token, None)
+            try:
+                prof._exit(token, None)
+            except BaseException as e:
+                _exit_again(prof, token, e)
+                raise
             return result
 
         return measured  # type: ignore[return-value]
 
     def __repr__(self) -> str:
         return f"<stepprof.measure {self._name!r}>"
+
+
+# An interrupt (KeyboardInterrupt, or an exception that a signal handler raises) may land
+# at any bytecode here too.  The profiler's own entry and exit leave the thread's step
+# context consistent whatever they meet; these helpers make sure that a scope whose entry
+# or exit was cut short still hands its token back, so the step is closed (and recorded
+# with the interrupt as its error).  An exit is idempotent, so a second one is harmless.
+
+
+def _abandon(tokens: list[tuple[Recorder, Any]], prof: Recorder, token: Any, exc: BaseException) -> None:
+    """An entry cut short after the profiler opened ``token``: close it (the body never runs)."""
+    if token is None:
+        return
+    if tokens and tokens[-1][1] is token:
+        tokens.pop()
+    try:
+        prof._exit(token, exc)
+    except BaseException:  # noqa: BLE001, S110 - the interrupt that is propagating is the user's
+        pass
+
+
+def _exit_again(prof: Recorder, token: Any, exc: BaseException) -> None:
+    """An exit that raised: exit again, in case an interrupt cut the first one short before
+    the profiler's own code ran (the caller then re-raises ``exc``)."""
+    try:
+        prof._exit(token, exc)  # idempotent: closes what the first call left open
+    except BaseException:  # noqa: BLE001, S110 - the first exception is the one to raise
+        pass
 
 
 def make_measure(name: Any, profiler: Recorder | None) -> Any:

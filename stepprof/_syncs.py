@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ._errors import SyncBudgetExceeded
+from ._errors import SyncBudgetExceeded, raised_by_user
 
 __all__ = [
     "SYNC_MESSAGE",
@@ -271,6 +271,8 @@ class SyncTracker:
         self._mute = 0
         #: A SyncBudgetExceeded that could not be raised at its line (see :func:`defer`).
         self.deferred: SyncBudgetExceeded | None = None
+        #: Routed to by :func:`attach`, until :func:`detach`.
+        self.attached = False
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
         self._sites = {}
@@ -362,7 +364,9 @@ class SyncTracker:
             self._mute += 1  # (a WaitCounter gets the probe's own waits; this is a guard)
             try:
                 n = probe()
-            except Exception:  # noqa: BLE001 - unmeasured: each wait counts
+            except Exception as e:  # noqa: BLE001 - unmeasured: each wait counts
+                if raised_by_user(e):
+                    raise
                 n = 0
             finally:
                 self._mute -= 1
@@ -437,16 +441,22 @@ def attach(tracker: SyncTracker, install: Callable[[], list[Callable[[], None]]]
     with _lock:
         if not _trackers:
             _uninstall[:] = install()
+        tracker.attached = True  # first: an interrupt between the two still gets it detached
         _trackers.setdefault(threading.get_ident(), []).append(tracker)
 
 
-def detach() -> None:
-    """Stop routing this thread's waits to its innermost tracker; the last detach uninstalls."""
+def detach(tracker: SyncTracker | None = None) -> None:
+    """Stop routing this thread's waits to ``tracker`` (default: its innermost one); the last
+    detach uninstalls.  Detaching a tracker that is not attached does nothing."""
     with _lock:
         tid = threading.get_ident()
         stack = _trackers.get(tid)
         if stack:
-            stack.pop()
+            if tracker is None:
+                stack.pop().attached = False
+            elif tracker in stack:
+                stack.remove(tracker)
+                tracker.attached = False
         if not stack:
             _trackers.pop(tid, None)
         if not _trackers and _uninstall:

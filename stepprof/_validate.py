@@ -284,6 +284,23 @@ def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | No
     return flops, None if flops_per_step is None else float(flops_per_step)
 
 
+#: The default of ``flush_every_s``: the most the log may lag behind the training thread.
+FLUSH_EVERY_S = 1.0
+
+
+def check_flush_every_s(flush_every_s: Any) -> float:
+    if (
+        isinstance(flush_every_s, bool)
+        or not isinstance(flush_every_s, (int, float))
+        or not (math.isfinite(flush_every_s) and 0.001 <= flush_every_s <= 3600)
+    ):
+        raise ConfigError(
+            f"'flush_every_s' must be a number of seconds from 0.001 to 3600 (got {flush_every_s!r}); "
+            f"pass e.g. flush_every_s={FLUSH_EVERY_S} (the default)"
+        )
+    return float(flush_every_s)
+
+
 def check_ranks_every(ranks_every: Any) -> int:
     return check_count(
         ranks_every, "ranks_every",

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
-import sys
 import os
+import signal
+import sys
 import warnings
 
 import pytest
@@ -53,11 +54,13 @@ def clean_state(monkeypatch, request):
         monkeypatch.setitem(sys.modules, "pynvml", None)
     _registry.reset()
     filters = list(warnings.filters)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None
     yield
     leftover = _registry.reset()
     assert not leftover, f"a Profiler was left active: {leftover}"
     assert warnings.filters == filters, "warning filters were not restored"
+    assert {s: signal.getsignal(s) for s in handlers} == handlers, "signal handlers were not restored"
     if sync_mode is not None:
         assert torch.cuda.get_sync_debug_mode() == sync_mode, "sync-debug mode was not restored"
 

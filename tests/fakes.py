@@ -170,11 +170,11 @@ class FakeGpu:
         _syncs.attach(tracker, install)
         return None
 
-    def unwatch_syncs(self) -> None:
+    def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
         try:
             self._maybe_fail("unwatch_syncs")  # like an undo that fails: the rest still run
         finally:
-            _syncs.detach()
+            _syncs.detach(tracker)
 
     def synchronize(self) -> None:
         self.syncs += 1

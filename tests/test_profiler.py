@@ -46,11 +46,11 @@ def test_close_from_two_threads_at_once_closes_once(log):
     build = prof._build_summary
     slow = []
 
-    def slow_build():               # the first closer lingers before its summary
+    def slow_build(*args):          # the first closer lingers before its summary
         if not slow:
             slow.append(1)
             time.sleep(0.2)
-        return build()
+        return build(*args)
 
     prof._build_summary = slow_build
     got = [None, None]

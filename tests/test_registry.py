@@ -56,7 +56,10 @@ def test_no_profiler_and_no_log_warns_once_and_still_runs():
     assert x == 2
 
 
-def test_other_threads_do_not_disturb_the_open_step(log, gpu):
+def test_another_threads_measure_is_its_own_step_and_does_not_disturb_the_open_one(log, gpu):
+    """Each thread has its own step context: a helper thread's @measure call, outside any
+    step of its own, is a step of that thread; the training thread's step keeps no phase of
+    it, and both lose their peak (one counter per device), with the reason."""
     seen = []
 
     @stepprof.measure("worker")
@@ -65,11 +68,15 @@ def test_other_threads_do_not_disturb_the_open_step(log, gpu):
 
     with make(log, gpu) as prof:
         with prof.step("main"):
-            t = threading.Thread(target=work)
+            t = threading.Thread(target=work, name="helper")
             t.start()
             t.join()
-    (r,) = steps(log)
-    assert seen and r["name"] == "main" and r["phases"] == {}
+    main, worker = sorted(steps(log), key=lambda r: r["name"])
+    assert seen and main["name"] == "main" and main["phases"] == {} and "thread" not in main
+    assert worker["name"] == "worker" and worker["thread"] == "helper"
+    for r in (main, worker):
+        assert r["peak_allocated_bytes"] is None and "overlapped" in r["unavailable"]["peak_allocated_bytes"]
+    assert prof.summary.steps == 2
 
 
 def test_each_thread_records_into_its_own_innermost_profiler(tmp_path):

@@ -64,7 +64,7 @@ def test_the_summary_sink_sums_step_records_alone():
     sink.add(_record(1.0))
     sink.add(_record(3.0, samples_per_s=None, unavailable={"samples_per_s": "no batch_size was given"}))
     sink.add(_record(2.0, tflops_per_s=5.0, mfu=None, flops_counted=True))
-    s = sink.summary(log=None, device="cuda:0", stopped=None, log_failed=None, flops_reason="not counted")
+    s = sink.summary(log=None, ended_by="close", device="cuda:0", stopped=None, log_failed=None, flops_reason="not counted")
     assert (s.steps, s.warmup_steps, s.error_steps, s.measured_steps) == (5, 1, 1, 3)
     assert s.wall_ms.median == 2.0 and s.samples_per_s_median == 10.0
     assert "samples_per_s_median" not in s.unavailable  # other steps still give the median
@@ -80,5 +80,5 @@ def test_the_summary_sink_holds_bounded_memory_at_any_step_count():
     agg = sink.aggregate
     held = sum(len(s.buf) + sum(map(len, s.levels)) for s in agg.sketches)
     assert held < 9 * 4 * agg.wall.EXACT and agg.approximate
-    s = sink.summary(log=None, device="cuda:0", stopped=None, log_failed=None, flops_reason=None)
+    s = sink.summary(log=None, ended_by="close", device="cuda:0", stopped=None, log_failed=None, flops_reason=None)
     assert s.measured_steps == 70_000 and s.wall_ms.median == pytest.approx(1.44, abs=0.01)

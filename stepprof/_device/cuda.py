@@ -165,8 +165,8 @@ class CudaBackend:
         _syncs.attach(tracker, install_warn_route)
         return None
 
-    def unwatch_syncs(self) -> None:
-        _syncs.detach()
+    def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
+        _syncs.detach(tracker)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.index)

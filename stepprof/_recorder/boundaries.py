@@ -21,10 +21,26 @@ This is the hot path: each boundary costs what bench/boundary_costs.py and
 bench/inloop_costs.py measure, and nothing here may add a call or an allocation per
 boundary.  Active hooks (:mod:`.hooks`) are called once at step entry and once at step
 exit; with none active the loop over them is empty.
+
+Threads: each thread has its own step context (:class:`ThreadSteps`: its open step,
+phase stack and sync tracker).  The *training thread* is the first to open a step;
+steps of other threads are recorded too, with their thread's name, and skip the hooks
+(FLOPs, memory records, the exchange), which follow the training thread's steps.  The
+allocator's peak counter is one per device, so a step that overlaps another thread's
+step has no peak (null, with the reason).
+
+Interrupts: an exception that is the user's (a ``KeyboardInterrupt``, or any exception
+raised by a signal handler) may land at any bytecode of a boundary.  Each boundary
+catches it, leaves the thread's context consistent (a step either never started, or is
+closed and recorded with that exception as its ``error``), and re-raises it unchanged.
+Where one lands before stepprof can catch it (at the very start of a scope's
+``__exit__``), the step is left open with nobody holding it; the next entry on that
+thread finds it orphaned (by its reference count) and closes it first.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,7 +51,7 @@ import torch
 from .. import _memory
 from .._device.backend import Backend
 from .._device.cuda import upgrade_from_host
-from .._errors import StepprofError, UsageError
+from .._errors import StepprofError, UsageError, raised_by_user
 from .._syncs import SyncTracker
 from .collector import Collector
 from .exchange import ExchangeHook
@@ -46,6 +62,21 @@ from .step import OpenPhase, PhaseTotals, Step
 Clock = Callable[[], int]
 
 
+#: The error of a step whose scope was left without closing it (an interrupt landed
+#: before stepprof's exit could run), recorded when the thread's next step enters.
+ORPHANED = "the step's scope was left without closing it (an interrupt landed in stepprof's exit)"
+
+
+# A step or phase that a scope opened is also held by that scope (its token list, or the
+# decorator's frame).  Once that holder is gone without closing it (an interrupt landed at
+# the very start of the scope's __exit__, before any of its code ran), it is orphaned: only
+# stepprof's own references are left.  sys.getrefcount(x) counts them, plus its argument:
+# an open step is held by its context's ``step``, the open-steps map and the caller's local
+# variable; an open phase by its context's stack.  tests/test_interrupts.py checks both.
+_STEP_ORPHANED = 4
+_PHASE_ORPHANED = 2
+
+
 def error_message(exc: BaseException) -> str:
     """The user's exception's message for a step's ``error``, truncated to 2000 characters."""
     try:
@@ -54,12 +85,29 @@ def error_message(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
 
 
-class Boundaries:
-    """The open step and phase stack, and what each step and phase boundary records.
+class ThreadSteps:
+    """One thread's step context: its open step, its phase stack, its sync tracker."""
 
-    One thread records at a time (the first to enter a step owns the profiler until
-    that step exits).  An internal error stops recording (:meth:`fail`), never the
-    training.
+    __slots__ = ("tid", "thread", "step", "stack", "last_top_mark", "tracker", "watching", "hooked")
+
+    def __init__(self, tid: int, thread: str | None, tracker: SyncTracker, hooked: bool) -> None:
+        self.tid = tid
+        self.thread = thread  # the thread's name on its step records; None: the training thread
+        self.step: Step | None = None
+        self.stack: list[OpenPhase] = []
+        self.last_top_mark: Any = None
+        self.tracker = tracker
+        self.watching = False
+        self.hooked = hooked  # the training thread: its steps run the hooks
+
+
+class Boundaries:
+    """The threads' open steps and phase stacks, and what each boundary records.
+
+    Each thread has its own :class:`ThreadSteps`.  An internal error stops recording
+    (:meth:`fail`), never the training; an exception of the user's that lands inside a
+    boundary propagates unchanged, after the boundary has left the thread's context
+    consistent (see the module docstring).
 
     Args:
         collector: where finished steps are queued.
@@ -69,6 +117,7 @@ class Boundaries:
         nvtx, syncs: the backend's settings.
         warmup, max_syncs, on_sync, phase_peaks_every: the profiler's settings.
         read_rss: reads this process's resident set size (host steps record it).
+        flush_every_ns: the most the log may lag behind a step's exit (see :meth:`_catch_up`).
     """
 
     def __init__(
@@ -85,17 +134,18 @@ class Boundaries:
         on_sync: str,
         phase_peaks_every: int,
         read_rss: Callable[[], int | None],
+        flush_every_ns: int | None = None,
     ) -> None:
         self.backend = backend
         self.closed = False
         self.broken: str | None = None  # why recording stopped
-        self.step: Step | None = None  # the open step
-        self.owner: int | None = None  # the thread that records
         self.next_index = 0
         self._collector = collector
         self._pending = collector.pending
         self._writer = collector.log.writer  # read at each step exit: whether writing failed
         self._inline = collector.every_s is None
+        self._flush_every_ns = flush_every_ns
+        self._catch_up_at = 0  # the clock reading before which the training thread does not check
         self._clock = clock
         self._device_arg = device
         self._pinned = backend is not None or device is not None
@@ -106,10 +156,9 @@ class Boundaries:
         self._on_sync = on_sync
         self._phase_peaks_every = phase_peaks_every
         self._read_rss = read_rss
-        self._stack: list[OpenPhase] = []
-        self._last_top_mark: Any = None
-        self._tracker = SyncTracker(syncs)
-        self._watching = False
+        self._main: ThreadSteps | None = None  # the training thread's context
+        self._contexts: dict[int, ThreadSteps] = {}  # every thread's, the training thread's included
+        self._open: dict[int, Step] = {}  # the open steps, by thread
         self._counters: tuple[int, ...] | None = None  # the allocator's, at the last read
         self._last_peak = -1      # the previous step's peak ...
         self._steady = 0          # ... and how many steps in a row have repeated it
@@ -141,6 +190,38 @@ class Boundaries:
         self._begin_hooks = tuple(h for h in active if type(h).on_step_begin is not Hook.on_step_begin)
         self._end_hooks = tuple(h for h in active if type(h).on_step_end is not Hook.on_step_end)
 
+    # -- the threads' contexts ---------------------------------------------------------
+
+    def context(self) -> ThreadSteps:
+        """The calling thread's step context (made at its first step)."""
+        tid = threading.get_ident()
+        ctx = self._main
+        if ctx is not None and ctx.tid == tid:
+            return ctx
+        ctx = self._contexts.get(tid)
+        if ctx is None:
+            ctx = self._new_context(tid)
+        return ctx
+
+    def _new_context(self, tid: int) -> ThreadSteps:
+        main = self._main is None
+        ctx = ThreadSteps(tid, None if main else threading.current_thread().name,
+                          SyncTracker(self._sync_mode), hooked=main)
+        self._contexts[tid] = ctx
+        if main:
+            self._main = ctx
+        return ctx
+
+    @property
+    def step(self) -> Step | None:
+        """The calling thread's open step, or None."""
+        ctx = self._contexts.get(threading.get_ident())
+        return ctx.step if ctx is not None else None
+
+    def open_steps(self) -> list[Step]:
+        """Every thread's open step."""
+        return list(self._open.values())
+
     # -- entry and exit, shared by steps, phases and measured functions -------------
 
     def enter(
@@ -151,7 +232,7 @@ class Boundaries:
         step: bool,
         budget: tuple[int | None, str | None] = (None, None),
     ) -> Any:
-        """Open a step (``step=True``, or no step is open) or a phase; return a token."""
+        """Open a step (``step=True``, or no step is open on this thread) or a phase; return a token."""
         if self.closed:
             raise UsageError(
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
@@ -160,57 +241,154 @@ class Boundaries:
             if self._warn_at_entry is not None:
                 why, self._warn_at_entry = self._warn_at_entry, None
                 warnings.warn(f"stepprof: {why}", RuntimeWarning, stacklevel=4)
-            return self._exchange.enter_unrecorded() if self._exchange is not None else None
-        tid = threading.get_ident()
-        if self.owner != tid:
-            if self.owner is not None and self.step is not None:
-                return None  # another thread's call while a step is open: not recorded
-            self.owner = tid
-        open_step = self.step
+            ex = self._exchange
+            return ex.enter_unrecorded() if ex is not None and self.context().hooked else None
+        ctx = self.context()
+        open_step = ctx.step
+        if open_step is not None and sys.getrefcount(open_step) <= _STEP_ORPHANED:
+            self._close_orphan(ctx, open_step)  # its scope is gone: closed now, with the reason
+            open_step = None
         if open_step is not None and step:
             raise UsageError(
                 f"profile_step() was entered inside step {open_step.index} "
                 f"({open_step.name!r}); steps do not nest. Use stepprof.measure({name or 'name'!r}) "
                 f"for a phase inside a step, or leave the outer step first"
             )
+        depth = len(ctx.stack)
         try:
             if open_step is None:
-                return self.begin_step(name or "step", batch_size, budget)
-            return self.begin_phase(open_step, name or "phase")
+                return self.begin_step(ctx, name or "step", batch_size, budget)
+            return self.begin_phase(ctx, open_step, name or "phase")
         except StepprofError:
             raise
-        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):  # an interrupt: leave the context consistent, re-raise it
+                self._undo_entry(ctx, open_step, depth, e)
+                raise
             self.fail(e)
-            if open_step is None and self._exchange is not None:
+            if open_step is None and self._exchange is not None and ctx.hooked:
                 return self._exchange.entry_failed()
             return None
 
     def exit(self, token: Any, exc: BaseException | None) -> None:
-        """Close the step or phase that :meth:`enter` returned ``token`` for."""
-        if token is None or self.broken is not None:
-            if token is not None and self._exchange is not None:
-                self._exchange.exit_unrecorded(token, self._device_index())
+        """Close the step or phase that :meth:`enter` returned ``token`` for.
+
+        Idempotent: a token already closed (an exit that an interrupt cut short, done
+        again by the scope) is a no-op.
+        """
+        if token is None or self.broken is not None or self.closed:
+            if token is not None:
+                self._exit_unrecorded(token)
             return
         try:
             if isinstance(token, Step):
-                if token is self.step:
-                    self.end_step(token, exc)
-                if self.broken is not None and self._exchange is not None:
-                    self._exchange.stopped_in_step()
-            elif self.step is not None:
-                self.end_phase(self.step, token, exc)
-        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+                ctx = token.ctx
+                if token is ctx.step:
+                    self.end_step(ctx, token, exc)
+                    if self.broken is not None and self._exchange is not None and ctx.hooked:
+                        self._exchange.stopped_in_step()  # recording stopped within this step
+            else:
+                ctx = token.ctx
+                if ctx.step is not None:
+                    self.end_phase(ctx, ctx.step, token, exc)
+        except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                self._finish_exit(token, e)
+                raise
             self.fail(e)
-            if self._exchange is not None:
+            if self._exchange is not None and isinstance(token, Step) and token.ctx.hooked:
                 self._exchange.exit_unrecorded(token, self._device_index())
-        if exc is None and isinstance(token, Step) and self._tracker.deferred is not None:
-            # A step over its budget on the "trace" route, where the callback that found it
-            # could not raise (torch calls it from C++): raised at the step's exit instead.
-            deferred, self._tracker.deferred = self._tracker.deferred, None
-            raise deferred
+                self._exchange.stopped_in_step()
+            return
+        if isinstance(token, Step):
+            tracker = token.ctx.tracker
+            if exc is None and tracker.deferred is not None:
+                # A step over its budget on the "trace" route, where the callback that found it
+                # could not raise (torch calls it from C++): raised at the step's exit instead.
+                deferred, tracker.deferred = tracker.deferred, None
+                raise deferred
+
+    def _exit_unrecorded(self, token: Any) -> None:
+        """The exit of a scope that is not recorded (recording stopped, or closed)."""
+        if isinstance(token, Step):
+            ctx = token.ctx
+            if ctx.step is token:
+                self._discard(ctx)
+            if self._exchange is not None and ctx.hooked and not self.closed:
+                self._exchange.exit_unrecorded(token, self._device_index())
+                if self.broken is not None:
+                    self._exchange.stopped_in_step()
+        elif isinstance(token, OpenPhase):
+            ctx = token.ctx
+            if token in ctx.stack:
+                del ctx.stack[ctx.stack.index(token):]
+        elif self._exchange is not None and not self.closed:
+            self._exchange.exit_unrecorded(token, self._device_index())
 
     def _device_index(self) -> int | None:
         return self.backend.index if self.backend is not None else None
+
+    # -- interrupts ----------------------------------------------------------------
+
+    def _undo_entry(self, ctx: ThreadSteps, open_step: Step | None, depth: int, exc: BaseException) -> None:
+        """An interrupt landed in an entry: the step closes as recorded, a phase never started."""
+        try:
+            if open_step is None:
+                step = ctx.step
+                if step is not None:
+                    self._finish_exit(step, exc)
+            else:
+                b = self.backend
+                while len(ctx.stack) > depth:
+                    ctx.stack.pop()
+                    if b is not None:
+                        b.range_pop()
+        except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
+            self.fail(e)
+
+    def _finish_exit(self, token: Any, exc: BaseException) -> None:
+        """An interrupt landed in an exit (or a step's entry): close the token's scope anyway.
+
+        A step is closed and queued (once), its ``error`` the interrupt; a phase is closed.
+        """
+        try:
+            ctx = token.ctx
+            if isinstance(token, Step):
+                if token.error is None:
+                    token.error = {"type": type(exc).__name__, "message": error_message(exc)}
+                if ctx.step is token:
+                    b = self.backend
+                    if token.t1 == 0:
+                        token.t1 = self._clock()
+                    self._unwatch(ctx)
+                    if b is not None:
+                        for _ in range(len(ctx.stack) + 1):
+                            b.range_pop()
+                    ctx.stack.clear()
+                    ctx.step = None
+                    ctx.last_top_mark = None
+                self._open.pop(ctx.tid, None)
+                if token.backend is None:  # cut short before the first backend was chosen
+                    token.backend = self.backend
+                if not token.queued and token.backend is not None:
+                    token.queued = True
+                    self._pending.append(token)
+                    if self._inline or self._collector.thread is None:
+                        self._collector.harvest_if_free()
+            elif token in ctx.stack:
+                b = self.backend
+                i = ctx.stack.index(token)
+                for _ in range(len(ctx.stack) - i):
+                    ctx.stack.pop()
+                    if b is not None:
+                        b.range_pop()
+        except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
+            self.fail(e)
+
+    def _close_orphan(self, ctx: ThreadSteps, step: Step) -> None:
+        """Close a step that its scope left open, recorded with the reason."""
+        step.error = {"type": "Interrupted", "message": ORPHANED}
+        self._finish_exit(step, RuntimeError(ORPHANED))
 
     # -- the boundaries ----------------------------------------------------------------
 
@@ -230,15 +408,26 @@ class Boundaries:
         return b
 
     def begin_step(
-        self, name: str, batch_size: int | None, budget: tuple[int | None, str | None]
+        self, ctx: ThreadSteps, name: str, batch_size: int | None, budget: tuple[int | None, str | None]
     ) -> Step:
-        for hook in self._begin_hooks:
-            hook.on_step_begin(self.next_index)
-        t_in = self._clock()
-        b = self.ensure_backend()
         index = self.next_index
-        self.next_index += 1
+        self.next_index = index + 1
         step = Step(index, name, index < self._warmup, batch_size)
+        step.ctx = ctx
+        step.thread = ctx.thread
+        step.backend = self.backend
+        ctx.step = step  # from here on, an interrupt closes the step instead of undoing it
+        open_steps = self._open
+        open_steps[ctx.tid] = step
+        if len(open_steps) > 1:  # another thread's step is open: neither has a peak of its own
+            for s in list(open_steps.values()):
+                s.shared = True
+        if ctx.hooked:
+            for hook in self._begin_hooks:
+                hook.on_step_begin(index)
+        t_in = self._clock()
+        step.t0 = t_in
+        b = self.ensure_backend()
         step.backend = b
         n = self._phase_peaks_every
         if n != 1:
@@ -247,22 +436,22 @@ class Boundaries:
             )
         if step.phase_peaks:
             self._phase_peaks_at = index
-        self.step = step
         b.range_push(f"{name} {index}")
         if self._counters is None and b.has_device_memory:
             mem = b.read_memory()  # once: the baseline of the allocator's counters
             self._counters = mem[2] if mem is not None else None
         max_syncs = self._max_syncs if budget[0] is None else budget[0]
-        self._tracker.begin(self._stack, max_syncs, budget[1] or self._on_sync, not step.warmup)
-        step.syncs_reason = b.watch_syncs(self._tracker)
-        self._watching = step.syncs_reason is None
+        tracker = ctx.tracker
+        tracker.begin(ctx.stack, max_syncs, budget[1] or self._on_sync, not step.warmup)
+        step.syncs_reason = b.watch_syncs(tracker)
+        ctx.watching = step.syncs_reason is None
         b.reset_peak()
-        step.start_mark = self._last_top_mark = b.mark()
+        step.start_mark = ctx.last_top_mark = b.mark()
         step.t0 = self._clock()
         step.overhead_ns = step.t0 - t_in
         return step
 
-    def _fold_peak(self, step: Step, b: Backend) -> tuple[int, int, Any] | None:
+    def _fold_peak(self, ctx: ThreadSteps, step: Step, b: Backend) -> tuple[int, int, Any] | None:
         """Read the peak since the last reset into every open scope; return the read."""
         mem = b.read_memory()
         if mem is None:
@@ -270,32 +459,38 @@ class Boundaries:
         peak = mem[0]
         if peak > step.peak:
             step.peak = peak
-        for ph in self._stack:
+        for ph in ctx.stack:
             if peak > ph.peak:
                 ph.peak = peak
         return mem
 
-    def _unwatch(self) -> None:
-        if self._watching:
-            self._watching = False
+    def _unwatch(self, ctx: ThreadSteps) -> None:
+        """Stop routing this thread's waits to its tracker (idempotent)."""
+        if ctx.watching or ctx.tracker.attached:
+            ctx.watching = False
             try:
-                self.backend.unwatch_syncs()  # type: ignore[union-attr]
+                self.backend.unwatch_syncs(ctx.tracker)  # type: ignore[union-attr]
             except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+                if raised_by_user(e):
+                    raise
                 self.fail(e)
 
-    def begin_phase(self, step: Step, name: str) -> OpenPhase:
+    def begin_phase(self, ctx: ThreadSteps, step: Step, name: str) -> OpenPhase:
         t_in = self._clock()
         b = self.backend
         assert b is not None
-        if self._stack:
+        stack = ctx.stack
+        if stack and sys.getrefcount(stack[-1]) <= _PHASE_ORPHANED:
+            self._finish_exit(stack[-1], RuntimeError(ORPHANED))  # its scope is gone: closed
+        if stack:
             # Nested: read the enclosing phase's peak so far before the reset, and
             # give the phase its own start event.
-            ph = OpenPhase(f"{self._stack[-1].key}/{name}")
+            ph = OpenPhase(f"{stack[-1].key}/{name}", ctx)
             if step.phase_peaks:
-                self._fold_peak(step, b)
+                self._fold_peak(ctx, step, b)
                 b.reset_peak()
+            stack.append(ph)
             b.range_push(name)
-            self._stack.append(ph)
             ph.mark = b.mark()
         else:
             # Top level: top-level phases tile the step.  The peak counter already
@@ -304,30 +499,30 @@ class Boundaries:
             # which saves a raw-stats read and an event record per phase (see
             # bench/boundary_costs.py).  Any device work or allocation between two
             # phases counts toward the next.
-            ph = OpenPhase(name)
+            ph = OpenPhase(name, ctx)
+            stack.append(ph)
             b.range_push(name)
-            self._stack.append(ph)
-            ph.mark = self._last_top_mark
+            ph.mark = ctx.last_top_mark
         ph.t0 = self._clock()
         step.overhead_ns += ph.t0 - t_in
         return ph
 
-    def end_phase(self, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
+    def end_phase(self, ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
         t_in = self._clock()
         b = self.backend
         assert b is not None
-        if ph not in self._stack:
+        stack = ctx.stack
+        if ph not in stack:
             return  # already closed (e.g. by its step's exit)
         end = b.mark()
         if step.phase_peaks:
-            self._fold_peak(step, b)
+            self._fold_peak(ctx, step, b)
             b.reset_peak()
-        if self._stack[0] is ph:
-            self._last_top_mark = end
+        if stack[0] is ph:
+            ctx.last_top_mark = end
         # Close ph and anything opened inside it that was left open.
-        while self._stack:
-            top = self._stack.pop()
-            b.range_pop()
+        while stack:
+            top = stack[-1]
             total = step.phases.get(top.key)
             if total is None:
                 total = step.phases[top.key] = PhaseTotals()
@@ -337,27 +532,29 @@ class Boundaries:
                 total.peak = top.peak
             total.count += 1
             total.syncs += top.syncs
+            stack.pop()
+            b.range_pop()
             if top is ph:
                 break
         step.overhead_ns += self._clock() - t_in
 
-    def end_step(self, step: Step, exc: BaseException | None) -> None:
+    def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None) -> None:
         step.t1 = self._clock()
         b = self.backend
         assert b is not None
         raised = exc  # the user's exception (the hooks get this one)
         try:
-            if self._stack:  # phases left open (a generator suspended mid-phase, say)
-                self.end_phase(step, self._stack[0], exc)
+            if ctx.stack:  # phases left open (a generator suspended mid-phase, say)
+                self.end_phase(ctx, step, ctx.stack[0], exc)
             t_in = self._clock()
             step.end_mark = b.mark()
-            mem = self._fold_peak(step, b)
-            if self._watching:
-                step.syncs = self._tracker.end()
-                if exc is None and self._tracker.deferred is not None:
-                    exc = self._tracker.deferred  # the "trace" route's: exit() raises it
+            mem = self._fold_peak(ctx, step, b)
+            if ctx.watching:
+                step.syncs = ctx.tracker.end()
+                if exc is None and ctx.tracker.deferred is not None:
+                    exc = ctx.tracker.deferred  # the "trace" route's: exit() raises it
         finally:
-            self._unwatch()
+            self._unwatch(ctx)
         if mem is not None:
             if step.peak == self._last_peak:
                 self._steady += 1
@@ -371,13 +568,16 @@ class Boundaries:
         if not b.has_device_memory:
             step.rss = self._read_rss()
         b.range_pop()
-        for hook in self._end_hooks:
-            hook.on_step_end(step, raised)
+        if ctx.hooked:
+            for hook in self._end_hooks:
+                hook.on_step_end(step, raised)
         if exc is not None:
             step.error = {"type": type(exc).__name__, "message": error_message(exc)}
-        self.step = None
-        self._last_top_mark = None
+        ctx.step = None
+        ctx.last_top_mark = None
+        self._open.pop(ctx.tid, None)
         collector = self._collector
+        step.queued = True
         if self._inline:  # inline mode: harvest older steps here
             collector.harvest()
             step.overhead_ns += self._clock() - t_in
@@ -387,10 +587,33 @@ class Boundaries:
             return
         if collector.error is not None or (self._writer is not None and self._writer.failed is not None):
             self.warn_async()
-        step.overhead_ns += self._clock() - t_in
+        now = self._clock()
+        step.overhead_ns += now - t_in
         self._pending.append(step)
         if collector.thread is None:
             collector.start()
+        elif now >= self._catch_up_at and self._flush_every_ns is not None:
+            self._catch_up(now)
+
+    def _catch_up(self, now: int) -> None:
+        """Keep the log within ``flush_every_s`` of the training thread.
+
+        The collector thread writes every 20 ms, but it needs the GIL, which a busy
+        training thread may hold for long stretches.  When the oldest step still
+        waiting left its exit more than ``flush_every_s`` ago, the training thread
+        writes the completed steps itself (query only, never a wait).  Checked at most
+        four times per ``flush_every_s``.
+        """
+        every = self._flush_every_ns
+        assert every is not None
+        self._catch_up_at = now + every // 4
+        pending = self._pending
+        if pending and now - pending[0].t1 > every:
+            t_in = self._clock()
+            self._collector.harvest_if_free()
+            ctx = self._main
+            if ctx is not None and pending and pending[-1].ctx is ctx:
+                pending[-1].overhead_ns += self._clock() - t_in
 
     # -- failure ---------------------------------------------------------------------
 
@@ -401,31 +624,45 @@ class Boundaries:
                 self._warned.add(why)
                 warnings.warn(f"stepprof: {why}; logging stopped", RuntimeWarning, stacklevel=4)
 
+    def _discard(self, ctx: ThreadSteps) -> None:
+        """Drop this thread's open step and phases unrecorded: NVTX ranges and sync watch undone."""
+        self._unwatch(ctx)
+        b = self.backend
+        if b is not None and (ctx.step is not None or ctx.stack):
+            for _ in range(len(ctx.stack) + (ctx.step is not None)):
+                try:
+                    b.range_pop()
+                except Exception as e:  # noqa: BLE001
+                    if raised_by_user(e):
+                        raise
+                    break
+        if ctx.step is not None:
+            self._open.pop(ctx.tid, None)
+        ctx.step = None
+        ctx.stack.clear()
+        ctx.last_top_mark = None
+
     def fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""
-        self._unwatch()
+        ctx = self._contexts.get(threading.get_ident())
+        step_open = ctx is not None and ctx.step is not None
         why = f"{type(exc).__name__}: {exc}"
         for hook in self._hooks:
-            hook.on_fail(self.step is not None, why)
+            hook.on_fail(step_open and ctx.hooked, why)  # type: ignore[union-attr]
         if self.broken is None:
             self.broken = f"stepprof stopped recording after an internal error: {why}"
             warnings.warn(self.broken, RuntimeWarning, stacklevel=3)
-        b = self.backend
-        if b is not None:  # close the NVTX ranges this step had opened
-            for _ in range(len(self._stack) + (self.step is not None)):
-                try:
-                    b.range_pop()
-                except Exception:  # noqa: BLE001
-                    break
-        self.step = None
-        self._stack.clear()
+        if ctx is not None:  # other threads' open steps are dropped at their own exits
+            self._discard(ctx)
 
     def forget(self, why: str) -> None:
         """In a forked child: record nothing more, and warn at the first use."""
         self.broken = self._warn_at_entry = why
-        self.step = None
-        self._stack = []
+        self._main = None
+        self._contexts = {}
+        self._open = {}
         self._hooks = self._begin_hooks = self._end_hooks = ()
         self._exchange = None
         self._pending = self._collector.pending
         self._writer = None
+

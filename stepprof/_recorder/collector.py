@@ -28,6 +28,12 @@ from .step import Step, elapsed_ms
 COLLECT_EVERY_S = 0.02
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
+_INTERRUPTED = "an exception interrupted stepprof's boundary before its CUDA event was recorded"
+#: Why a step has no peak when another thread's step overlapped it.
+OVERLAP_REASON = (
+    "another thread's step overlapped this one: the allocator's peak counter and counters "
+    "are one per device, so this step's own cannot be told apart"
+)
 
 
 def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
@@ -46,7 +52,9 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
     wall_ms = (s.t1 - s.t0) / 1e6
     gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
     if gpu_ms is None:
-        unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or _NO_EVENT
+        unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or (
+            _INTERRUPTED if s.error is not None and (s.start_mark is None or s.end_mark is None) else _NO_EVENT
+        )
     phases: dict[str, dict[str, Any]] = {}
     for key, total in s.phases.items():
         pg: float | None = 0.0
@@ -69,8 +77,15 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
             unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
                 phase_peaks_why if not s.phase_peaks else "not read"
             )
+    if s.shared and b.has_device_memory:  # another thread's step overlapped it
+        s.peak = -1
+        s.counters = None
+        for key, figures in phases.items():
+            figures["peak_allocated_bytes"] = None
+            unavailable["phases.peak_allocated_bytes"] = OVERLAP_REASON
+        unavailable["peak_allocated_bytes"] = unavailable["allocator"] = OVERLAP_REASON
     peak = s.peak if s.peak >= 0 else None
-    if peak is None:
+    if peak is None and "peak_allocated_bytes" not in unavailable:
         unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
     if s.reserved is None:
         unavailable["reserved_bytes"] = b.memory_reason or "not read"
@@ -91,7 +106,7 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
         if phases:
             unavailable["phases.syncs"] = unavailable["syncs"]
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
-    if s.counters is None:
+    if s.counters is None and "allocator" not in unavailable:
         if on_host:
             unavailable["allocator"] = (
                 f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
@@ -122,6 +137,7 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
         allocator=dict(zip(ALLOCATOR_COUNTERS, s.counters)) if s.counters else None,
         unavailable=unavailable,
         host_rss_bytes=s.rss if on_host else ABSENT,
+        thread=s.thread if s.thread is not None else ABSENT,
     )
 
 

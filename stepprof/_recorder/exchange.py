@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._dist import Exchange
+from .._errors import raised_by_user
 from .hooks import Closing, Hook
 from .sinks import Write
 from .step import Step, elapsed_ms
@@ -79,8 +80,9 @@ class ExchangeHook(Hook):
                 return  # its exchange already ran
         try:
             ex.step_exit(None if token is UNRECORDED else token.index, device_index)
-        except Exception:  # noqa: BLE001, S110 - Exchange warns about its own failures
-            pass
+        except Exception as e:  # noqa: BLE001 - Exchange warns about its own failures
+            if raised_by_user(e):
+                raise
 
     # -- collector ------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from .._aggregate import NO_STEP_AFTER_THE_COUNT
 from .._device.backend import Backend
 from .._device.facts import device_name
 from .._roofline import FlopCount, ideal_ms, load_calibration
+from .._errors import raised_by_user
 from .hooks import Hook
 from .sinks import Write
 from .step import Step
@@ -64,6 +65,8 @@ class FlopsHook(Hook):
             try:
                 fc.start()
             except Exception as e:  # noqa: BLE001 - no count, never a broken step
+                if raised_by_user(e):
+                    raise
                 self._give_up(f"FlopCounterMode could not start: {type(e).__name__}: {e}")
             else:
                 self._count = fc
@@ -78,6 +81,8 @@ class FlopsHook(Hook):
             try:
                 self._finish_count(step, exc)
             except Exception as e:  # noqa: BLE001 - no count, never a broken step
+                if raised_by_user(e):
+                    raise
                 self._give_up(f"{type(e).__name__}: {e}")
 
     def on_fail(self, step_open: bool, why: str) -> None:
@@ -95,6 +100,8 @@ class FlopsHook(Hook):
         try:
             fc.stop()
         except Exception as e:  # noqa: BLE001 - a user's mode left on top of ours, say
+            if raised_by_user(e):
+                raise
             self._give_up(f"FlopCounterMode could not be left cleanly: {type(e).__name__}: {e}")
             return
         if exc is not None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from .. import _memory
 from .._device.backend import Backend
 from .._memory import Snapshot
+from .._errors import raised_by_user
 from .hooks import Closing, Hook
 from .sinks import Write
 from .step import Step
@@ -54,6 +55,8 @@ class MemoryHook(Hook):
             _memory.observe(b)  # no-op once the baseline exists
             snap: Snapshot | str = _memory.take_snapshot(b)
         except Exception as e:  # noqa: BLE001 - a missing record, never a stopped recorder
+            if raised_by_user(e):
+                raise
             snap = f"reading memory failed: {type(e).__name__}: {e}"
         self._snaps[step.index] = (trigger, snap)
 
@@ -73,6 +76,8 @@ class MemoryHook(Hook):
             else:
                 rep = _memory.build(snap, trigger=trigger, step=step.index, peak_floor=self.peak_seen)
         except Exception as e:  # noqa: BLE001 - a missing record, never a stopped collector
+            if raised_by_user(e):
+                raise
             rep = _memory.unavailable_report(
                 device, f"reconciling failed: {type(e).__name__}: {e}", trigger=trigger, step=step.index
             )

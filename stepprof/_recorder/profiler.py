@@ -20,7 +20,7 @@ import torch
 from .. import _dist, _memory
 from .._device.cuda import memory_backend
 from .._memory import MemoryReport
-from .._options import ProfilerOptions
+from .._options import FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from .._scopes import StepScope, make_measure
@@ -93,6 +93,9 @@ class Profiler:
         log_ranks: in a distributed run, ``"all"`` (each rank writes
             ``<stem>.rank<R><suffix>`` next to ``log``) or ``"zero"`` (only rank 0 writes).
         group: the process group of the exchange (default: the default group).
+        flush_every_s: the most the log may lag behind the training thread: a step whose
+            device events have completed is written within this many seconds of its exit,
+            which bounds what a ``kill -9`` loses (docs/reliability.md).
 
     Example:
         >>> import stepprof, torch
@@ -129,12 +132,13 @@ class Profiler:
         ranks_every: int = _dist.RANKS_EVERY,
         log_ranks: str = "all",
         group: Any = None,
+        flush_every_s: float = FLUSH_EVERY_S,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
             log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
             on_sync=on_sync, memory_every=memory_every, phase_peaks_every=phase_peaks_every,
             flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
-            log_ranks=log_ranks, group=group,
+            log_ranks=log_ranks, group=group, flush_every_s=flush_every_s,
         )
         self._options = options
         log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
@@ -145,6 +149,7 @@ class Profiler:
         self.on_sync = options.on_sync
         self.memory_every = options.memory_every
         self.phase_peaks_every = options.phase_peaks_every
+        self.flush_every_s = options.flush_every_s
         ident = _dist.identify()
         group = check_group(options.group, ident, ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
@@ -156,15 +161,20 @@ class Profiler:
         self.log = self._log.path
         self._summary_sink = SummarySink()
         self._summary: Summary | None = None
+        self._ended_by: str | None = None  # a signal's name, once one arrived
+        self._signal_written = -1  # the log's record count after the signal's summary
         clock = seams.clock
+        every = seams.collect_every_s
         self._collector = Collector(
             self._log, self._summary_sink, clock0_ns=clock(), unix0_s=time.time(),
-            phase_peaks_every=self.phase_peaks_every, collect_every_s=seams.collect_every_s,
+            phase_peaks_every=self.phase_peaks_every,
+            collect_every_s=None if every is None else min(every, self.flush_every_s),
         )
         self._boundaries = b = Boundaries(
             self._collector, backend=seams.backend, clock=clock, device=device, nvtx=nvtx,
             syncs=syncs, warmup=self.warmup, max_syncs=self.max_syncs, on_sync=self.on_sync,
             phase_peaks_every=self.phase_peaks_every, read_rss=HOST_RSS.read,
+            flush_every_ns=round(self.flush_every_s * 1e9),
         )
         self._enter = b.enter
         self._exit = b.exit
@@ -226,18 +236,23 @@ class Profiler:
 
         Calling it again returns the same summary.
         """
+        return self._end("close")
+
+    def _end(self, ended_by: str) -> Summary:
+        """:meth:`close`, saying how the run ended (``"close"``, ``"exception"``, ``"exit"``)."""
         if self._summary is not None:
             return self._summary
         with self._close_lock:
             if self._summary is not None:  # another thread closed it meanwhile
                 return self._summary
-            return self._close()
+            return self._close(self._ended_by or ended_by)
 
-    def _close(self) -> Summary:
+    def _close(self, ended_by: str) -> Summary:
         b, collector = self._boundaries, self._collector
         try:
-            if b.step is not None and b.owner == threading.get_ident():
-                b.end_step(b.step, RuntimeError("profiler closed while the step was open"))
+            ctx = b.context()
+            if ctx.step is not None:
+                b.end_step(ctx, ctx.step, RuntimeError("profiler closed while the step was open"))
         except Exception as e:  # noqa: BLE001 - close must always produce a summary
             b.fail(e)
         collector.stop()
@@ -251,18 +266,20 @@ class Profiler:
                               b.broken is not None)
             for hook in self._hooks:
                 hook.on_close(closing)
-        self._summary = self._build_summary()
+        self._summary = self._build_summary(ended_by)
         b.closed = True
-        self._log.write(self._summary.to_record())
+        if self._log.count != self._signal_written:  # else the signal's summary says it all
+            self._log.write(self._summary.to_record())
         self._log.close()
         b.warn_async()
         forget_open(self)
         return self._summary
 
-    def _build_summary(self) -> Summary:
+    def _build_summary(self, ended_by: str) -> Summary:
         b = self._boundaries.backend
         return self._summary_sink.summary(
             log=self.log,
+            ended_by=ended_by,
             device=b.device if b is not None else "none",
             stopped=self._collector.error or self._boundaries.broken,
             log_failed=self._log.failed,
@@ -273,9 +290,35 @@ class Profiler:
         push_active(self)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         pop_active(self)
-        self.close()
+        self._end("close" if exc_type is None else "exception")
+
+    def _on_signal(self, name: str) -> None:
+        """SIGTERM or SIGINT arrived (main thread): write the completed steps and a summary.
+
+        The profiler stays open: if the process goes on, later steps are recorded, and
+        :meth:`close` writes a summary again if anything was written since.
+        """
+        if self._summary is not None or self._log.writer is None or self._boundaries.broken:
+            self._ended_by = self._ended_by or name
+            return
+        self._ended_by = self._ended_by or name
+        collector = self._collector
+        # The collector thread holds this lock only while it writes; the interrupted
+        # training thread may hold it too (an inline harvest), so wait a little, no more.
+        locked = collector.lock.acquire(timeout=0.2)
+        try:
+            if locked:
+                try:
+                    collector.harvest()  # completed steps only: never waits on the device
+                except Exception:  # noqa: BLE001, S110 - the summary still goes out
+                    pass
+            self._log.write_now(self._build_summary(self._ended_by).to_record())
+            self._signal_written = self._log.count
+        finally:
+            if locked:
+                collector.lock.release()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._boundaries.next_index} steps"
@@ -290,8 +333,7 @@ class Profiler:
     def _known_peak(self) -> int:
         """The highest step peak so far: written steps, pending ones and the open one."""
         peaks = [self._memory.peak_seen, *(s.peak for s in tuple(self._collector.pending))]
-        if self._boundaries.step is not None:
-            peaks.append(self._boundaries.step.peak)
+        peaks.extend(s.peak for s in self._boundaries.open_steps())
         return max(peaks)
 
     def _memory_report(self, device: torch.device | None) -> MemoryReport:

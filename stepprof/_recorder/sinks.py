@@ -29,6 +29,8 @@ class LogSink:
         self.path = self.writer.path if self.writer else None
         self._rank_fields = rank_fields
         self._batch: list[dict[str, Any]] | None = None  # records of the harvest in progress
+        #: Records handed to the log so far.
+        self.count = 0
 
     @property
     def failed(self) -> str | None:
@@ -42,10 +44,20 @@ class LogSink:
             if self._rank_fields is not None:
                 # A ranks record keeps its own world_size: its group's (the same by default).
                 record.update({k: v for k, v in self._rank_fields.items() if k not in record})
+            self.count += 1
             if self._batch is not None:  # inside a harvest: written with the others
                 self._batch.append(record)
             else:
                 self.writer.write(record)
+
+    def write_now(self, record: dict[str, Any]) -> None:
+        """Write ``record`` at once, even inside a harvest (a signal's summary: the process
+        may end right after)."""
+        batch, self._batch = self._batch, None
+        try:
+            self.write(record)
+        finally:
+            self._batch = batch
 
     def begin_batch(self) -> None:
         """Hold the records written from now on until :meth:`end_batch`."""
@@ -87,6 +99,7 @@ class SummarySink:
         self,
         *,
         log: str | None,
+        ended_by: str,
         device: str,
         stopped: str | None,
         log_failed: str | None,
@@ -96,6 +109,7 @@ class SummarySink:
 
         Args:
             log: the log's path, or None.
+            ended_by: how the run ended (the summary's ``ended_by``).
             device: the profiler's device at close (``"none"`` if no step ran): the
                 summary's when no step record says one.
             stopped: why recording stopped early, or None.
@@ -115,4 +129,5 @@ class SummarySink:
         fields = agg.summary_fields(extra_unavailable=extra)
         if agg.device is None:
             fields["device"] = device
+        fields["ended_by"] = ended_by
         return Summary(log=log, **fields)

@@ -15,10 +15,11 @@ from typing import Any
 class OpenPhase:
     """A phase that has been entered and not yet exited: where it started."""
 
-    __slots__ = ("key", "mark", "t0", "peak", "syncs")
+    __slots__ = ("key", "ctx", "mark", "t0", "peak", "syncs")
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, ctx: Any = None) -> None:
         self.key = key
+        self.ctx = ctx  # the thread's step context it was opened in
         self.mark: Any = None
         self.t0 = 0
         self.peak = -1
@@ -44,7 +45,7 @@ class Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
-        "counters", "phase_peaks", "backend",
+        "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -68,6 +69,10 @@ class Step:
         # The backend it was measured on: harvested with it even if the profiler has
         # moved from the host to CUDA since (device=None, CUDA initialised later).
         self.backend: Any = None
+        self.ctx: Any = None  # the thread's step context it was opened in
+        self.thread: str | None = None  # the thread's name, unless it is the training thread
+        self.shared = False  # another thread's step overlapped it: no peak of its own
+        self.queued = False  # handed to the collector (once)
 
     def marks(self) -> list[tuple[Any, Any]]:
         """Every (start, end) pair of device marks the step holds: its own, then its phases'."""

@@ -1,0 +1,87 @@
+"""SIGTERM and SIGINT: write what is ready and the summary, then let the signal proceed.
+
+While a profiler is open, stepprof's handler sits in front of the handlers that were
+installed when the first one opened (yours, Python's ``default_int_handler``, or the
+default action).  It calls back into the registry, which flushes every open profiler
+(completed steps, then a summary with ``ended_by``), and then does exactly what the
+previous handler would have done: calls it, or, for the default action, restores it and
+raises the signal again, so the process ends as it would have without stepprof (killed
+by the signal, with the same exit status).  A signal that was ignored stays ignored:
+no handler is put in front of it.
+
+Handlers can only be set from the main thread: a profiler opened on another thread
+installs none (the next one opened on the main thread does).  The handlers that were
+there before come back when the last profiler closes, in a forked child, and at reset,
+unless something replaced stepprof's handler meanwhile: that one is left in place.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["SIGNALS", "install", "installed", "uninstall"]
+
+#: The signals whose arrival ends a run: pre-emption (Slurm, Kubernetes) and Ctrl-C.
+SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None)) if s is not None)
+
+#: signal number -> the handler stepprof's replaced (what it chains to).
+_previous: dict[int, Any] = {}
+#: Called with the signal's name before the signal proceeds; never raises.
+_on_signal: Callable[[str], None] | None = None
+
+
+def _handler(signum: int, frame: Any) -> Any:
+    name = signal.Signals(signum).name
+    on_signal = _on_signal
+    if on_signal is not None:
+        try:
+            on_signal(name)
+        except Exception:  # noqa: BLE001, S110 - the signal must proceed whatever happened here
+            pass
+    previous = _previous.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        return previous(signum, frame)  # the user's, or Python's default_int_handler
+    # The default action (or a handler set outside Python, which getsignal shows as None):
+    # put it back and raise the signal again, so the process ends as it would have.
+    _previous.pop(signum, None)
+    signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+    signal.raise_signal(signum)
+    return None
+
+
+def install(on_signal: Callable[[str], None]) -> None:
+    """Put stepprof's handler in front of SIGTERM's and SIGINT's (main thread only; idempotent)."""
+    global _on_signal
+    _on_signal = on_signal
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in SIGNALS:
+        if signum in _previous:
+            continue
+        try:
+            current = signal.getsignal(signum)
+            if current is signal.SIG_IGN or current is _handler:
+                continue  # ignored: nothing ends the run, and it stays ignored
+            signal.signal(signum, _handler)
+        except (ValueError, OSError, RuntimeError):  # not the main interpreter, say
+            continue
+        _previous[signum] = current
+
+
+def uninstall() -> None:
+    """Put the previous handlers back where stepprof's is still the one installed."""
+    for signum, previous in list(_previous.items()):
+        try:
+            if signal.getsignal(signum) is _handler:
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        except (ValueError, OSError, RuntimeError):  # off the main thread: try again later
+            continue
+        _previous.pop(signum, None)
+
+
+def installed() -> bool:
+    """Whether stepprof's handler is in front of any signal."""
+    return bool(_previous)

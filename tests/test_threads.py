@@ -1,0 +1,167 @@
+"""Threads: each thread has its own step context (docs/measurement.md, "Threads").
+
+Run under a 1 µs switch interval, so that the interpreter switches threads inside
+stepprof's boundaries as often as it can.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections import Counter
+
+import pytest
+
+import stepprof
+from stepprof import _syncs
+
+from .conftest import make
+
+THREADS = 4
+STEPS = 10_000
+PHASES = {"fwd", "fwd/inner", "bwd"}
+
+
+@pytest.fixture
+def switch_every_1us():
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+def _loop(i: int, steps: int, errors: list[BaseException]) -> None:
+    try:
+        for _ in range(steps):
+            with stepprof.profile_step(f"t{i}", batch_size=i + 1):
+                with stepprof.measure("fwd"):
+                    with stepprof.measure("inner"):
+                        pass
+                with stepprof.measure("bwd"):
+                    pass
+    except BaseException as e:  # noqa: BLE001 - the test fails on any
+        errors.append(e)
+
+
+def test_four_threads_and_a_helper_record_every_step_under_a_1us_switch_interval(tmp_path, switch_every_1us):
+    log = str(tmp_path / "threads.jsonl")
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    helper_calls = [0]
+
+    @stepprof.measure("load_batch")
+    def load_batch():
+        return 1
+
+    def helper():
+        try:
+            while not stop.is_set():
+                load_batch()
+                helper_calls[0] += 1
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stopped recording", no warning at all
+        with stepprof.Profiler(log, device="cpu") as prof:
+            workers = [threading.Thread(target=_loop, args=(i, STEPS, errors), name=f"worker-{i}")
+                       for i in range(THREADS)]
+            h = threading.Thread(target=helper, name="helper")
+            h.start()
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            stop.set()
+            h.join()
+    assert not errors, errors[:3]
+    records = list(stepprof.read(log, kind="step"))
+    by_name = Counter(r["name"] for r in records)
+    assert by_name == {**{f"t{i}": STEPS for i in range(THREADS)}, "load_batch": helper_calls[0]}
+    assert sorted(r["step"] for r in records) == list(range(len(records)))  # each index once
+    assert prof.summary.steps == len(records) == THREADS * STEPS + helper_calls[0]
+    threads = {r["name"]: set() for r in records}
+    for r in records:
+        threads[r["name"]].add(r.get("thread"))
+        assert r["error"] is None, r
+        if r["name"] == "load_batch":
+            assert r["phases"] == {}, r
+        else:  # its own phases, never another thread's
+            assert set(r["phases"]) == PHASES and all(p["count"] == 1 for p in r["phases"].values()), r
+            assert r["batch_size"] == int(r["name"][1:]) + 1
+    # One thread name per step name; the training thread (the first to open a step) has none.
+    assert all(len(names) == 1 for names in threads.values()), threads
+    named = sorted(n for (n,) in threads.values() if n is not None)
+    assert len(named) == THREADS  # the other 3 workers and the helper
+    assert not _syncs._trackers
+
+
+def test_overlapping_steps_on_a_device_have_no_peak_and_say_why(log, gpu, switch_every_1us):
+    """On a device, the allocator's peak counter is one per device: a step that another
+    thread's step overlapped has no peak of its own (null, with the reason), the rest keep it."""
+    errors: list[BaseException] = []
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        try:
+            with stepprof.profile_step("other"):
+                inside.set()
+                release.wait(5)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with make(log, gpu, collect_every_s=0.002) as prof:  # the collector thread, as in a real run
+        with prof.step("alone"):
+            pass
+        t = threading.Thread(target=other, name="other-thread")
+        t.start()
+        assert inside.wait(5)
+        with prof.step("overlapped"):
+            pass
+        release.set()
+        t.join()
+        with prof.step("alone-again"):
+            pass
+        workers = [threading.Thread(target=_loop, args=(i, 200, errors)) for i in range(THREADS)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    assert not errors
+    recs = {r["name"]: r for r in stepprof.read(log, kind="step")}
+    assert recs["alone"]["peak_allocated_bytes"] is not None
+    assert recs["alone-again"]["peak_allocated_bytes"] is not None
+    for name in ("overlapped", "other"):
+        assert recs[name]["peak_allocated_bytes"] is None
+        assert "overlapped" in recs[name]["unavailable"]["peak_allocated_bytes"]
+        assert recs[name]["allocator"] is None
+    assert recs["other"]["thread"] == "other-thread" and "thread" not in recs["overlapped"]
+    assert Counter(r["name"] for r in stepprof.read(log, kind="step"))["t0"] == 200
+    assert not _syncs._trackers
+
+
+def test_close_from_another_thread_leaves_that_threads_open_step_unrecorded(log, gpu):
+    opened, closed = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def worker(prof):
+        try:
+            with prof.step("late"):
+                opened.set()
+                closed.wait(5)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    prof = make(log, gpu)
+    with prof.step("first"):
+        pass
+    t = threading.Thread(target=worker, args=(prof,))
+    t.start()
+    assert opened.wait(5)
+    prof.close()
+    closed.set()
+    t.join()
+    assert not errors  # its exit after close is quiet
+    assert [r["name"] for r in stepprof.read(log, kind="step")] == ["first"]
+    assert not _syncs._trackers
