@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "printable", "unit_for"]
+__all__ = [
+    "GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "per_s", "printable", "unit_for",
+]
 
 MiB = 2**20
 GiB = 2**30
@@ -21,6 +23,19 @@ def format_bytes_in(n: int | float, unit: int) -> str:
 def format_bytes(n: int | float | None) -> str:
     """``n`` bytes in GiB or MiB, whichever suits it; ``n/a`` for None."""
     return "n/a" if n is None else format_bytes_in(n, unit_for(n))
+
+
+_INF = float("inf")
+
+
+def per_s(amount: int | float, ms: float) -> float | None:
+    """``amount`` per second over ``ms`` (> 0) milliseconds; None past a float's range (an
+    amount over 1.8e308, or a rate that would be infinite), which JSON could only write as null."""
+    try:
+        rate = amount / (ms / 1e3)
+    except OverflowError:  # an int too large for a float
+        return None
+    return rate if rate != _INF else None
 
 
 def format_count(n: int | None) -> str:
