@@ -53,11 +53,18 @@ _CONTROL_ESCAPES = {
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character (C0, DEL, C1) as a visible escape.
+    """``text`` with every control character (C0, DEL, C1) as a visible escape, and U+FFFD
+    for each lone surrogate.
 
     For text that comes from a log and is printed to a terminal: an escape sequence
     in a step name (``"\\x1b]0;title\\x07"``, ``"\\x1b[2J"``) shows as text instead of
     acting on the terminal.  Newlines are escaped too, so a value stays on its line;
-    pass one line at a time.
+    pass one line at a time.  A lone surrogate (a log path that is not UTF-8, as the
+    command line gives it) would make printing fail on a terminal that is strict UTF-8.
     """
-    return text.translate(_CONTROL_ESCAPES)
+    text = text.translate(_CONTROL_ESCAPES)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
