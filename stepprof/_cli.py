@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 def _dumps(obj: Any) -> str:
     import orjson
 
-    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode()
+    option = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
+    try:
+        return orjson.dumps(obj, option=option).decode()
+    except orjson.JSONEncodeError:  # a log path that is not UTF-8, say: repaired as the log's records are
+        from ._log import encodable
+
+        return orjson.dumps(encodable(obj), option=option).decode()
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -222,7 +222,7 @@ def _exit_again(prof: Recorder, token: Any, exc: BaseException) -> None:
 def make_measure(name: Any, profiler: Recorder | None) -> Any:
     """What ``measure(name)`` returns: a :class:`MeasureScope`, or ``name`` measured if it is a function."""
     if name is None or isinstance(name, str):
-        return MeasureScope(name, profiler)
+        return MeasureScope(check_name(name), profiler)
     if callable(name) or isinstance(name, (staticmethod, classmethod)):  # bare decorator: @measure
         return MeasureScope(None, profiler)(name)
     raise UsageError(

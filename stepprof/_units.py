@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "printable", "unit_for"]
+__all__ = [
+    "GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "per_s", "printable", "unit_for",
+]
 
 MiB = 2**20
 GiB = 2**30
@@ -23,6 +25,19 @@ def format_bytes(n: int | float | None) -> str:
     return "n/a" if n is None else format_bytes_in(n, unit_for(n))
 
 
+_INF = float("inf")
+
+
+def per_s(amount: int | float, ms: float) -> float | None:
+    """``amount`` per second over ``ms`` (> 0) milliseconds; None past a float's range (an
+    amount over 1.8e308, or a rate that would be infinite), which JSON could only write as null."""
+    try:
+        rate = amount / (ms / 1e3)
+    except OverflowError:  # an int too large for a float
+        return None
+    return rate if rate != _INF else None
+
+
 def format_count(n: int | None) -> str:
     """An integer with thousands separators; ``n/a`` for None."""
     return "n/a" if n is None else f"{n:,}"
@@ -38,11 +53,18 @@ _CONTROL_ESCAPES = {
 
 
 def printable(text: str) -> str:
-    """``text`` with every control character (C0, DEL, C1) as a visible escape.
+    """``text`` with every control character (C0, DEL, C1) as a visible escape, and U+FFFD
+    for each lone surrogate.
 
     For text that comes from a log and is printed to a terminal: an escape sequence
     in a step name (``"\\x1b]0;title\\x07"``, ``"\\x1b[2J"``) shows as text instead of
     acting on the terminal.  Newlines are escaped too, so a value stays on its line;
-    pass one line at a time.
+    pass one line at a time.  A lone surrogate (a log path that is not UTF-8, as the
+    command line gives it) would make printing fail on a terminal that is strict UTF-8.
     """
-    return text.translate(_CONTROL_ESCAPES)
+    text = text.translate(_CONTROL_ESCAPES)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text

@@ -188,7 +188,7 @@ def check_device(device: Any) -> Any:
 
     try:
         return torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:  # ValueError: an index past 64 bits
         raise ConfigError(
             f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
         ) from e
@@ -204,7 +204,7 @@ def check_report_device(device: Any) -> Any:
         if isinstance(device, int) and not isinstance(device, bool):
             return torch.device("cuda", device)  # an index names a CUDA device, even without CUDA
         return torch.device(device)
-    except (RuntimeError, TypeError) as e:
+    except (RuntimeError, TypeError, ValueError) as e:  # ValueError: an index past 64 bits
         raise ConfigError(
             f"'device' must name a torch device such as 'cuda:0' or 0 (got {device!r}); "
             f"or pass nothing for the active profiler's device"
@@ -270,14 +270,19 @@ def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | No
             f"step's FLOPs, or flops_per_step=N if you know them"
         )
     if flops_per_step is not None:
-        if (
-            isinstance(flops_per_step, bool)
-            or not isinstance(flops_per_step, (int, float))
-            or not (math.isfinite(flops_per_step) and flops_per_step > 0)
-        ):
+        try:
+            ok = (
+                not isinstance(flops_per_step, bool)
+                and isinstance(flops_per_step, (int, float))
+                and math.isfinite(flops_per_step)
+                and flops_per_step > 0
+            )
+        except OverflowError:  # an int past a float's range (> 1.8e308)
+            ok = False
+        if not ok:
             raise ConfigError(
-                f"'flops_per_step' must be a positive number of FLOPs (got {flops_per_step!r}); "
-                f"e.g. flops_per_step=6 * n_params * tokens_per_step"
+                f"'flops_per_step' must be a positive number of FLOPs, finite as a float "
+                f"(got {flops_per_step!r}); e.g. flops_per_step=6 * n_params * tokens_per_step"
             )
         if flops is not None:
             raise ConfigError("pass either flops='auto' (count them) or flops_per_step=N (given), not both")
@@ -345,15 +350,18 @@ def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
 
 
 def check_name(name: Any, argument: str = "name") -> str | None:
-    if name is not None and not isinstance(name, str):
-        if callable(name):
-            hint = "; to make a function a step, decorate it with @stepprof.measure"
-        elif isinstance(name, int) and not isinstance(name, bool):
-            hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
-        else:
-            hint = "; pass a name such as 'train', or nothing for the default"
-        raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
-    return name
+    """``name`` as a plain str (a str subclass, such as a ``(str, Enum)`` member, as its value), or None."""
+    if type(name) is str or name is None:
+        return name
+    if isinstance(name, str):
+        return str.__str__(name)
+    if callable(name):
+        hint = "; to make a function a step, decorate it with @stepprof.measure"
+    elif isinstance(name, int) and not isinstance(name, bool):
+        hint = f"; to give the step's batch size, pass it by keyword: batch_size={name!r}"
+    else:
+        hint = "; pass a name such as 'train', or nothing for the default"
+    raise UsageError(f"{argument!r} must be a str or None (got {name!r}){hint}")
 
 
 def check_batch_size(batch_size: Any) -> int | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
+from .._units import per_s
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
 from .step import Step, elapsed_ms
@@ -98,7 +99,9 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
     else:
         span_ms = max(wall_ms, gpu_ms or 0.0)
         if span_ms > 0:
-            samples_per_s = s.batch_size / (span_ms / 1e3)
+            samples_per_s = per_s(s.batch_size, span_ms)
+            if samples_per_s is None:
+                unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
         else:
             unavailable["samples_per_s"] = "step took no measurable time"
     if s.syncs is None:

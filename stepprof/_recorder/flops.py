@@ -8,8 +8,9 @@ from typing import Any
 from .._aggregate import NO_STEP_AFTER_THE_COUNT
 from .._device.backend import Backend
 from .._device.facts import device_name
-from .._roofline import FlopCount, ideal_ms, load_calibration
 from .._errors import raised_by_user
+from .._roofline import FlopCount, ideal_ms, load_calibration
+from .._units import per_s
 from .hooks import Hook
 from .sinks import Write
 from .step import Step
@@ -180,9 +181,12 @@ class FlopsHook(Hook):
             return
         flops = f["flops_per_step"]
         record["flops"] = flops
-        record["tflops_per_s"] = tflops = flops / (span_ms * 1e-3) / 1e12 if span_ms > 0 else None
-        if tflops is None:
+        rate = per_s(flops, span_ms) if span_ms > 0 else None
+        record["tflops_per_s"] = None if rate is None else rate / 1e12
+        if span_ms <= 0:
             unavailable["tflops_per_s"] = "step took no measurable time"
+        elif rate is None:
+            unavailable["tflops_per_s"] = "flops_per_step over the step time is past a float's range"
         ideal = self.ideal_ms
         record["mfu"] = mfu = ideal / span_ms if ideal is not None and span_ms > 0 else None
         if mfu is None:

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from .._stats import quantile
-from .._units import format_bytes
+from .._units import format_bytes, per_s
 from .._validate import check_batch
 from .result import SweepPoint
 
@@ -171,9 +171,12 @@ class TrialRunner:
                 unavailable=unavailable,
             )
         step_ms, p10, p90 = self._step_times(steps, t_end, unavailable)
-        sps = n / (step_ms / 1e3) if step_ms is not None and step_ms > 0 else None
+        sps = per_s(n, step_ms) if step_ms is not None and step_ms > 0 else None
         if sps is None:
-            unavailable["samples_per_s"] = "the timed steps took no measurable time"
+            unavailable["samples_per_s"] = (
+                "the timed steps took no measurable time" if not step_ms or step_ms <= 0
+                else "the batch size over the step time is past a float's range"
+            )
         retries, device_allocs = self._allocator_events(steps, unavailable)
         return SweepPoint(
             trial=trial, phase=phase, batch_size=n, oom=False, samples_per_s=sps, step_ms=step_ms,
