@@ -68,6 +68,7 @@ class Summary:
     the one step whose FLOPs were counted (it ran under ``FlopCounterMode``).  A
     figure that could not be measured is None, and ``unavailable`` says why.
     ``phases`` holds each phase's figures, by name, in the order they first finished.
+    ``run_id`` is the profiler's id, which every record of its log carries.
 
     Example:
         >>> import stepprof
@@ -97,6 +98,7 @@ class Summary:
     mfu_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
     phases: dict[str, PhaseFigures] = attrs.field(factory=dict)
+    run_id: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).

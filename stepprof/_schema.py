@@ -11,8 +11,9 @@ Every line of a stepprof log is one record, a JSON object with ``schema_version`
 - ``sweep_point``: ``stepprof.SweepPoint.to_record``.
 - ``sweep_result``: ``stepprof.SweepResult.to_record``.
 
-The writer adds ``schema_version`` to a record that lacks it, and in a distributed run
-the rank fields ``rank``, ``local_rank`` and ``world_size`` at its end.
+The writer adds ``schema_version`` to a record that lacks it, ``run_id`` (the profiler's)
+after its fields, and in a distributed run the rank fields ``rank``, ``local_rank`` and
+``world_size`` at its end.
 
 Version 2 renamed the summary's ``wall_ms`` and ``gpu_ms`` (percentile objects) to
 ``wall_ms_percentiles`` and ``gpu_ms_percentiles``, so that no column holds a float in
@@ -88,6 +89,7 @@ def step_record(
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
     flops_counted: bool = False,
+    run_id: str | None = None,
     rank: int | None = None,
     local_rank: int | None = None,
     world_size: int | None = None,
@@ -96,7 +98,8 @@ def step_record(
 
     The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
     only), ``flops``, ``tflops_per_s`` and ``mfu`` (with FLOPs requested),
-    ``flops_counted`` (written only as True) and the rank fields (a distributed run).
+    ``flops_counted`` (written only as True), and ``run_id`` and the rank fields (a
+    distributed run's), which the log writer adds.
     ``unavailable`` is kept by reference, so a caller may still add reasons to it.
     """
     record: dict[str, Any] = {
@@ -132,6 +135,8 @@ def step_record(
         record["mfu"] = mfu
     if flops_counted:
         record["flops_counted"] = True
+    if run_id is not None:
+        record["run_id"] = run_id
     if rank is not None:
         record["rank"] = rank
     if local_rank is not None:
@@ -179,6 +184,7 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "mfu_median": s.mfu_median,
         "phases": _phases(s.phases),
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
+        "run_id": s.run_id,
     }
 
 
