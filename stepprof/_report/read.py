@@ -67,13 +67,13 @@ class RunBoundaries:
         return new
 
 
-class _Open(Generic[R]):
+class _Open(RunBoundaries, Generic[R]):
     """One writer's stream of records (an id's, or those without one) and its current run."""
 
-    __slots__ = ("boundaries", "run")
+    __slots__ = ("run",)
 
     def __init__(self) -> None:
-        self.boundaries = RunBoundaries()
+        super().__init__()
         self.run: R | None = None
 
 
@@ -115,7 +115,12 @@ class RunGrouper(Generic[R]):
         if rid != self._rid:
             self._switch(rid)
         cur = self._cur
-        if cur.boundaries.starts_run(kind, record):
+        if kind == "step" and cur.open and not cur.closed:  # the common case, written out
+            idx = record.get("step")
+            if type(idx) is int and (cur.last_step is None or idx > cur.last_step):
+                cur.last_step = idx
+                return cur.run  # type: ignore[return-value]  # set with open
+        if cur.starts_run(kind, record):
             cur.run = self._start(rid)
         run: R = cur.run  # type: ignore[assignment]  # set by the first record
         if kind == "summary" and rid is not None:
