@@ -326,3 +326,12 @@ def test_sweeps_are_grouped_by_their_id(tmp_path):
         {"kind": "sweep_point", "batch_size": 1, "oom": False, "run_id": str(i)} for i in range(5000)
     )
     assert len(many) == 5000 and all(s.result is None for s in many)
+
+
+def test_stepprof_plot_groups_the_shared_log_as_the_report_does(shared_log):
+    from stepprof._plot import _read
+
+    log, _ = shared_log
+    runs, sweeps, stats = _read(log)
+    assert [len(r.step) for r in runs] == [STEPS, STEPS] and not sweeps and stats.skipped == 0
+    assert all(list(r.step) == [float(i) for i in range(STEPS)] for r in runs)

@@ -92,7 +92,7 @@ class RunGrouper(Generic[R]):
     the one written least recently is closed (a later record of it starts a new run).
 
     Args:
-        new_run: makes (and keeps) a new run for an id, or None.
+        new_run: makes (and keeps) a new run, given its id (None for records without one).
         track_heads: keep :attr:`heads`, for stitching a byte range to the one before it.
     """
 
