@@ -185,6 +185,8 @@ class RunAggregate:
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
+        #: The writer's ``run_id`` (set by whoever groups the records; else the first record's).
+        self.run_id: str | None = None
         self.steps = self.warmup = self.errors = self.measured = self.malformed = 0
         self.devices: dict[str, int] = {}
         self.names: dict[str, int] = {}
@@ -233,6 +235,10 @@ class RunAggregate:
 
     def add(self, record: dict[str, Any]) -> None:
         """Fold in one record of this run (as the writer writes it, or as read back)."""
+        if self.run_id is None:
+            rid = record.get("run_id")
+            if type(rid) is str:
+                self.run_id = rid
         kind = record.get("kind")
         if kind == "step":
             self.add_step(record)
@@ -556,6 +562,8 @@ class RunAggregate:
         self.flops_requested = self.flops_requested or later.flops_requested
         if self.identity is None:
             self.identity = later.identity
+        if self.run_id is None:
+            self.run_id = later.run_id
         _add_counts(self.ranks_named, later.ranks_named)
         self.ranks_last = later.ranks_last or self.ranks_last
         self.ranks_last_named = later.ranks_last_named or self.ranks_last_named
@@ -700,6 +708,7 @@ class RunAggregate:
             "unavailable": unavailable,
             "phases": self._phase_figures(),
             "ended_by": self._ended_by(),
+            "run_id": self.run_id,
         }
 
     def _ended_by(self) -> str | None:

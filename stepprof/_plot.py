@@ -12,7 +12,7 @@ from typing import Any
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
-from ._report.read import RunBoundaries
+from ._report.read import RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
 
@@ -47,6 +47,7 @@ class _Series:
         self.device: str | None = None
         self.memory: list[tuple[float, float | None, float | None]] = []  # (step, nvml, total)
         self.flops_step: float | None = None
+        self.last = -1  # the latest step index (where a memory record without one goes)
 
 
 def _as_float(x: Any) -> float:
@@ -55,13 +56,16 @@ def _as_float(x: Any) -> float:
 
 
 def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
-    """The log's runs (split as ``stepprof report`` splits them) and its sweep records."""
+    """The log's runs (grouped as ``stepprof report`` groups them) and its sweep records."""
     stats = ScanStats()
     runs: list[_Series] = []
-    cur: _Series | None = None
-    boundaries = RunBoundaries()
     sweep_records: list[dict[str, Any]] = []
-    last = -1
+
+    def new_run(run_id: str | None) -> _Series:
+        runs.append(_Series())
+        return runs[-1]
+
+    run_of = RunGrouper(new_run).run_of
     for r in scan(path, stats):
         kind = r.get("kind")
         if kind in ("sweep_point", "sweep_result"):
@@ -69,15 +73,12 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
             continue
         if kind not in ("step", "memory", "summary", "ranks", "flops"):
             continue
-        if boundaries.starts_run(kind, r):
-            cur = _Series()
-            runs.append(cur)
-        assert cur is not None
+        cur = run_of(kind, r)
         if kind == "step":
             idx = r.get("step")
             if type(idx) is not int:
                 continue
-            last = idx
+            cur.last = idx
             cur.step.append(idx)
             cur.wall.append(_as_float(r.get("wall_ms")))
             cur.gpu.append(_as_float(r.get("gpu_ms")))
@@ -94,7 +95,7 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
             step = r.get("step")
             cur.memory.append(
                 (
-                    float(step) if type(step) is int else float(last),
+                    float(step) if type(step) is int else float(cur.last),
                     _as_float(r.get("nvml_process_bytes")),
                     _as_float(r.get("total_bytes")),
                 )

@@ -68,6 +68,7 @@ class Summary:
     the one step whose FLOPs were counted (it ran under ``FlopCounterMode``).  A
     figure that could not be measured is None, and ``unavailable`` says why.
     ``phases`` holds each phase's figures, by name, in the order they first finished.
+    ``run_id`` is the profiler's id, which every record of its log carries.
 
     Example:
         >>> import stepprof
@@ -100,6 +101,8 @@ class Summary:
     #: How the run ended: ``"close"``, ``"exception"`` (the ``with Profiler`` block raised),
     #: ``"exit"`` (still open at interpreter exit), ``"SIGTERM"`` or ``"SIGINT"``.
     ended_by: str | None = None
+    #: The id of the run, on every record it wrote (``run_id``).
+    run_id: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).

@@ -11,8 +11,9 @@ Every line of a stepprof log is one record, a JSON object with ``schema_version`
 - ``sweep_point``: ``stepprof.SweepPoint.to_record``.
 - ``sweep_result``: ``stepprof.SweepResult.to_record``.
 
-The writer adds ``schema_version`` to a record that lacks it, and in a distributed run
-the rank fields ``rank``, ``local_rank`` and ``world_size`` at its end.
+The writer adds ``schema_version`` to a record that lacks it, ``run_id`` (the profiler's)
+after its fields, and in a distributed run the rank fields ``rank``, ``local_rank`` and
+``world_size`` at its end.
 
 Version 2 renamed the summary's ``wall_ms`` and ``gpu_ms`` (percentile objects) to
 ``wall_ms_percentiles`` and ``gpu_ms_percentiles``, so that no column holds a float in
@@ -89,6 +90,7 @@ def step_record(
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
     flops_counted: bool = False,
+    run_id: str | None = None,
     rank: int | None = None,
     local_rank: int | None = None,
     world_size: int | None = None,
@@ -96,8 +98,10 @@ def step_record(
     """A ``kind: "step"`` record, its keys in the order docs/schema.md gives.
 
     The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
-    only), ``thread`` (steps of a thread other than the training thread), ``flops``, ``tflops_per_s`` and ``mfu`` (with FLOPs requested),
-    ``flops_counted`` (written only as True) and the rank fields (a distributed run).
+    only), ``thread`` (steps of a thread other than the training thread), ``flops``,
+    ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
+    as True), and ``run_id`` and the rank fields (a distributed run's), which the log
+    writer adds.
     ``unavailable`` is kept by reference, so a caller may still add reasons to it.
     """
     record: dict[str, Any] = {
@@ -135,6 +139,8 @@ def step_record(
         record["mfu"] = mfu
     if flops_counted:
         record["flops_counted"] = True
+    if run_id is not None:
+        record["run_id"] = run_id
     if rank is not None:
         record["rank"] = rank
     if local_rank is not None:
@@ -183,6 +189,7 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "phases": _phases(s.phases),
         "ended_by": s.ended_by,
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
+        "run_id": s.run_id,
     }
 
 

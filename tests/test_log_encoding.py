@@ -583,6 +583,11 @@ def _profiler(**kw):
     return lambda log: stepprof.Profiler(log, **kw)
 
 
+def _in_profiler(call):
+    with stepprof.Profiler(None) as prof:
+        return call(prof)
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [
@@ -608,7 +613,7 @@ def _profiler(**kw):
         (lambda log: stepprof.memory_report(BIG), stepprof.ConfigError,
          rf"'device' must name a torch device such as 'cuda:0' or 0 \(got {BIG}\); or pass nothing"),
         # A name that is not a str (an int past 64 bits, say) is refused, not made a key.
-        (lambda log: stepprof.Profiler(None).step(name=BIG), stepprof.UsageError,
+        (lambda log: _in_profiler(lambda prof: prof.step(name=BIG)), stepprof.UsageError,
          rf"'name' must be a str or None \(got {BIG}\); to give the step's batch size, pass it by keyword"),
         (lambda log: stepprof.measure(BIG), stepprof.UsageError,
          rf"measure\(\) takes a name \(str\) or a function \(got {BIG}\); use @stepprof\.measure"),

@@ -70,7 +70,7 @@ def test_the_issue_example_reconciles_and_reads_as_the_issue_says(log, nvml):
 
 
 def test_the_record_holds_every_field_in_the_documented_order(log, nvml):
-    with make(log, nvml.gpu):
+    with make(log, nvml.gpu) as prof:
         report = stepprof.memory_report()
     rec, close = memory_records(log)
     assert close["trigger"] == "close"
@@ -79,9 +79,10 @@ def test_the_record_holds_every_field_in_the_documented_order(log, nvml):
         "allocated_bytes", "peak_allocated_bytes", "reserved_bytes", "fragmentation_bytes",
         "inactive_split_bytes", "nvml_process_bytes", "nvml_device_used_bytes",
         "mem_get_info_used_bytes", "total_bytes", "residual_bytes", "context_baseline_bytes",
-        "num_ooms", "num_alloc_retries", "basis", "explanation", "notes", "unavailable",
+        "num_ooms", "num_alloc_retries", "basis", "explanation", "notes", "unavailable", "run_id",
     ]
-    assert rec == {"schema_version": stepprof.SCHEMA_VERSION, **report.to_record()}
+    run_id = prof.summary.run_id
+    assert rec == {"schema_version": stepprof.SCHEMA_VERSION, **report.to_record(), "run_id": run_id}
 
 
 def test_records_after_warmup_every_n_steps_and_at_close_follow_their_steps(log, nvml):

@@ -65,12 +65,16 @@ def _sweep_records() -> list[dict[str, Any]]:
 def base_log(rank: int = 0) -> list[dict[str, Any]]:
     """One run of every record kind, of rank ``rank`` in a world of 2, then a sweep."""
     recs = fx.training_log(steps=30)
-    for r in recs:
-        r.update(rank=rank, local_rank=rank, world_size=2)
     if rank == 0:
         recs.insert(-1, _ranks_record(20))
         recs.insert(-1, _ranks_record(25))
-    return copy.deepcopy([*recs, *_sweep_records()])  # the fixtures share CALIBRATION
+    for r in recs:  # as the writer adds them: the profiler's id, then the rank fields
+        r["run_id"] = f"{rank:012x}"
+        r.update({k: v for k, v in (("rank", rank), ("local_rank", rank), ("world_size", 2)) if k not in r})
+    sweep = _sweep_records()
+    for r in sweep:
+        r["run_id"] = "5eed" * 3
+    return copy.deepcopy([*recs, *sweep])  # the fixtures share CALIBRATION
 
 
 def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

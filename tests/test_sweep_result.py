@@ -27,8 +27,15 @@ def test_log_has_a_point_per_trial_then_the_result(log):
     assert set(first) == {
         "schema_version", "kind", "trial", "phase", "batch_size", "oom", "samples_per_s", "step_ms",
         "step_ms_p10", "step_ms_p90", "timed_steps", "warmup_steps", "peak_allocated_bytes",
-        "alloc_retries", "device_allocs", "leaked_bytes", "error", "wall_s", "unavailable",
+        "alloc_retries", "device_allocs", "leaked_bytes", "error", "wall_s", "unavailable", "run_id",
     }
+    # one id per sweep() call, on each of its records (12 hex digits)
+    assert len({x["run_id"] for x in recs}) == 1 and len(first["run_id"]) == 12
+    int(first["run_id"], 16)
+    again = run(step, gpu, log=log)
+    ids = [x["run_id"] for x in stepprof.read(log)]
+    assert len(set(ids[:r.trials + 1])) == len(set(ids[r.trials + 1:])) == 1 and ids[0] != ids[-1]
+    assert len(ids) == r.trials + again.trials + 2
     oom = next(x for x in points if x["oom"])
     assert oom["samples_per_s"] is None and oom["leaked_bytes"] == 0 and "out of memory" in oom["error"]
     assert result["knee"] == r.knee and result["max_fit"] == r.max_fit

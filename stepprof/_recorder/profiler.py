@@ -11,6 +11,7 @@ the settings are checked in :mod:`stepprof._options`, the scopes are in :mod:`st
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from typing import Any
@@ -157,9 +158,10 @@ class Profiler:
         # Distributed: rank fields on every record, a log per rank, the exchange.
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
-        self._log = LogSink(log, ident.fields() if ident is not None else None)
+        run_id = secrets.token_hex(6)  # this writer's identity, on every record it writes
+        self._log = LogSink(log, ident.fields() if ident is not None else None, run_id)
         self.log = self._log.path
-        self._summary_sink = SummarySink()
+        self._summary_sink = SummarySink(run_id)
         self._summary: Summary | None = None
         self._ended_by: str | None = None  # a signal's name, once one arrived
         self._signal_written = -1  # the log's record count after the signal's summary

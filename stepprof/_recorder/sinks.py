@@ -1,7 +1,7 @@
 """Where finished records go: the JSON-lines log, and the running summary.
 
-:class:`LogSink` writes every record (with ``schema_version`` and, in a distributed run,
-the rank fields); :class:`SummarySink` aggregates them for the :class:`~stepprof.Summary`
+:class:`LogSink` writes every record (with ``schema_version``, the profiler's ``run_id``
+and, in a distributed run, the rank fields); :class:`SummarySink` aggregates them for the :class:`~stepprof.Summary`
 written at close.  Every record the collector and its hooks write (step, flops, memory,
 ranks) goes to both; the summary record itself goes to the log only.
 """
@@ -22,12 +22,19 @@ Write = Callable[[dict[str, Any]], None]
 
 
 class LogSink:
-    """The log (or none): records are written one by one, or as one batch per harvest."""
+    """The log (or none): records are written one by one, or as one batch per harvest.
 
-    def __init__(self, path: str | os.PathLike[str] | None, rank_fields: dict[str, int] | None) -> None:
+    Every record gets ``run_id`` (the writer's identity: one per profiler) after its own
+    fields, then the rank fields.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None, rank_fields: dict[str, int] | None, run_id: str
+    ) -> None:
         self.writer = JsonlWriter(path) if path is not None else None
         self.path = self.writer.path if self.writer else None
         self._rank_fields = rank_fields
+        self._run_id = run_id
         self._batch: list[dict[str, Any]] | None = None  # records of the harvest in progress
         #: Records handed to the log so far.
         self.count = 0
@@ -41,9 +48,14 @@ class LogSink:
         if self.writer is not None:
             if "schema_version" not in record:
                 record = {"schema_version": SCHEMA_VERSION, **record}
-            if self._rank_fields is not None:
-                # A ranks record keeps its own world_size: its group's (the same by default).
-                record.update({k: v for k, v in self._rank_fields.items() if k not in record})
+            record["run_id"] = self._run_id
+            rank_fields = self._rank_fields
+            if rank_fields is not None:
+                if "world_size" in record or "rank" in record or "local_rank" in record:
+                    # A ranks record keeps its own world_size: its group's (the same by default).
+                    record.update({k: v for k, v in rank_fields.items() if k not in record})
+                else:
+                    record.update(rank_fields)
             self.count += 1
             if self._batch is not None:  # inside a harvest: written with the others
                 self._batch.append(record)
@@ -88,8 +100,9 @@ class SummarySink:
     stays bounded at any step count (the aggregate keeps sketches, not lists).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str | None = None) -> None:
         self.aggregate = agg = RunAggregate()
+        agg.run_id = run_id
         #: Fold in any record of the run (step, flops, memory, ranks).
         self.add: Write = agg.add
         #: Fold in a step record (the collector's hot path: no dispatch on ``kind``).

@@ -102,6 +102,7 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
     roof, roofline_reason = _roofline(agg.flops, figures.step_ms.median if figures.step_ms else None)
     run = RunReport(
         run=agg.index,
+        run_id=agg.run_id,
         device=agg.device,
         names=tuple(sorted(agg.names)),
         steps=agg.steps,

@@ -154,9 +154,14 @@ class RankExchanges:
 
 @attrs.frozen
 class RunReport:
-    """One profiling run of a log: counts, figures, tables and diagnoses."""
+    """One profiling run of a log: counts, figures, tables and diagnoses.
+
+    ``run_id`` is the id its records carry (one per ``Profiler``), or None in a log
+    written without ids.
+    """
 
     run: int
+    run_id: str | None
     device: str | None
     names: tuple[str, ...]
     steps: int

@@ -1,26 +1,32 @@
 """Reading a log into runs: where runs begin and end, and the parallel read of a large log.
 
-A log may hold several runs (one ``Profiler`` after another on the same path: each
-ends with a summary, and step indices restart) and sweeps.  :class:`RunBoundaries`
-says where one run ends and the next begins; ``stepprof report`` (here) and
-``stepprof plot`` (stepprof/_plot.py) both split by it.
+A log may hold several runs (one ``Profiler`` after another on the same path, or several
+processes appending to it at once) and sweeps.  :class:`RunGrouper` says which run each
+record belongs to: by its ``run_id`` when it has one, else by :class:`RunBoundaries`;
+``stepprof report`` (here) and ``stepprof plot`` (stepprof/_plot.py) both group by it.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
 
-__all__ = ["PARALLEL_BYTES", "RunBoundaries", "Segment", "read_log"]
+__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RunBoundaries", "RunGrouper", "Segment", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
 PARALLEL_BYTES = 64 * 2**20
+#: Runs with a ``run_id`` held open at once; past this, the least recently written is closed.
+OPEN_RUNS_KEPT = 1024
 #: Sweep records kept per log.
 _SWEEP_RECORDS_KEPT = 200_000
 _RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops"))
+
+R = TypeVar("R")
 
 
 class RunBoundaries:
@@ -61,6 +67,103 @@ class RunBoundaries:
         return new
 
 
+class _Open(RunBoundaries, Generic[R]):
+    """One writer's stream of records (an id's, or those without one) and its current run."""
+
+    __slots__ = ("run",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run: R | None = None
+
+
+_SWITCH = object()  # no stream is current: the next record looks its own up
+
+
+class RunGrouper(Generic[R]):
+    """Which run each run record belongs to, for records read in order.
+
+    A record whose ``run_id`` is a str belongs to that id's open run, wherever it lies
+    between another writer's records; the id's ``summary`` closes the run.  Records
+    without one (logs of stepprof 0.1.0, hand-written logs; an id that is not a str
+    counts as none) form runs by :class:`RunBoundaries`, as before ids, and so do an
+    id's records among themselves, except that an id's run goes on after its summary
+    (a later summary replaces it) unless the step index restarts.  Runs are made by ``new_run(run_id)`` in the order
+    of their first record.  At most :data:`OPEN_RUNS_KEPT` ids are held: past that the one
+    written least recently is dropped (a later record of it starts a new run).
+
+    Args:
+        new_run: makes (and keeps) a new run, given its id (None for records without one).
+        track_heads: keep :attr:`heads`, for stitching a byte range to the one before it.
+    """
+
+    def __init__(self, new_run: Callable[[str | None], R], *, track_heads: bool = False) -> None:
+        self._new_run = new_run
+        self.legacy: _Open[R] = _Open()  # the records without an id
+        self.open: OrderedDict[str, _Open[R]] = OrderedDict()  # least recently written first
+        #: Each id's first run here (it may continue a run of the previous byte range).
+        self.heads: dict[str, R] | None = {} if track_heads else None
+        #: The first run of the records without an id.
+        self.legacy_head: R | None = None
+        self._rid: Any = _SWITCH
+        self._cur: _Open[R] = self.legacy
+
+    def run_of(self, kind: Any, record: dict[str, Any]) -> R:
+        """The run of ``record``, a run record of ``kind`` (a new one if it starts one)."""
+        rid = record.get("run_id")
+        if type(rid) is not str:
+            rid = None
+        if rid != self._rid:
+            self._switch(rid)
+        cur = self._cur
+        if kind == "step" and cur.open and not cur.closed:  # the common case, written out
+            idx = record.get("step")
+            if type(idx) is int and (cur.last_step is None or idx > cur.last_step):
+                cur.last_step = idx
+                return cur.run  # type: ignore[return-value]  # set with open
+        if cur.starts_run(kind, record):
+            cur.run = self._start(rid)
+        run: R = cur.run  # type: ignore[assignment]  # set by the first record
+        if kind == "summary" and rid is not None:
+            # A writer may go on after a summary (one written when SIGTERM arrived, say,
+            # whose handler let training continue): its later steps continue the run, and
+            # its later summary replaces this one.  An index that restarts is a new run.
+            cur.closed = False
+        return run
+
+    def _switch(self, rid: str | None) -> None:
+        self._rid = rid
+        if rid is None:
+            self._cur = self.legacy
+            return
+        table = self.open
+        cur = table.get(rid)
+        if cur is None:
+            if len(table) >= OPEN_RUNS_KEPT:
+                table.popitem(last=False)
+            cur = table[rid] = _Open()
+        else:
+            table.move_to_end(rid)
+        self._cur = cur
+
+    def _start(self, rid: str | None) -> R:
+        run = self._new_run(rid)
+        if rid is None:
+            if self.legacy_head is None:
+                self.legacy_head = run
+        elif self.heads is not None and rid not in self.heads:
+            self.heads[rid] = run
+        return run
+
+
+def _continues(last: RunAggregate, first: RunAggregate, *, by_id: bool = False) -> bool:
+    """Whether ``first`` (a byte range's first run of a writer) continues ``last`` (its run
+    open at the end of the range before): the index did not restart, and no summary closed
+    it (records without an id; an id's run goes on after a summary, see :class:`RunGrouper`)."""
+    restarted = first.first_step is not None and last.steps and first.first_step <= last.last_step
+    return (by_id or last.summary is None) and not restarted
+
+
 class Segment:
     """The aggregates of one stretch of a log: its runs, in order, and what else it held.
 
@@ -76,14 +179,19 @@ class Segment:
         self.sweep_records: list[dict[str, Any]] = []  # sweep_point/sweep_result, in order
         self.versions: dict[Any, int] = {}
         self.kinds: dict[str, int] = {}
-        # The first run was opened only because the range began (not by a summary or an
-        # index restart), so it may continue the previous range's last run.
-        self.first_continues = False
+        # For stitching (see RunGrouper): the runs open at the end, by id (least recently
+        # written first), and the last run of the records without an id; each id's first
+        # run here, and the first run without an id, which may continue those of the range
+        # before.
+        self.open: OrderedDict[str, RunAggregate] = OrderedDict()
+        self.legacy_last: RunAggregate | None = None
+        self.heads: dict[str, RunAggregate] = {}
+        self.legacy_head: RunAggregate | None = None
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> Segment:
         versions, kinds, sweep_records = self.versions, self.kinds, self.sweep_records
-        boundaries = RunBoundaries()
-        run: RunAggregate | None = None
+        grouper: RunGrouper[RunAggregate] = RunGrouper(self._new_run, track_heads=start > 0)
+        run_of = grouper.run_of
         for r in scan(path, self.stats, start, end):
             kind = r.get("kind")
             v = r.get("schema_version")
@@ -94,13 +202,9 @@ class Segment:
             if v in versions:
                 versions[v] += 1
             if kind == "step":
-                if boundaries.starts_run(kind, r) or run is None:
-                    run = self._new_run()
-                run.add_step(r)
+                run_of(kind, r).add_step(r)
             elif kind in _RUN_KINDS:
-                if boundaries.starts_run(kind, r) or run is None:
-                    run = self._new_run()
-                run.add(r)
+                run_of(kind, r).add(r)
             elif kind == "sweep_point" or kind == "sweep_result":
                 if len(sweep_records) < _SWEEP_RECORDS_KEPT:
                     sweep_records.append(r)
@@ -108,12 +212,15 @@ class Segment:
                 key = str(kind)[:40]
                 if key in kinds or len(kinds) < 32:
                     kinds[key] = kinds.get(key, 0) + 1
+        self.open = OrderedDict((rid, o.run) for rid, o in grouper.open.items() if o.run is not None)
+        self.legacy_last = grouper.legacy.run
+        self.heads = grouper.heads or {}
+        self.legacy_head = grouper.legacy_head
         return self
 
-    def _new_run(self) -> RunAggregate:
-        if not self.runs:
-            self.first_continues = True
+    def _new_run(self, run_id: str | None) -> RunAggregate:
         run = RunAggregate(len(self.runs))
+        run.run_id = run_id
         self.runs.append(run)
         return run
 
@@ -129,20 +236,27 @@ class Segment:
                 self.kinds[k] = self.kinds.get(k, 0) + n
         room = max(0, _SWEEP_RECORDS_KEPT - len(self.sweep_records))
         self.sweep_records.extend(later.sweep_records[:room])
-        runs = later.runs
-        if runs and self.runs and later.first_continues:
-            last, first = self.runs[-1], runs[0]
-            restarted = (
-                first.first_step is not None and last.steps and first.first_step <= last.last_step
-            )
-            if last.summary is None and not restarted:
-                last.merge(first)
-                runs = runs[1:]
-        for run in runs:
-            run.index = len(self.runs)
-            self.runs.append(run)
-        if not self.runs:
-            self.first_continues = later.first_continues
+        merged: dict[int, RunAggregate] = {}  # id() of a later run -> the run it continued
+        last, head = self.legacy_last, later.legacy_head
+        if last is not None and head is not None and _continues(last, head):
+            last.merge(head)
+            merged[id(head)] = last
+        opened = self.open
+        for rid, head in later.heads.items():
+            last = opened.pop(rid, None)  # seen later: its state is the later range's
+            if last is not None and _continues(last, head, by_id=True):
+                last.merge(head)
+                merged[id(head)] = last
+        for rid, run in later.open.items():
+            opened[rid] = merged.get(id(run), run)
+        while len(opened) > OPEN_RUNS_KEPT:
+            opened.popitem(last=False)
+        if later.legacy_last is not None:
+            self.legacy_last = merged.get(id(later.legacy_last), later.legacy_last)
+        for run in later.runs:
+            if id(run) not in merged:
+                run.index = len(self.runs)
+                self.runs.append(run)
 
 
 def _read_range(args: tuple[str, int, int]) -> Segment:

@@ -28,6 +28,10 @@ _REASON_KEYS = {
 }
 
 
+#: Characters of a run's ``run_id`` shown in its heading (stepprof's ids have 12).
+_ID_SHOWN = 24
+
+
 def _spread(p: Percentiles | None, fmt: str = "{:.2f}") -> str:
     """``median (p10 .., p90 ..)``, or ``n/a``."""
     if p is None:
@@ -117,6 +121,8 @@ def _render_ranks(view: DistributedView, out: list[str]) -> None:
 def _render_run(run: RunReport, out: list[str], several: bool) -> None:
     f = run.figures
     head = f"-- run {run.run + 1}" if several else "--"
+    if run.run_id is not None:  # a log's id may be any str: a long one is cut
+        head += f" [{run.run_id if len(run.run_id) <= _ID_SHOWN else run.run_id[:_ID_SHOWN] + '…'}]"
     names = ", ".join(run.names[:5]) or "none"
     out.append("")
     out.append(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
 from .._sweep.result import SweepPoint, SweepResult
+from .read import OPEN_RUNS_KEPT
 
 __all__ = ["LoggedSweep", "logged_sweeps"]
 
@@ -27,18 +29,30 @@ class LoggedSweep:
 
 
 def logged_sweeps(records: Iterable[dict[str, Any]]) -> list[LoggedSweep]:
-    """Group a log's sweep records (in order) into sweeps; a sweep without a result ends the list."""
+    """Group a log's sweep records (in order) into sweeps, one per result, then those without one.
+
+    A record whose ``run_id`` is a str belongs to that sweep (one ``stepprof.sweep()`` call),
+    wherever it lies among another sweep's records; the points without one run up to the
+    next result without one.  At most ``OPEN_RUNS_KEPT`` sweeps are held open: past that,
+    the oldest is listed without a result.
+    """
     sweeps: list[LoggedSweep] = []
-    points: list[dict[str, Any]] = []
+    open_: OrderedDict[str | None, list[dict[str, Any]]] = OrderedDict()
     for r in records:
+        rid = r.get("run_id")
+        if type(rid) is not str:
+            rid = None
         if r.get("kind") == "sweep_point":
+            points = open_.get(rid)
+            if points is None:
+                if len(open_) >= OPEN_RUNS_KEPT:
+                    sweeps.append(_read_sweep(open_.popitem(last=False)[1], None))
+                points = open_[rid] = []
             if len(points) < _POINTS_KEPT:
                 points.append(r)
         else:
-            sweeps.append(_read_sweep(points, r))
-            points = []
-    if points:
-        sweeps.append(_read_sweep(points, None))
+            sweeps.append(_read_sweep(open_.pop(rid, []), r))
+    sweeps.extend(_read_sweep(points, None) for points in open_.values())
     return sweeps
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import contextvars
 import os
+import secrets
 import sys
 import time
 import warnings
@@ -234,6 +235,7 @@ class BatchSearch:
         self.max_batch = max_batch
         self.budget_ns = None if budget_s is None else int(budget_s * 1e9)
         self.writer: JsonlWriter | None = None
+        self.run_id = secrets.token_hex(6)  # this sweep's, on each record it logs
         self.say = say
         self.knee_within = knee_within
         self.clock = clock
@@ -482,7 +484,7 @@ class BatchSearch:
         writer = self.writer
         if writer is None or writer.failed:
             return
-        writer.write({"schema_version": SCHEMA_VERSION, **record})
+        writer.write({"schema_version": SCHEMA_VERSION, **record, "run_id": self.run_id})
         if writer.failed:
             warnings.warn(
                 f"stepprof.sweep: {writer.failed}; logging stopped, the sweep goes on",
