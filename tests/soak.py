@@ -135,7 +135,8 @@ class KillResult:
 
     returncode: int
     killed_after_s: float  # from its first finished step to the kill
-    steps_done: int  # steps that finished (the side file)
+    steps_done: int  # steps that finished (the side file; its line follows the exit, so the
+    # log may hold one step more when the kill falls between the two)
     steps_logged: int  # its step records in the log (indices 0 .. steps_logged - 1)
     indices_in_order: bool  # the logged indices are exactly 0 .. steps_logged - 1
     rate_steps_per_s: float | None  # the median rate of its logged steps (else its finished ones)
@@ -150,7 +151,7 @@ class KillResult:
     @property
     def ok(self) -> bool:
         return (self.returncode == -signal.SIGKILL and self.indices_in_order and not self.log.bad_lines
-                and self.lost_steps <= self.bound_steps and self.late_steps == 0)
+                and -1 <= self.lost_steps <= self.bound_steps and self.late_steps == 0)
 
 
 def _median_rate(times: list[float]) -> float | None:
