@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,7 +49,9 @@ class QuantileSketch:
 
     def __init__(self) -> None:
         self.buf: list[float] = []
-        self.levels: list[list[float]] = []  # level i holds values of weight 2**i
+        # Level i holds values of weight 2**i, as C doubles (8 bytes a value, not a float
+        # object's 32): the levels are what grows, with log(n).
+        self.levels: list[array[float]] = []
         self.n = 0  # values folded into the levels
         self.lo = math.inf
         self.hi = -math.inf
@@ -63,7 +66,7 @@ class QuantileSketch:
         if len(self.buf) < self.EXACT:
             return
         self._account(self.buf)
-        self._push(0, self.buf)
+        self._push(0, array("d", self.buf))
         self.buf = []
 
     def merge(self, other: QuantileSketch) -> None:
@@ -77,7 +80,7 @@ class QuantileSketch:
         self.hi = max(self.hi, other.hi)
         for level, xs in enumerate(other.levels):
             if xs:
-                self._push(level, list(xs))
+                self._push(level, array("d", xs))
         self.buf.extend(other.buf)
         self._cache = None
         self.settle()
@@ -95,17 +98,17 @@ class QuantileSketch:
             self.lo = min(self.lo, min(xs))
             self.hi = max(self.hi, max(xs))
 
-    def _push(self, level: int, xs: list[float]) -> None:
+    def _push(self, level: int, xs: array[float]) -> None:
         while True:
             while len(self.levels) <= level:
-                self.levels.append([])
+                self.levels.append(array("d"))
             merged = self.levels[level] + xs if self.levels[level] else xs
             if len(merged) < self.EXACT:
                 self.levels[level] = merged
                 return
-            merged.sort()
+            merged = array("d", sorted(merged))
             self._flip ^= 1
-            self.levels[level] = []
+            self.levels[level] = array("d")
             xs, level = merged[self._flip :: 2], level + 1
 
     @property

@@ -100,7 +100,6 @@ SIGNAL_CASES = [
 ]
 
 
-@pytest.mark.xfail(strict=False, raises=EndedByMissing, reason="lead's signal handling not merged yet")
 @pytest.mark.parametrize(("sig", "handler", "kbint_exit", "expected_rc"), SIGNAL_CASES)
 def test_signal_ends_the_run_with_a_summary_and_the_same_exit(tmp_path, sig, handler, kbint_exit, expected_rc):
     """A signal mid-training: the user's handler is still called, the process exits as it
@@ -124,9 +123,6 @@ class RssOverBound(AssertionError):
     """The profiler's RSS grew more than RSS_BOUND_BYTES."""
 
 
-@pytest.mark.xfail(strict=False, raises=RssOverBound, reason=(
-    "measured 8.5-13.3 MiB growth from 100k to 1M steps: the summary's quantile sketches "
-    "keep their levels as lists of Python floats (32 B a value, O(log n) levels)"))
 def test_rss_is_flat_between_100k_and_1m_steps():
     """A profiler without a log, 1M empty steps with two phases (about 25 s on 2 cores):
     its RSS at 1M steps is within 10 MiB of its RSS at 100k."""
