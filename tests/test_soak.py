@@ -106,7 +106,9 @@ def test_signal_ends_the_run_with_a_summary_and_the_same_exit(tmp_path, sig, han
     would without stepprof, and the log ends with a summary saying which signal ended it,
     after every finished step."""
     r = soak.signal_run(str(tmp_path), sig, handler, kbint_exit=kbint_exit)
-    assert r.reference_returncode == expected_rc
+    # An uncaught KeyboardInterrupt ends the process by SIGINT, or with status 1 where the
+    # interpreter cannot re-raise it (seen on the H200 host): either way, as without stepprof.
+    assert r.reference_returncode in ((expected_rc, 1) if expected_rc == -signal.SIGINT else (expected_rc,))
     assert r.returncode == r.reference_returncode, r.stderr[-3000:]
     assert r.reference_handler_called is (handler != "none")
     assert r.handler_called is (handler != "none"), r.stderr[-3000:]
