@@ -41,10 +41,37 @@ class Recorder(Protocol):
     def _exit(self, token: Any, exc: BaseException | None) -> None: ...
 
 
-class StepScope:
+class _Scope:
+    """What the step and phase scopes share: the tokens they entered, and their exit.
+
+    The exit is defined once here and inherited (not a call away: it runs at every scope exit).
+    """
+
+    __slots__ = ("_tokens",)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        tokens = token = None
+        try:
+            tokens = self._tokens
+            if not tokens or torch.compiler.is_compiling():
+                return
+            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
+            prof._exit(token, exc)
+        except BaseException as e:
+            if token is None and tokens:  # cut short before it read its token
+                prof, token = tokens[-1]
+            if token is not None:
+                _exit_again(prof, token, e)
+            raise
+        finally:
+            if tokens and token is not None and tokens[-1][1] is token:
+                tokens.pop()
+
+
+class StepScope(_Scope):
     """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
 
-    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_tokens")
+    __slots__ = ("_profiler", "_name", "_batch_size", "_budget")
 
     def __init__(
         self,
@@ -73,32 +100,14 @@ class StepScope:
             _abandon(self._tokens, prof, token, e)
             raise
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        tokens = token = None
-        try:
-            tokens = self._tokens
-            if not tokens or torch.compiler.is_compiling():
-                return
-            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
-            prof._exit(token, exc)
-        except BaseException as e:
-            if token is None and tokens:  # cut short before it read its token
-                prof, token = tokens[-1]
-            if token is not None:
-                _exit_again(prof, token, e)
-            raise
-        finally:
-            if tokens and token is not None and tokens[-1][1] is token:
-                tokens.pop()
 
-
-class MeasureScope:
+class MeasureScope(_Scope):
     """A named measurement: a context manager, and a decorator via ``__call__``.
 
     Inside an open step it times a phase of that step; outside, it is a step.
     """
 
-    __slots__ = ("_name", "_profiler", "_tokens")
+    __slots__ = ("_name", "_profiler")
 
     def __init__(self, name: str | None, profiler: Recorder | None) -> None:
         self._name = name
@@ -121,24 +130,6 @@ class MeasureScope:
         except BaseException as e:
             _abandon(self._tokens, prof, token, e)
             raise
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        tokens = token = None
-        try:
-            tokens = self._tokens
-            if not tokens or torch.compiler.is_compiling():
-                return
-            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
-            prof._exit(token, exc)
-        except BaseException as e:
-            if token is None and tokens:  # cut short before it read its token
-                prof, token = tokens[-1]
-            if token is not None:
-                _exit_again(prof, token, e)
-            raise
-        finally:
-            if tokens and token is not None and tokens[-1][1] is token:
-                tokens.pop()
 
     def __call__(self, fn: F) -> F:
         if isinstance(fn, (staticmethod, classmethod)):

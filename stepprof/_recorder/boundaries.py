@@ -338,11 +338,7 @@ class Boundaries:
                 if step is not None:
                     self._finish_exit(step, exc)
             else:
-                b = self.backend
-                while len(ctx.stack) > depth:
-                    ctx.stack.pop()
-                    if b is not None:
-                        b.range_pop()
+                self._pop_phases(ctx, depth)
         except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
             self.fail(e)
 
@@ -376,14 +372,17 @@ class Boundaries:
                     if self._inline or self._collector.thread is None:
                         self._collector.harvest_if_free()
             elif token in ctx.stack:
-                b = self.backend
-                i = ctx.stack.index(token)
-                for _ in range(len(ctx.stack) - i):
-                    ctx.stack.pop()
-                    if b is not None:
-                        b.range_pop()
+                self._pop_phases(ctx, ctx.stack.index(token))
         except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
             self.fail(e)
+
+    def _pop_phases(self, ctx: ThreadSteps, depth: int) -> None:
+        """Close the thread's phases above ``depth`` unrecorded, and their NVTX ranges."""
+        b = self.backend
+        while len(ctx.stack) > depth:
+            ctx.stack.pop()
+            if b is not None:
+                b.range_pop()
 
     def _close_orphan(self, ctx: ThreadSteps, step: Step) -> None:
         """Close a step that its scope left open, recorded with the reason."""
