@@ -117,3 +117,49 @@ def test_a_parallel_read_merges_sketches_compacted_to_different_depths(tmp_path,
         for q in ("p10", "median", "p90"):
             assert wall_parallel[q] == pytest.approx(wall[q], rel=0.01)
     assert serial["runs"][1]["approximate_quantiles"]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_a_log_of_very_many_runs_keeps_the_last_ones_and_counts_the_rest(tmp_path, monkeypatch, workers, capsys):
+    """Each run costs the report about 13 KB, so a log of many one-line runs would need far more
+    memory than its size: the report keeps the last RUNS_KEPT runs and says how many came before."""
+    from stepprof._report import read as read_module
+
+    monkeypatch.setattr(read_module, "RUNS_KEPT", 50)
+    recs = []
+    for i in range(400):  # runs without an id (index restarts) and with one, alternating
+        rec = {"schema_version": 2, "kind": "step", "step": 0, "wall_ms": float(i + 1)}
+        if i % 2:
+            rec["run_id"] = f"{i:012x}"
+        recs.append(rec)
+    log = str(tmp_path / "many.jsonl")
+    with open(log, "w") as f:
+        f.writelines(orjson.dumps(r).decode() + "\n" for r in recs)
+    rep = report_log(log, workers=workers)
+    assert rep.runs_dropped == 350 and len(rep.runs) == 50
+    assert [r.run for r in rep.runs] == list(range(350, 400))
+    assert [r.steps for r in rep.runs] == [1] * 50
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0 and "350 earlier run(s) not shown: the report keeps a log's last 50 runs" in out
+
+
+def test_the_reports_memory_stays_bounded_on_a_log_of_100k_one_line_runs(tmp_path):
+    """The issue's case: 100,000 one-line runs (a 5.8 MB log) took 1.3 GB; now the kept runs bound it."""
+    import resource
+    import subprocess
+    import sys
+
+    log = str(tmp_path / "runs.jsonl")
+    with open(log, "w") as f:
+        f.writelines('{"schema_version":2,"kind":"step","step":0,"wall_ms":1.0}\n' for _ in range(100_000))
+    code = (
+        "import resource, sys; from stepprof._report.build import report_log; "
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        f"rep = report_log({log!r}, workers=1); "
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "print(rep.runs_dropped, len(rep.runs), (after - before) // 1024)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    dropped, kept, grown_mib = map(int, out)
+    assert (dropped, kept) == (99_000, 1000)
+    assert grown_mib < 100, grown_mib  # was 1.3 GB

@@ -324,6 +324,7 @@ def test_a_log_of_many_distinct_ids_reports_each_as_a_run(tmp_path, monkeypatch)
             for i in range(3000)]
     log = fx.write(str(tmp_path / "many.jsonl"), recs)
     monkeypatch.setattr(read, "OPEN_RUNS_KEPT", 100)
+    monkeypatch.setattr(read, "RUNS_KEPT", 5000)  # every run kept (tests/test_report_read.py tests the cap)
     serial = report_log(log, workers=1)
     assert len(serial.runs) == 3000 and {r.run_id for r in serial.runs} == {r["run_id"] for r in recs}
     parallel = report_log(log, workers=4)

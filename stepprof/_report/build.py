@@ -80,6 +80,8 @@ def report_log(path: str, workers: int | None = None) -> LogReport:
         other_kinds=segment.kinds,
         runs=runs,
         sweeps=tuple(_sweep_report(s) for s in sweeps),
+        runs_dropped=segment.runs_dropped,
+        runs_kept=segment.runs_kept,
     )
 
 

@@ -214,6 +214,9 @@ class LogReport:
     other_kinds: dict[str, int]
     runs: tuple[RunReport, ...]
     sweeps: tuple[SweepReport, ...]
+    #: Runs before ``runs`` that were not kept: the report keeps a log's last ``runs_kept``.
+    runs_dropped: int = 0
+    runs_kept: int = 0
 
 
 @attrs.frozen

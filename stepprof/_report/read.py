@@ -16,12 +16,15 @@ from typing import Any, Generic, TypeVar
 from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
 
-__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RunBoundaries", "RunGrouper", "Segment", "read_log"]
+__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "RunBoundaries", "RunGrouper", "Segment", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
 PARALLEL_BYTES = 64 * 2**20
 #: Runs with a ``run_id`` held open at once; past this, the least recently written is closed.
 OPEN_RUNS_KEPT = 1024
+#: Runs kept per log, the last ones: each costs about 13 KB in the report, so a log of very
+#: many tiny runs would otherwise need far more memory than its size.  The rest are counted.
+RUNS_KEPT = 1000
 #: Sweep records kept per log.
 _SWEEP_RECORDS_KEPT = 200_000
 _RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops"))
@@ -175,7 +178,9 @@ class Segment:
 
     def __init__(self) -> None:
         self.stats = ScanStats()
-        self.runs: list[RunAggregate] = []
+        self.runs: list[RunAggregate] = []  # the last RUNS_KEPT, in order
+        self.runs_dropped = 0  # runs before those, not kept
+        self.runs_kept = RUNS_KEPT  # the cap this read applied
         self.sweep_records: list[dict[str, Any]] = []  # sweep_point/sweep_result, in order
         self.versions: dict[Any, int] = {}
         self.kinds: dict[str, int] = {}
@@ -219,10 +224,19 @@ class Segment:
         return self
 
     def _new_run(self, run_id: str | None) -> RunAggregate:
-        run = RunAggregate(len(self.runs))
+        run = RunAggregate(self.runs_dropped + len(self.runs))
         run.run_id = run_id
         self.runs.append(run)
+        self._keep_last()
         return run
+
+    def _keep_last(self) -> None:
+        """Drop the oldest runs past :data:`RUNS_KEPT` (a writer's open run lives on in the
+        grouper until it is written to no more, so memory stays bounded either way)."""
+        excess = len(self.runs) - self.runs_kept
+        if excess > 0:
+            del self.runs[:excess]
+            self.runs_dropped += excess
 
     def stitch(self, later: Segment) -> None:
         """Append the segment that follows this one in the file."""
@@ -253,10 +267,14 @@ class Segment:
             opened.popitem(last=False)
         if later.legacy_last is not None:
             self.legacy_last = merged.get(id(later.legacy_last), later.legacy_last)
+        kept = {id(run) for run in later.runs}
+        # Runs the later range dropped, but for a dropped head that continued one of ours.
+        self.runs_dropped += later.runs_dropped - sum(1 for key in merged if key not in kept)
         for run in later.runs:
             if id(run) not in merged:
-                run.index = len(self.runs)
+                run.index = self.runs_dropped + len(self.runs)
                 self.runs.append(run)
+        self._keep_last()
 
 
 def _read_range(args: tuple[str, int, int]) -> Segment:

@@ -63,6 +63,11 @@ def render(report: Report) -> str:
                 f"   written by a newer stepprof (schema {log.newer_schema}): fields this version "
                 f"does not know are ignored"
             )
+        if log.runs_dropped:
+            out.append(
+                f"   {log.runs_dropped:,} earlier run(s) not shown: the report keeps a log's last "
+                f"{log.runs_kept:,} runs"
+            )
         if not log.runs and not log.sweeps:
             out.append("   no step, memory or sweep records")
         for run in log.runs:
