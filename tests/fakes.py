@@ -19,7 +19,7 @@ import sys
 from types import SimpleNamespace
 
 from stepprof import _syncs
-from stepprof._device.backend import AllocatorFigures
+from stepprof._device.backend import AllocatorFigures, BoundaryOps
 
 GiB = 2**30
 MiB = 2**20
@@ -35,7 +35,7 @@ class FakeEvent:
         self.uid = FakeEvent._next
 
 
-class FakeGpu:
+class FakeGpu(BoundaryOps):
     device = "cuda:0"
     index: int | None = None
     has_device_timing = True
@@ -150,9 +150,9 @@ class FakeGpu:
         self._maybe_fail("reset_peak")
         self.peak = self.allocated
 
-    def read_memory(self) -> tuple[int, int, tuple[int, ...]]:
+    def read_memory(self) -> tuple[int, ...]:
         self._maybe_fail("read_memory")
-        return self.peak, self.reserved, tuple(self.counters)
+        return (self.peak, self.reserved, *self.counters)
 
     def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
         if self.sync_reason is not None:

@@ -21,6 +21,12 @@ if TYPE_CHECKING:  # annotations only: _syncs imports torch, and this module nee
 
 __all__ = [
     "ALLOCATOR_COUNTERS",
+    "MARK",
+    "POP",
+    "PUSH",
+    "READ",
+    "RESET",
+    "BoundaryOps",
     "SYNC_MECHANISMS",
     "AllocatorFigures",
     "Backend",
@@ -37,6 +43,18 @@ SYNC_MECHANISMS = ("warn", "trace", "off")
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
 
 Counters = tuple[int, ...]
+
+#: What one boundary call (:meth:`Backend.cross`) does, in this order: pop the innermost
+#: NVTX range, record a mark, read the allocator's figures, reset its peak, push a range.
+POP = 16
+MARK = 1
+READ = 2
+RESET = 4
+PUSH = 8
+
+#: A memory read: (peak allocated since the last reset, reserved now, then the allocator's
+#: cumulative :data:`ALLOCATOR_COUNTERS`, which a torch that lacks them leaves out).
+Memory = tuple[int, ...]
 
 
 class AllocatorFigures(NamedTuple):
@@ -78,13 +96,16 @@ class Backend(Protocol):
     gpu_reason: str | None
     #: Why allocator memory figures are unavailable, or None when they are real.
     memory_reason: str | None
+    #: "python" (:class:`BoundaryOps`) or "compiled" (one C++ call per boundary).
+    boundary: str
 
+    def cross(self, flags: int, name: str | None = None) -> tuple[Any | None, Memory | None]: ...
     def mark(self) -> Any | None: ...
     def is_done(self, mark: Any) -> bool: ...
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
     def release(self, mark: Any) -> None: ...
     def reset_peak(self) -> None: ...
-    def read_memory(self) -> tuple[int, int, Counters | None] | None: ...
+    def read_memory(self) -> Memory | None: ...
     def synchronize(self) -> None: ...
     def wait(self, marks: list[Any]) -> None: ...
     def range_push(self, name: str) -> None: ...
@@ -109,7 +130,32 @@ class SweepBackend(Backend, Protocol):
     def capacity_bytes(self) -> int | None: ...
 
 
-class HostBackend:
+class BoundaryOps:
+    """:meth:`Backend.cross` made of a backend's single calls (the Python boundary).
+
+    A backend with a compiled boundary overrides :meth:`cross` with one call that does
+    the same work (:mod:`stepprof._device.compiled`).
+    """
+
+    #: Which boundary does the device work: "python" (these single calls) or "compiled".
+    boundary = "python"
+
+    def cross(self, flags: int, name: str | None = None) -> tuple[Any | None, Memory | None]:
+        """One boundary's device work: ``flags`` is a sum of :data:`POP`, :data:`MARK`,
+        :data:`READ`, :data:`RESET` and :data:`PUSH` (done in that order); ``name`` is the
+        pushed range's.  Returns (the mark or None, the memory read or None)."""
+        if flags & POP:
+            self.range_pop()  # type: ignore[attr-defined]
+        mark = self.mark() if flags & MARK else None  # type: ignore[attr-defined]
+        mem = self.read_memory() if flags & READ else None  # type: ignore[attr-defined]
+        if flags & RESET:
+            self.reset_peak()  # type: ignore[attr-defined]
+        if flags & PUSH:
+            self.range_push(name)  # type: ignore[attr-defined]
+        return mark, mem
+
+
+class HostBackend(BoundaryOps):
     """No device: marks are None, memory figures are unavailable with ``reason``."""
 
     index = None

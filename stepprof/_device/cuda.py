@@ -30,7 +30,15 @@ from typing import Any
 import torch
 
 from .. import _syncs
-from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, Backend, Counters, HostBackend, HostSweepBackend
+from .backend import (
+    ALLOCATOR_COUNTERS,
+    AllocatorFigures,
+    Backend,
+    BoundaryOps,
+    HostBackend,
+    HostSweepBackend,
+    Memory,
+)
 from .sync_routes import (
     enable_gpu_trace,
     install_trace_route,
@@ -48,7 +56,7 @@ __all__ = [
 ]
 
 
-class CudaBackend:
+class CudaBackend(BoundaryOps):
     """CUDA events from a reusable pool, the raw allocator stats, NVTX.
 
     Events are ``torch.Event(device="cuda:N", enable_timing=True)``: its
@@ -118,22 +126,18 @@ class CudaBackend:
     def reset_peak(self) -> None:
         self._reset_peak(self.index)
 
-    def read_memory(self) -> tuple[int, int, Counters | None]:
-        """(peak allocated since the last reset, reserved now, the allocator's counters).
+    def read_memory(self) -> Memory:
+        """(peak allocated since the last reset, reserved now, then the allocator's counters).
 
-        One raw-stats call; the counters (:data:`ALLOCATOR_COUNTERS`, cumulative)
-        are None on a torch that lacks them.
+        One raw-stats call; the counters (:data:`ALLOCATOR_COUNTERS`, cumulative) are
+        left out on a torch that lacks them.
         """
         stats = self._memory_stats(self.index)
+        head = (stats["allocated_bytes"]["all"]["peak"], stats["reserved_bytes"]["all"]["current"])
         try:
-            counters: Counters | None = tuple(stats[k] for k in ALLOCATOR_COUNTERS)
+            return head + tuple(stats[k] for k in ALLOCATOR_COUNTERS)
         except KeyError:
-            counters = None
-        return (
-            stats["allocated_bytes"]["all"]["peak"],
-            stats["reserved_bytes"]["all"]["current"],
-            counters,
-        )
+            return head
 
     def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
         """Route this thread's host-device waits to ``tracker`` until :meth:`unwatch_syncs`.

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from .. import _memory
-from .._device.backend import Backend
+from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
 from .._device.cuda import upgrade_from_host
 from .._errors import StepprofError, UsageError, raised_by_user
 from .._syncs import SyncTracker
@@ -435,33 +435,31 @@ class Boundaries:
             )
         if step.phase_peaks:
             self._phase_peaks_at = index
-        b.range_push(f"{name} {index}")
+        flags = MARK | RESET | PUSH
         if self._counters is None and b.has_device_memory:
-            mem = b.read_memory()  # once: the baseline of the allocator's counters
-            self._counters = mem[2] if mem is not None else None
+            flags |= READ  # once: the baseline of the allocator's counters (read before the reset)
         max_syncs = self._max_syncs if budget[0] is None else budget[0]
         tracker = ctx.tracker
         tracker.begin(ctx.stack, max_syncs, budget[1] or self._on_sync, not step.warmup)
         step.syncs_reason = b.watch_syncs(tracker)
         ctx.watching = step.syncs_reason is None
-        b.reset_peak()
-        step.start_mark = ctx.last_top_mark = b.mark()
+        mark, mem = b.cross(flags, f"{name} {index}")
+        if mem is not None:
+            self._counters = mem[2:] or None
+        step.start_mark = ctx.last_top_mark = mark
         step.t0 = self._clock()
         step.overhead_ns = step.t0 - t_in
         return step
 
-    def _fold_peak(self, ctx: ThreadSteps, step: Step, b: Backend) -> tuple[int, int, Any] | None:
-        """Read the peak since the last reset into every open scope; return the read."""
-        mem = b.read_memory()
-        if mem is None:
-            return None
+    @staticmethod
+    def _fold_peak(ctx: ThreadSteps, step: Step, mem: Any) -> None:
+        """Fold a memory read's peak (since the last reset) into every open scope."""
         peak = mem[0]
         if peak > step.peak:
             step.peak = peak
         for ph in ctx.stack:
             if peak > ph.peak:
                 ph.peak = peak
-        return mem
 
     def _unwatch(self, ctx: ThreadSteps) -> None:
         """Stop routing this thread's waits to its tracker (idempotent)."""
@@ -486,11 +484,12 @@ class Boundaries:
             # give the phase its own start event.
             ph = OpenPhase(f"{stack[-1].key}/{name}", ctx)
             if step.phase_peaks:
-                self._fold_peak(ctx, step, b)
-                b.reset_peak()
+                ph.mark, mem = b.cross(MARK | READ | RESET | PUSH, name)
+                if mem is not None:
+                    self._fold_peak(ctx, step, mem)
+            else:
+                ph.mark = b.cross(MARK | PUSH, name)[0]
             stack.append(ph)
-            b.range_push(name)
-            ph.mark = b.mark()
         else:
             # Top level: top-level phases tile the step.  The peak counter already
             # runs from the last read, and the last top-level boundary's event (the
@@ -500,7 +499,7 @@ class Boundaries:
             # phases counts toward the next.
             ph = OpenPhase(name, ctx)
             stack.append(ph)
-            b.range_push(name)
+            b.cross(PUSH, name)
             ph.mark = ctx.last_top_mark
         ph.t0 = self._clock()
         step.overhead_ns += ph.t0 - t_in
@@ -513,10 +512,13 @@ class Boundaries:
         stack = ctx.stack
         if ph not in stack:
             return  # already closed (e.g. by its step's exit)
-        end = b.mark()
+        last = stack[-1] is ph  # the common case: only ph closes, and its range pops in the call
+        flags = MARK | POP if last else MARK
         if step.phase_peaks:
-            self._fold_peak(ctx, step, b)
-            b.reset_peak()
+            flags |= READ | RESET
+        end, mem = b.cross(flags)
+        if mem is not None:
+            self._fold_peak(ctx, step, mem)
         if stack[0] is ph:
             ctx.last_top_mark = end
         # Close ph and anything opened inside it that was left open.
@@ -532,9 +534,9 @@ class Boundaries:
             total.count += 1
             total.syncs += top.syncs
             stack.pop()
-            b.range_pop()
             if top is ph:
                 break
+            b.range_pop()
         step.overhead_ns += self._clock() - t_in
 
     def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None) -> None:
@@ -546,8 +548,9 @@ class Boundaries:
             if ctx.stack:  # phases left open (a generator suspended mid-phase, say)
                 self.end_phase(ctx, step, ctx.stack[0], exc)
             t_in = self._clock()
-            step.end_mark = b.mark()
-            mem = self._fold_peak(ctx, step, b)
+            step.end_mark, mem = b.cross(MARK | READ | POP)
+            if mem is not None:
+                self._fold_peak(ctx, step, mem)
             if ctx.watching:
                 step.syncs = ctx.tracker.end()
                 if exc is None and ctx.tracker.deferred is not None:
@@ -560,13 +563,12 @@ class Boundaries:
             else:
                 self._steady, self._last_peak = 0, step.peak
             step.reserved = mem[1]
-            counters, previous = mem[2], self._counters
+            counters, previous = mem[2:] or None, self._counters
             if counters is not None and previous is not None:
                 step.counters = tuple(now - then for now, then in zip(counters, previous))
             self._counters = counters
         if not b.has_device_memory:
             step.rss = self._read_rss()
-        b.range_pop()
         if ctx.hooked:
             for hook in self._end_hooks:
                 hook.on_step_end(step, raised)
