@@ -5,9 +5,10 @@ Two steps (an 8-layer bf16 MLP with AdamW):
   launch-bound:  256 wide, batch 64 (host-bound: launch cost dominates).
 Variants, interleaved in a shuffled order every round:
   bare         the step as is (and bare-again, the same, as an A/A noise control);
-  step         inside ``prof.step(batch_size=...)``;
+  step         inside ``prof.step(batch_size=...)`` (the compiled boundary if built);
   full         ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
-  full-inline  the same, records built on the training thread instead of the collector thread;
+  step-python, full-python  the same with ``boundary="python"``;
+  full-budget  ``full`` with ``overhead_budget=0.01``;
   profiler     the bare step under torch.profiler (CPU+CUDA activities), trace
                post-processing (its exit and key_averages()) excluded and reported apart;
   with --ablate, the full loop with one setting changed (ABLATIONS below).
@@ -96,14 +97,18 @@ def median_ci(xs, n_boot: int = 2000, seed: int = 0):
     return [meds[int(0.025 * n_boot)], meds[int(0.975 * n_boot)]]
 
 
-#: Profiler settings per variant; "-inline" harvests on the training thread at step exits.
+#: Profiler settings per variant.  ``boundary="auto"`` is the compiled boundary once
+#: ``stepprof build`` has built it (the JSON says which ran: ``boundary``).
 VARIANTS = {
     "step": {},
     "full": {},
-    "full-inline": {"collect_every_s": None},
+    "step-python": {"boundary": "python"},
+    "full-python": {"boundary": "python"},
+    "full-budget": {"overhead_budget": 0.01},
 }
 #: With --ablate: one feature changed at a time, to attribute the full loop's cost.
 ABLATIONS = {
+    "full-inline": {"collect_every_s": None},
     "full-every-phase-peak": {"phase_peaks_every": 1},
     "full-no-syncs": {"syncs": "off"},
     "full-no-nvtx": {"nvtx": False},
@@ -111,8 +116,10 @@ ABLATIONS = {
 
 
 def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profiler: bool = True,
-        ablate: bool = False) -> dict:
-    fwd, bwd, opt = make_workload(width, batch)
+        ablate: bool = False, device: str = "cuda") -> dict:
+    cpu = device == "cpu"
+    fwd, bwd, opt = make_workload(width, batch, device="cpu", dtype=torch.float32) if cpu else make_workload(width, batch)
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
     settings = {**VARIANTS, **(ABLATIONS if ablate else {})}
     profs = {v: _make_profiler(os.path.join(tmp, f"{name}-{v}.jsonl"), **kw) for v, kw in settings.items()}
 
@@ -139,7 +146,7 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
     for fn in variants.values():  # warm-up: allocator, cuBLAS handles, Adam state
         for _ in range(10):
             fn()
-    torch.cuda.synchronize()
+    sync()
     for prof in profs.values():  # the warm-up's records, before any round
         prof._drain()
 
@@ -153,13 +160,13 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
         for v in order:
             fn = variants[v]
             if v == "profiler":
-                acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([] if cpu else [torch.profiler.ProfilerActivity.CUDA])
                 p = torch.profiler.profile(activities=acts)
                 p.__enter__()
             # stepprof's variants write their round's last records before the clock stops:
             # left to the collector thread, they would be written during the next round.
             prof = profs.get(v)
-            wall_us, cpu_us = timed_round(fn, k, torch.cuda.synchronize,
+            wall_us, cpu_us = timed_round(fn, k, sync,
                                           prof._drain if prof is not None else None)
             if v == "profiler":
                 # The post-processing: the exit stops the trace and collects its events
@@ -186,6 +193,9 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
             "process_cpu_added_us": quantiles(cpu_added),
         }
     out["stepprof_overhead_us_median"] = {v: s.overhead_us_median for v, s in summaries.items()}
+    out["stepprof_overhead_us_mean"] = {v: s.overhead_us_mean for v, s in summaries.items()}
+    out["boundary"] = {v: s.boundary for v, s in summaries.items()}
+    out["gpu_steps"] = {v: [s.gpu_steps, s.measured_steps] for v, s in summaries.items()}
     out["stepprof_gpu_ms_median"] = {v: s.gpu_ms.median if s.gpu_ms is not None else None
                                      for v, s in summaries.items()}
     if not profiler:
@@ -217,18 +227,20 @@ def main() -> int:
                     help="comma-separated subset of compute-bound,launch-bound")
     ap.add_argument("--ablate", action="store_true",
                     help="add variants of the full loop with one feature changed (see ABLATIONS)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the launch-bound step's shape in fp32 on the CPU (a host-only check)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/overhead.py needs CUDA; nothing measured")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/overhead.py needs CUDA (or --device cpu); nothing measured")
         return 0
-    results = {**run_info("overhead.py"), "workloads": {}}
+    results = {**run_info("overhead.py", gpu="cpu" if args.device == "cpu" else None), "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         chosen = args.workloads.split(",")
         for name, width, batch in (("compute-bound", 4096, 4096), ("launch-bound", 256, 64)):
             if name in chosen:
                 results["workloads"][name] = run(
                     name, width, batch, args.rounds, args.steps, tmp, profiler=not args.no_profiler,
-                    ablate=args.ablate,
+                    ablate=args.ablate, device=args.device,
                 )
 
     print(f"{results['gpu']}, torch {results['torch']}, {args.rounds} interleaved rounds x {args.steps} steps")
@@ -238,7 +250,7 @@ def main() -> int:
         for v, r in w["variants"].items():
             rt = r["ratio_to_bare"]
             ci = rt["median_ci95"]
-            ovh = w["stepprof_overhead_us_median"].get(v)
+            ovh = w["stepprof_overhead_us_mean"].get(v)
             f = w.get("profiler_added_over_stepprof", {}).get(v)
             print(f"{name:14s} {v:22s} {r['us_per_step']['median']:9.1f} {r['added_us']['median']:9.1f} "
                   f"{rt['median']:7.4f} {ci[0]:7.4f}-{ci[1]:.4f} {rt['p10']:6.4f}-{rt['p90']:.4f} "

@@ -116,6 +116,7 @@ class RunFigures:
     gpu_busy_median: float | None
     syncs_per_step: Percentiles | None
     overhead_us_median: float | None
+    overhead_us_mean: float | None
     tflops_per_s_median: float | None
     mfu_median: float | None
 
@@ -181,7 +182,7 @@ class RunAggregate:
 
     _COUNTERS = ("steps", "warmup", "errors", "measured", "alloc_steps", "steps_with_device_alloc",
                  "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped",
-                 "ranks_records")
+                 "ranks_records", "overhead_sum_ns")
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -223,6 +224,7 @@ class RunAggregate:
         self.flops_counted_step: int | None = None
         self.summary: dict[str, Any] | None = None
         self.step_reasons: dict[str, str] = {}  # the first reason per field of the timed steps
+        self.overhead_sum_ns = 0  # the timed steps' overhead_us, for the mean
         self.since_settle = 0
         # Distributed runs: this log's rank, and (rank 0's log) the ranks records.
         self.identity: dict[str, Any] | None = None
@@ -325,6 +327,7 @@ class RunAggregate:
         t = type(x)
         if t is float or t is int:
             self.overhead.buf.append(x)
+            self.overhead_sum_ns += round(x * 1e3)  # an int: sums alike however a log is split
         self._add_memory_fields(r)
         allocs, retries = self._add_allocator(get("allocator"))
         syncs = get("syncs")
@@ -604,6 +607,7 @@ class RunAggregate:
             gpu_busy_median=self.busy.quantile(0.5),
             syncs_per_step=_percentiles(self.syncs),
             overhead_us_median=self.overhead.quantile(0.5),
+            overhead_us_mean=self.overhead_sum_ns / self.overhead.count / 1e3 if self.overhead.count else None,
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
         )
@@ -627,6 +631,7 @@ class RunAggregate:
             "peak_allocated_bytes_max": self.peak,
             "samples_per_s_median": figures.samples_per_s,
             "overhead_us_median": figures.overhead_us_median,
+            "overhead_us_mean": figures.overhead_us_mean,
             "syncs_per_step_median": figures.syncs_per_step,
         }
         why: dict[str, str] = {}
@@ -701,6 +706,9 @@ class RunAggregate:
             "peak_allocated_bytes_max": self.peak,
             "samples_per_s_median": None if figures.samples_per_s is None else figures.samples_per_s.median,
             "overhead_us_median": figures.overhead_us_median,
+            "overhead_us_mean": figures.overhead_us_mean,
+            "gpu_steps": self.gpu.count,
+            "boundary": self._boundary(),
             "syncs_per_step_median": None if syncs is None else syncs.median,
             "sync_mechanism": self.sync_mechanism if syncs is not None else None,
             "tflops_per_s_median": figures.tflops_per_s_median,
@@ -710,6 +718,11 @@ class RunAggregate:
             "ended_by": self._ended_by(),
             "run_id": self.run_id,
         }
+
+    def _boundary(self) -> str | None:
+        """The run's summary's ``boundary`` (untrusted: one of the known names, else None)."""
+        b = self.summary.get("boundary") if self.summary is not None else None
+        return b if b in ("compiled", "python") else None
 
     def _ended_by(self) -> str | None:
         """The run's summary's ``ended_by`` (untrusted: a str of a sane length, else None)."""

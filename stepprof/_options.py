@@ -16,6 +16,7 @@ from ._validate import (
     FLUSH_EVERY_S,
     MEMORY_EVERY,
     PHASE_PEAKS_EVERY,
+    check_boundary,
     check_device,
     check_flops,
     check_flush_every_s,
@@ -25,6 +26,7 @@ from ._validate import (
     check_memory_every,
     check_nvtx,
     check_on_sync,
+    check_overhead_budget,
     check_phase_peaks_every,
     check_ranks_every,
     check_syncs,
@@ -48,7 +50,7 @@ def _one_source_of_flops(options: ProfilerOptions, _: attrs.Attribute[Any], flop
 
 @attrs.frozen
 class ProfilerOptions:
-    """The 15 settings of :class:`stepprof.Profiler` (documented there), checked.
+    """The 17 settings of :class:`stepprof.Profiler` (documented there), checked.
 
     Each value is converted as the profiler uses it (``device`` to a
     ``torch.device``, ``log`` to a str, ``flops_per_step`` to a float); a bad one
@@ -73,6 +75,8 @@ class ProfilerOptions:
     log_ranks: str = attrs.field(default="all", converter=check_log_ranks)
     group: Any = None
     flush_every_s: float = attrs.field(default=FLUSH_EVERY_S, converter=check_flush_every_s)
+    boundary: str = attrs.field(default="auto", converter=check_boundary)
+    overhead_budget: float | None = attrs.field(default=None, converter=check_overhead_budget)
 
 
 #: The settings' names, in :class:`stepprof.Profiler`'s order.

@@ -11,6 +11,10 @@ from ._schema import summary_record
 from ._stats import quantile
 from ._units import format_bytes
 
+#: What the compiled boundary saves per step against the Python one, in µs: the step record
+#: on the launch-bound step of bench/overhead.py on an H200 (docs/benchmarks.md).
+COMPILED_SAVES_US = 19.0
+
 __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 
@@ -103,6 +107,14 @@ class Summary:
     ended_by: str | None = None
     #: The id of the run, on every record it wrote (``run_id``).
     run_id: str | None = None
+    #: stepprof's cost per measured step, the mean of ``overhead_us`` (under
+    #: ``overhead_budget`` the median is a light step's; the mean covers the full ones).
+    overhead_us_mean: float | None = None
+    #: Measured steps with GPU figures: all of them without ``overhead_budget`` (on CUDA),
+    #: the sampled ones under it.
+    gpu_steps: int | None = None
+    #: Which boundary did the device work on CUDA: ``"compiled"`` or ``"python"`` (None: no CUDA).
+    boundary: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -132,6 +144,14 @@ class Summary:
             parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
         if self.mfu_median is not None:
             parts.append(f"MFU {self.mfu_median:.0%}")
-        if self.overhead_us_median is not None:
-            parts.append(f"stepprof {self.overhead_us_median:.0f} µs/step")
-        return "stepprof: " + ", ".join(parts)
+        if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
+            parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
+        if self.overhead_us_mean is not None:
+            parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({self.boundary or 'host'} boundary)")
+        text = "stepprof: " + ", ".join(parts)
+        if self.boundary == "python":
+            text += (
+                f"\nstepprof: the Python boundary ran; `stepprof build` compiles the C++ one, "
+                f"about {COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)"
+            )
+        return text

@@ -86,6 +86,7 @@ def step_record(
     unavailable: dict[str, str],
     host_rss_bytes: int | None | _Absent = ABSENT,
     thread: str | _Absent = ABSENT,
+    sampled: bool | _Absent = ABSENT,
     flops: float | None | _Absent = ABSENT,
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
@@ -98,7 +99,8 @@ def step_record(
     """A ``kind: "step"`` record, its keys in the order docs/schema.md gives.
 
     The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
-    only), ``thread`` (steps of a thread other than the training thread), ``flops``,
+    only), ``thread`` (steps of a thread other than the training thread), ``sampled``
+    (under ``overhead_budget``: whether the step got its GPU figures), ``flops``,
     ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
     as True), and ``run_id`` and the rank fields (a distributed run's), which the log
     writer adds.
@@ -131,6 +133,8 @@ def step_record(
         record["host_rss_bytes"] = host_rss_bytes
     if thread is not ABSENT:
         record["thread"] = thread
+    if sampled is not ABSENT:
+        record["sampled"] = sampled
     if flops is not ABSENT:
         record["flops"] = flops
     if tflops_per_s is not ABSENT:
@@ -188,6 +192,9 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "mfu_median": s.mfu_median,
         "phases": _phases(s.phases),
         "ended_by": s.ended_by,
+        "overhead_us_mean": s.overhead_us_mean,
+        "gpu_steps": s.gpu_steps,
+        "boundary": s.boundary,
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
         "run_id": s.run_id,
     }

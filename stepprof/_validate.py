@@ -306,6 +306,34 @@ def check_flush_every_s(flush_every_s: Any) -> float:
     return float(flush_every_s)
 
 
+#: Where a step's device work is done (see docs/measurement.md).
+BOUNDARIES = ("auto", "compiled", "python")
+
+
+def check_boundary(boundary: Any) -> str:
+    if boundary not in BOUNDARIES:
+        raise ConfigError(
+            f"'boundary' must be 'auto' (the compiled boundary if `stepprof build` has built it, "
+            f"else Python), 'compiled' or 'python' (got {boundary!r})"
+        )
+    return boundary
+
+
+def check_overhead_budget(overhead_budget: Any) -> float | None:
+    if overhead_budget is None:
+        return None
+    if (
+        isinstance(overhead_budget, bool)
+        or not isinstance(overhead_budget, (int, float))
+        or not (math.isfinite(overhead_budget) and 0.0001 <= overhead_budget <= 0.5)
+    ):
+        raise ConfigError(
+            f"'overhead_budget' must be a fraction of step time from 0.0001 to 0.5, or None for "
+            f"every step in full (got {overhead_budget!r}); pass e.g. overhead_budget=0.01 for 1%"
+        )
+    return float(overhead_budget)
+
+
 def check_ranks_every(ranks_every: Any) -> int:
     return check_count(
         ranks_every, "ranks_every",

@@ -77,6 +77,10 @@ _STEP_ORPHANED = 4
 _PHASE_ORPHANED = 2
 
 
+#: The token of a phase entered in a light step (``overhead_budget``): nothing is recorded.
+LIGHT_PHASE = object()
+
+
 def error_message(exc: BaseException) -> str:
     """The user's exception's message for a step's ``error``, truncated to 2000 characters."""
     try:
@@ -135,8 +139,11 @@ class Boundaries:
         phase_peaks_every: int,
         read_rss: Callable[[], int | None],
         flush_every_ns: int | None = None,
+        boundary: str = "auto",
     ) -> None:
         self.backend = backend
+        self._boundary = boundary
+        self._budget = collector.budget
         self.closed = False
         self.broken: str | None = None  # why recording stopped
         self.next_index = 0
@@ -254,6 +261,8 @@ class Boundaries:
                 f"({open_step.name!r}); steps do not nest. Use stepprof.measure({name or 'name'!r}) "
                 f"for a phase inside a step, or leave the outer step first"
             )
+        if open_step is not None and open_step.sampled == 0:
+            return LIGHT_PHASE  # a phase of a light step: not measured
         depth = len(ctx.stack)
         try:
             if open_step is None:
@@ -276,6 +285,8 @@ class Boundaries:
         Idempotent: a token already closed (an exit that an interrupt cut short, done
         again by the scope) is a no-op.
         """
+        if token is LIGHT_PHASE:
+            return
         if token is None or self.broken is not None or self.closed:
             if token is not None:
                 self._exit_unrecorded(token)
@@ -358,7 +369,7 @@ class Boundaries:
                         token.t1 = self._clock()
                     self._unwatch(ctx)
                     if b is not None:
-                        for _ in range(len(ctx.stack) + 1):
+                        for _ in range(len(ctx.stack) + (token.sampled != 0)):
                             b.range_pop()
                     ctx.stack.clear()
                     ctx.step = None
@@ -407,8 +418,9 @@ class Boundaries:
         return b
 
     def begin_step(
-        self, ctx: ThreadSteps, name: str, batch_size: int | None, budget: tuple[int | None, str | None]
+        self, ctx: ThreadSteps, name: str, batch_size: int | None, syncs: tuple[int | None, str | None]
     ) -> Step:
+        t_in = self._clock()
         index = self.next_index
         self.next_index = index + 1
         step = Step(index, name, index < self._warmup, batch_size)
@@ -424,10 +436,22 @@ class Boundaries:
         if ctx.hooked:
             for hook in self._begin_hooks:
                 hook.on_step_begin(index)
-        t_in = self._clock()
         step.t0 = t_in
-        b = self.ensure_backend()
+        b = self.backend
+        if b is None or not b.has_device_timing:
+            b = self.ensure_backend()
         step.backend = b
+        budget = self._budget
+        if budget is not None and not step.warmup:
+            k = budget.interval
+            if index % k:  # a light step: the clock and the sync count only
+                step.sampled = 0
+                self._counters = None  # the next full step reads a new baseline
+                self._watch(ctx, step, b, syncs)
+                step.t0 = self._clock()
+                step.overhead_ns = step.t0 - t_in
+                return step
+            step.sampled = k
         n = self._phase_peaks_every
         if n != 1:
             step.phase_peaks = n > 0 and (
@@ -438,11 +462,7 @@ class Boundaries:
         flags = MARK | RESET | PUSH
         if self._counters is None and b.has_device_memory:
             flags |= READ  # once: the baseline of the allocator's counters (read before the reset)
-        max_syncs = self._max_syncs if budget[0] is None else budget[0]
-        tracker = ctx.tracker
-        tracker.begin(ctx.stack, max_syncs, budget[1] or self._on_sync, not step.warmup)
-        step.syncs_reason = b.watch_syncs(tracker)
-        ctx.watching = step.syncs_reason is None
+        self._watch(ctx, step, b, syncs)
         mark, mem = b.cross(flags, f"{name} {index}")
         if mem is not None:
             self._counters = mem[2:] or None
@@ -450,6 +470,14 @@ class Boundaries:
         step.t0 = self._clock()
         step.overhead_ns = step.t0 - t_in
         return step
+
+    def _watch(self, ctx: ThreadSteps, step: Step, b: Backend, syncs: tuple[int | None, str | None]) -> None:
+        """Start counting this thread's syncs for ``step`` (its sync budget: ``max_syncs``, ``on_sync``)."""
+        max_syncs = self._max_syncs if syncs[0] is None else syncs[0]
+        tracker = ctx.tracker
+        tracker.begin(ctx.stack, max_syncs, syncs[1] or self._on_sync, not step.warmup)
+        step.syncs_reason = b.watch_syncs(tracker)
+        ctx.watching = step.syncs_reason is None
 
     @staticmethod
     def _fold_peak(ctx: ThreadSteps, step: Step, mem: Any) -> None:
@@ -548,9 +576,12 @@ class Boundaries:
             if ctx.stack:  # phases left open (a generator suspended mid-phase, say)
                 self.end_phase(ctx, step, ctx.stack[0], exc)
             t_in = self._clock()
-            step.end_mark, mem = b.cross(MARK | READ | POP)
-            if mem is not None:
-                self._fold_peak(ctx, step, mem)
+            mem = None
+            light = step.sampled == 0
+            if not light:
+                step.end_mark, mem = b.cross(MARK | READ | POP)
+                if mem is not None:
+                    self._fold_peak(ctx, step, mem)
             if ctx.watching:
                 step.syncs = ctx.tracker.end()
                 if exc is None and ctx.tracker.deferred is not None:
@@ -567,7 +598,7 @@ class Boundaries:
             if counters is not None and previous is not None:
                 step.counters = tuple(now - then for now, then in zip(counters, previous))
             self._counters = counters
-        if not b.has_device_memory:
+        if not b.has_device_memory and not light:
             step.rss = self._read_rss()
         if ctx.hooked:
             for hook in self._end_hooks:
@@ -579,9 +610,9 @@ class Boundaries:
         self._open.pop(ctx.tid, None)
         collector = self._collector
         step.queued = True
-        if self._inline:  # inline mode: harvest older steps here
-            collector.harvest()
+        if self._inline:  # inline mode: harvest older steps here (the harvest times itself)
             step.overhead_ns += self._clock() - t_in
+            collector.harvest()
             self._pending.append(step)
             if not b.has_device_timing:
                 collector.harvest()  # nothing to wait for on the host: write it now
@@ -610,11 +641,7 @@ class Boundaries:
         self._catch_up_at = now + every // 4
         pending = self._pending
         if pending and now - pending[0].t1 > every:
-            t_in = self._clock()
-            self._collector.harvest_if_free()
-            ctx = self._main
-            if ctx is not None and pending and pending[-1].ctx is ctx:
-                pending[-1].overhead_ns += self._clock() - t_in
+            self._collector.harvest_if_free()  # its time goes to the records it writes
 
     # -- failure ---------------------------------------------------------------------
 
@@ -630,7 +657,7 @@ class Boundaries:
         self._unwatch(ctx)
         b = self.backend
         if b is not None and (ctx.step is not None or ctx.stack):
-            for _ in range(len(ctx.stack) + (ctx.step is not None)):
+            for _ in range(len(ctx.stack) + (ctx.step is not None and ctx.step.sampled != 0)):
                 try:
                     b.range_pop()
                 except Exception as e:  # noqa: BLE001

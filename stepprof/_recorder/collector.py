@@ -14,13 +14,15 @@ The collector thread harvests every ``collect_every_s``; with ``collect_every_s=
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
 from .._units import per_s
+from .budget import Budget
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
 from .step import Step, elapsed_ms
@@ -37,7 +39,9 @@ OVERLAP_REASON = (
 )
 
 
-def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
+def build_step_record(
+    s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None
+) -> dict[str, Any]:
     """The ``kind: "step"`` record of a completed step (its marks' events have completed).
 
     Built by :func:`stepprof._schema.step_record`; the hooks add their fields after
@@ -48,7 +52,10 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
         b: the backend it was measured on.
         start_unix_s: when it started, in seconds since the epoch.
         phase_peaks_why: why its phases have no peak when they were not read on it.
+        not_sampled: for a light step (``overhead_budget``), why it has no GPU figures.
     """
+    if not_sampled is not None:
+        return _light_record(s, b, start_unix_s, not_sampled)
     unavailable: dict[str, str] = {}
     wall_ms = (s.t1 - s.t0) / 1e6
     gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
@@ -141,6 +148,38 @@ def build_step_record(s: Step, b: Backend, *, start_unix_s: float, phase_peaks_w
         unavailable=unavailable,
         host_rss_bytes=s.rss if on_host else ABSENT,
         thread=s.thread if s.thread is not None else ABSENT,
+        sampled=ABSENT if s.sampled is None else True,
+    )
+
+
+def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[str, Any]:
+    """The record of a light step: its wall time, syncs and error; the device figures null."""
+    wall_ms = (s.t1 - s.t0) / 1e6
+    unavailable = dict.fromkeys(
+        ("gpu_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "phases", "allocator"), why
+    )
+    samples_per_s = None
+    if s.batch_size is None:
+        unavailable["samples_per_s"] = "no batch_size was given"
+    elif wall_ms > 0:
+        samples_per_s = per_s(s.batch_size, wall_ms)
+        if samples_per_s is None:
+            unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
+    else:
+        unavailable["samples_per_s"] = "step took no measurable time"
+    if s.syncs is None:
+        unavailable["syncs"] = s.syncs_reason or "not counted"
+    on_host = not b.has_device_memory
+    if on_host:
+        unavailable["host_rss_bytes"] = why
+    return step_record(
+        step=s.index, name=s.name, warmup=s.warmup, device=b.device, start_unix_s=start_unix_s,
+        wall_ms=wall_ms, gpu_ms=None, gpu_busy=None, peak_allocated_bytes=None, reserved_bytes=None,
+        batch_size=s.batch_size, samples_per_s=samples_per_s, phases={}, overhead_us=s.overhead_ns / 1e3,
+        error=s.error, syncs=s.syncs, allocator=None, unavailable=unavailable,
+        host_rss_bytes=None if on_host else ABSENT,
+        thread=s.thread if s.thread is not None else ABSENT,
+        sampled=False,
     )
 
 
@@ -164,6 +203,8 @@ class Collector:
         summary: where records are aggregated for the summary.
         clock0_ns, unix0_s: one reading of the step clock and the time since the epoch
             taken together, to date the steps.
+        clock: the step clock (times the collector's own work, for ``overhead_us``).
+        overhead_budget: the profiler's setting (None: every step in full).
         phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
         collect_every_s: how often the thread harvests; None: the training thread
             harvests at each step's exit instead.
@@ -180,16 +221,25 @@ class Collector:
         unix0_s: float,
         phase_peaks_every: int,
         collect_every_s: float | None,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        overhead_budget: float | None = None,
     ) -> None:
         self.pending: deque[Step] = deque()
+        #: Under ``overhead_budget``: which steps are measured in full (None: all of them).
+        self.budget = Budget(overhead_budget) if overhead_budget is not None else None
         self.log = log
         self.summary = summary
         self.every_s = collect_every_s
         self.error: str | None = None  # why the thread stopped writing records
         self.lock = threading.Lock()  # one harvest at a time
         self._clock0 = clock0_ns
+        self._clock = clock
+        #: The last harvest's time per record written (building, the hooks, writing, the
+        #: summary): each record of the next harvest adds it to its ``overhead_us``.
+        self.ns_per_record = 0.0
         self._unix0 = unix0_s
         self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
+        self._not_sampled_why: tuple[int, str] | None = None
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
         self.use(())
@@ -280,13 +330,21 @@ class Collector:
     def harvest(self) -> None:
         """Write every pending step, oldest first, whose events have all completed.
 
-        The records are written together at the end, in one system call.
+        The records are written together at the end, in one system call.  The harvest's
+        own time is stepprof's too: each record's ``overhead_us`` includes the collector's
+        time per record, as the previous harvest measured it (:attr:`ns_per_record`).
         """
         for hook in self._harvest_hooks:
             hook.on_harvest(self.write)
         pending = self.pending
         if not pending:
             return
+        clock = self._clock
+        t0 = clock()
+        share_us = self.ns_per_record / 1e3
+        written = 0
+        budget = self.budget
+        log_write, add_step = self.log.write, self.summary.add_step
         self.log.begin_batch()
         try:
             while pending:
@@ -299,15 +357,38 @@ class Collector:
                         if not b.is_done(end):  # a phase on another stream, still running
                             return
                 pending.popleft()
-                self._record(s, b)
+                record = self._build(s)
+                record["overhead_us"] += share_us
+                if budget is not None and not s.warmup and s.error is None:
+                    budget.add(s.sampled != 0, record["overhead_us"], record["wall_ms"])
+                log_write(record)
+                add_step(record)
+                for hook in self._after_hooks:
+                    hook.after_record(s, self.write)
+                written += 1
         finally:
             self.log.end_batch()
+            if written:
+                self.ns_per_record = (clock() - t0) / written
+                if budget is not None:
+                    budget.choose()
 
-    def _record(self, s: Step, b: Backend) -> None:
-        """Build a completed step's record and hand it to the hooks and the sinks."""
+    def _not_sampled(self, _: int | None) -> str:
+        """Why a light step has no GPU figures (the interval it was chosen under)."""
+        budget = self.budget
+        assert budget is not None
+        why = self._not_sampled_why
+        if why is None or why[0] != budget.interval:
+            why = self._not_sampled_why = (budget.interval, budget.reason(budget.interval))
+        return why[1]
+
+    def _build(self, s: Step) -> dict[str, Any]:
+        """Build a completed step's record, hand it to the hooks, release its marks."""
+        b = s.backend
         record = build_step_record(
             s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
             phase_peaks_why=self._phase_peaks_why,
+            not_sampled=self._not_sampled(s.sampled) if s.sampled == 0 else None,
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
@@ -317,7 +398,4 @@ class Collector:
                 if m is not None and id(m) not in released:
                     released.add(id(m))
                     b.release(m)
-        self.log.write(record)
-        self.summary.add_step(record)
-        for hook in self._after_hooks:
-            hook.after_record(s, self.write)
+        return record

@@ -97,6 +97,15 @@ class Profiler:
         flush_every_s: the most the log may lag behind the training thread: a step whose
             device events have completed is written within this many seconds of its exit,
             which bounds what a ``kill -9`` loses (docs/reliability.md).
+        boundary: where each boundary's device work (event record, allocator read, peak
+            reset, NVTX) is done: ``"auto"`` (one compiled C++ call if ``stepprof build`` has
+            built it for this torch and CUDA, else Python), ``"compiled"`` (raises
+            :class:`stepprof.ConfigError` if it is not built) or ``"python"``.
+        overhead_budget: keep stepprof's measured cost (``overhead_us``) within this fraction
+            of the median step time, e.g. ``0.01``: every step still gets its wall time and
+            sync count, and GPU time, peaks and phases are taken on one step in an interval
+            chosen from the measured costs (those records say ``sampled``).  None (the
+            default): every step in full.
 
     Example:
         >>> import stepprof, torch
@@ -134,12 +143,15 @@ class Profiler:
         log_ranks: str = "all",
         group: Any = None,
         flush_every_s: float = FLUSH_EVERY_S,
+        boundary: str = "auto",
+        overhead_budget: float | None = None,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
             log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
             on_sync=on_sync, memory_every=memory_every, phase_peaks_every=phase_peaks_every,
             flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
-            log_ranks=log_ranks, group=group, flush_every_s=flush_every_s,
+            log_ranks=log_ranks, group=group, flush_every_s=flush_every_s, boundary=boundary,
+            overhead_budget=overhead_budget,
         )
         self._options = options
         log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
@@ -151,6 +163,8 @@ class Profiler:
         self.memory_every = options.memory_every
         self.phase_peaks_every = options.phase_peaks_every
         self.flush_every_s = options.flush_every_s
+        self.boundary = options.boundary
+        self.overhead_budget = options.overhead_budget
         ident = _dist.identify()
         group = check_group(options.group, ident, ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
@@ -170,13 +184,14 @@ class Profiler:
         self._collector = Collector(
             self._log, self._summary_sink, clock0_ns=clock(), unix0_s=time.time(),
             phase_peaks_every=self.phase_peaks_every,
-            collect_every_s=None if every is None else min(every, self.flush_every_s),
+            collect_every_s=None if every is None else min(every, self.flush_every_s), clock=clock,
+            overhead_budget=self.overhead_budget,
         )
         self._boundaries = b = Boundaries(
             self._collector, backend=seams.backend, clock=clock, device=device, nvtx=nvtx,
             syncs=syncs, warmup=self.warmup, max_syncs=self.max_syncs, on_sync=self.on_sync,
             phase_peaks_every=self.phase_peaks_every, read_rss=HOST_RSS.read,
-            flush_every_ns=round(self.flush_every_s * 1e9),
+            flush_every_ns=round(self.flush_every_s * 1e9), boundary=self.boundary,
         )
         self._enter = b.enter
         self._exit = b.exit
@@ -286,6 +301,7 @@ class Profiler:
             stopped=self._collector.error or self._boundaries.broken,
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
+            boundary=b.boundary if b is not None and b.has_device_timing else None,
         )
 
     def __enter__(self) -> Profiler:

@@ -117,6 +117,7 @@ class SummarySink:
         stopped: str | None,
         log_failed: str | None,
         flops_reason: str | None,
+        boundary: str | None = None,
     ) -> Summary:
         """The summary of the records added so far.
 
@@ -130,6 +131,7 @@ class SummarySink:
             flops_reason: with FLOPs requested, why the profiler has no TFLOP/s yet; the
                 summary's reason when no step record carries the FLOPs fields.  None: FLOPs
                 were not requested.
+            boundary: which boundary did the device work (None: no CUDA device).
         """
         agg = self.aggregate
         extra: dict[str, str] = {}
@@ -143,4 +145,5 @@ class SummarySink:
         if agg.device is None:
             fields["device"] = device
         fields["ended_by"] = ended_by
+        fields["boundary"] = boundary
         return Summary(log=log, **fields)

@@ -45,7 +45,7 @@ class Step:
     __slots__ = (
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
-        "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued",
+        "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -73,6 +73,9 @@ class Step:
         self.thread: str | None = None  # the thread's name, unless it is the training thread
         self.shared = False  # another thread's step overlapped it: no peak of its own
         self.queued = False  # handed to the collector (once)
+        # Under overhead_budget: 0 for a light step (no device boundaries), else the interval
+        # it was chosen under; without a budget, None.
+        self.sampled: int | None = None
 
     def marks(self) -> list[tuple[Any, Any]]:
         """Every (start, end) pair of device marks the step holds: its own, then its phases'."""

@@ -1,0 +1,143 @@
+"""``Profiler(overhead_budget=...)``: light steps, the interval's choice, the records and the summary."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+import stepprof
+from stepprof._recorder.budget import MAX_INTERVAL, Budget
+
+from .conftest import make, steps
+from .fakes import FakeGpu
+
+
+def _budget(full_us: float, light_us: float | None, wall_ms: float, fraction: float = 0.01) -> Budget:
+    b = Budget(fraction)
+    for _ in range(8):
+        b.add(True, full_us, wall_ms)
+        if light_us is not None:
+            b.add(False, light_us, wall_ms)
+    return b
+
+
+def test_the_interval_is_the_shortest_power_of_two_that_keeps_the_mean_cost_in_budget():
+    # 1% of 1 ms = 10 µs a step; a full step costs 100 µs, a light one nothing: one in 10 -> 16.
+    assert _budget(100, None, 1.0).choose() == 16
+    # Light steps cost 5 µs: (100 - 5) / (10 - 5) = 19 -> 32; the mean cost is then within 10 µs.
+    b = _budget(100, 5, 1.0)
+    k = b.choose()
+    assert k == 32 and (100 + (k - 1) * 5) / k <= 10
+    assert b.unmet is None
+    # A full step within budget: every step in full.
+    assert _budget(5, 1, 1.0).choose() == 1
+
+
+def test_a_budget_that_light_steps_alone_exceed_takes_the_longest_interval_and_says_why():
+    b = _budget(100, 12, 1.0)  # 12 µs a light step, 10 µs allowed
+    assert b.choose() == MAX_INTERVAL
+    assert "12.0 µs" in b.unmet and "overhead_budget=0.01" in b.unmet
+
+
+def test_no_choice_before_enough_full_steps_were_measured():
+    b = Budget(0.01)
+    b.add(True, 1000, 1.0)
+    assert b.choose() == 1
+
+
+def _run(log, n=400, *, mark_cost_ns=50_000, budget=0.01, phases=True, **kw):
+    gpu = FakeGpu(mark_cost_ns=mark_cost_ns)  # each event record costs 50 µs of host time
+    prof = make(log, gpu, overhead_budget=budget, warmup=2, **kw)
+    for i in range(n):
+        with prof.step(batch_size=8):
+            if phases:
+                with prof.measure("forward"):
+                    gpu.alloc(10)
+                    gpu.launch(0.5)
+                    gpu.host(0.5)
+                    with prof.measure("inner"):
+                        gpu.host(0.01)
+                with prof.measure("backward"):
+                    gpu.launch(0.5)
+                    gpu.host(0.5)
+                    gpu.free(10)
+            else:
+                gpu.launch(1.0)
+                gpu.host(1.0)
+        gpu.host(0.05)
+    return gpu, prof, prof.close()
+
+
+def test_light_steps_keep_wall_time_and_syncs_and_say_why_their_gpu_figures_are_null(log):
+    gpu, prof, summary = _run(log)
+    records = steps(log)
+    assert len(records) == 400 and [r["step"] for r in records] == list(range(400))
+    light = [r for r in records if r.get("sampled") is False]
+    full = [r for r in records if r.get("sampled") is True]
+    assert light and full and len(light) + len(full) + 2 == 400  # the 2 warm-up steps: no field
+    for r in light:
+        assert r["wall_ms"] > 0 and r["syncs"]["count"] == 0
+        assert r["gpu_ms"] is None and r["peak_allocated_bytes"] is None and r["phases"] == {}
+        for key in ("gpu_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "phases", "allocator"):
+            assert r["unavailable"][key].startswith("not sampled (overhead_budget=0.01: one step in ")
+    for r in full:
+        assert 1.0 <= r["gpu_ms"] < 1.5  # its device work, and the marks' own host cost
+        assert set(r["phases"]) == {"forward", "forward/inner", "backward"}
+        assert r["peak_allocated_bytes"] == 10
+    # The light steps pushed no NVTX range: pushes and pops still pair up.
+    assert gpu.ranges.count("-") == sum(1 for x in gpu.ranges if x.startswith("+"))
+    k = prof._collector.budget.interval
+    assert k > 1 and all(r["step"] % k == 0 for r in full[-3:])
+    # The summary: coverage, and medians over the sampled steps only.
+    assert summary.gpu_steps == len(full) < summary.measured_steps == 398
+    assert 1.0 <= summary.gpu_ms.median < 1.5
+    assert "GPU figures on" in str(summary)
+
+
+def test_the_mean_cost_stays_within_the_budget_once_chosen(log):
+    _, prof, _ = _run(log, n=600, phases=False)
+    records = [r for r in steps(log) if r["step"] >= 200]
+    mean_us = statistics.mean(r["overhead_us"] for r in records)
+    wall_us = statistics.median(r["wall_ms"] for r in records) * 1e3
+    assert mean_us <= 0.01 * wall_us
+
+
+def test_without_a_budget_every_step_is_full_and_records_have_no_sampled_field(log):
+    _, _, summary = _run(log, n=20, budget=None)
+    assert all("sampled" not in r and r["gpu_ms"] is not None for r in steps(log))
+    assert summary.gpu_steps == summary.measured_steps == 18
+
+
+def test_a_light_step_that_raises_is_recorded_with_its_error_and_the_next_step_is_clean(log):
+    gpu = FakeGpu(mark_cost_ns=50_000)
+    prof = make(log, gpu, overhead_budget=0.01)
+    for _ in range(100):
+        with prof.step():
+            gpu.host(1.0)
+    k = prof._collector.budget.interval
+    assert k > 1
+    while prof._boundaries.next_index % k == 0:  # the next step is a light one
+        with prof.step():
+            gpu.host(1.0)
+    with pytest.raises(ValueError):
+        with prof.step():
+            with prof.measure("forward"):
+                raise ValueError("bad batch")
+    with prof.step():
+        gpu.host(1.0)
+    prof.close()
+    *_, failed, after = steps(log)
+    assert failed["sampled"] is False and failed["error"]["type"] == "ValueError"
+    assert after["error"] is None
+
+
+@pytest.mark.parametrize("bad", [0, -0.01, 0.9, float("nan"), True, "1%"])
+def test_a_bad_budget_is_refused_naming_the_argument(bad):
+    with pytest.raises(stepprof.ConfigError, match="overhead_budget"):
+        stepprof.Profiler(None, overhead_budget=bad)
+
+
+def test_a_bad_boundary_is_refused_naming_the_choices():
+    with pytest.raises(stepprof.ConfigError, match="'boundary' must be 'auto'"):
+        stepprof.Profiler(None, boundary="c++")
