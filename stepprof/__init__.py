@@ -11,7 +11,7 @@ recommends one.
 
 import typing
 
-from ._errors import ConfigError, StepprofError, SyncBudgetExceeded, UsageError
+from ._errors import BuildError, ConfigError, StepprofError, SyncBudgetExceeded, UsageError
 from ._frame import frame
 from ._log import read
 from ._records import Percentiles, PhaseFigures, Summary
@@ -29,6 +29,7 @@ del typing
 __version__ = "0.1.0"
 
 __all__ = [
+    "BuildError",
     "ConfigError",
     "MemoryReport",
     "Percentiles",

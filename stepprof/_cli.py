@@ -1,4 +1,4 @@
-"""Command line: ``stepprof demo | report | plot | env | calibrate``."""
+"""Command line: ``stepprof demo | report | plot | env | calibrate | build``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     cal.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     cal.add_argument("--json", action="store_true", help="print as one JSON object")
+    build = sub.add_parser(
+        "build",
+        help="compile the step boundary (one C++ call per boundary instead of several from Python), "
+        "cached per torch, CUDA and Python",
+    )
+    build.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
     for subparser in sub.choices.values():
         subparser.set_defaults(subparser=subparser)
     return parser
@@ -155,6 +161,22 @@ def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     return 0
 
 
+def _build(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ._device.compiled import NothingToBuild, build
+    from ._errors import BuildError
+
+    try:
+        report = build(verbose=args.verbose)
+    except NothingToBuild as e:
+        print(f"stepprof build: {e}")
+        return 0
+    except BuildError as e:
+        print(f"stepprof build: {e}", file=sys.stderr)
+        return 1
+    print(f"stepprof build: the compiled boundary is ready in {report.path} ({report.seconds:.1f} s)")
+    return 0
+
+
 def _print(text: str) -> None:
     """Print, with rich's colours when it is installed and stdout is a terminal."""
     if sys.stdout.isatty():
@@ -182,4 +204,4 @@ def _print(text: str) -> None:
     print(text, end="")
 
 
-_COMMANDS = {"demo": _demo, "report": _report, "plot": _plot, "env": _env, "calibrate": _calibrate}
+_COMMANDS = {"demo": _demo, "report": _report, "plot": _plot, "env": _env, "calibrate": _calibrate, "build": _build}

@@ -41,6 +41,11 @@ def _rebuild_sync_budget_exceeded(message: str, where: str, kind: str, count: in
     return SyncBudgetExceeded(message, where=where, kind=kind, count=count)
 
 
+class BuildError(StepprofError, RuntimeError):
+    """``stepprof build`` cannot compile the step boundary here; the message names what is
+    missing and the fix."""
+
+
 class MissingExtraError(StepprofError, ImportError):
     """An optional dependency is not installed; the message gives the install command."""
 

@@ -1,0 +1,378 @@
+// stepprof's compiled step boundary: one C call does a boundary's device work.
+//
+// A plain CPython extension module (no pybind11: METH_FASTCALL functions that
+// parse their positional arguments themselves), built by
+// stepprof._device.compiled.build() with torch.utils.cpp_extension.load().
+// Events are cudaEvent_t handles passed to Python as ints.  Every CUDA or c10
+// error becomes a RuntimeError; nothing here aborts the process.
+//
+// The flags and their order are those of stepprof/_device/backend.py
+// (BoundaryOps.cross): POP, MARK, READ, RESET, PUSH.  The Python loader checks
+// that the numbers below agree with it, and that ABI is the one it expects.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cuda_runtime_api.h>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <exception>
+
+#if __has_include(<nvtx3/nvToolsExt.h>)
+#include <nvtx3/nvToolsExt.h>
+#define STEPPROF_NVTX 1
+#else
+#define STEPPROF_NVTX 0
+#endif
+
+namespace {
+
+// Bump when a function's arguments, results or meaning change.
+constexpr long kABI = 1;
+
+constexpr long kMARK = 1;
+constexpr long kREAD = 2;
+constexpr long kRESET = 4;
+constexpr long kPUSH = 8;
+constexpr long kPOP = 16;
+
+// Raise RuntimeError for a failed CUDA call.  The error is also taken off the
+// runtime's last-error slot, where the user's next kernel-launch check would
+// otherwise find it.
+PyObject* cuda_error(const char* what, cudaError_t err) {
+  (void)cudaGetLastError();
+  PyErr_Format(
+      PyExc_RuntimeError,
+      "stepprof boundary: %s failed: %s (%s)",
+      what,
+      cudaGetErrorString(err),
+      cudaGetErrorName(err));
+  return nullptr;
+}
+
+PyObject* cxx_error(const char* what, const char* message) {
+  (void)cudaGetLastError();
+  PyErr_Format(
+      PyExc_RuntimeError, "stepprof boundary: %s failed: %s", what, message);
+  return nullptr;
+}
+
+bool check_nargs(const char* fn, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) {
+    return true;
+  }
+  PyErr_Format(
+      PyExc_TypeError,
+      "%s() takes %zd positional arguments (%zd given)",
+      fn,
+      want,
+      nargs);
+  return false;
+}
+
+bool as_long(PyObject* obj, long* out) {
+  *out = PyLong_AsLong(obj);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+bool as_device(PyObject* obj, c10::DeviceIndex* out) {
+  long dev = 0;
+  if (!as_long(obj, &dev)) {
+    return false;
+  }
+  if (dev < 0 || dev > 127) {
+    PyErr_Format(PyExc_ValueError, "device index must be 0..127 (got %ld)", dev);
+    return false;
+  }
+  *out = static_cast<c10::DeviceIndex>(dev);
+  return true;
+}
+
+// An event handle; 0 (no event) is refused where an event is needed.
+bool as_event(PyObject* obj, cudaEvent_t* out, bool allow_null) {
+  void* p = PyLong_AsVoidPtr(obj);
+  if (p == nullptr && PyErr_Occurred()) {
+    return false;
+  }
+  if (p == nullptr && !allow_null) {
+    PyErr_SetString(PyExc_RuntimeError, "stepprof boundary: event handle 0 is not an event");
+    return false;
+  }
+  *out = static_cast<cudaEvent_t>(p);
+  return true;
+}
+
+// event_create(device) -> int
+PyObject* event_create(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  c10::DeviceIndex dev = 0;
+  if (!check_nargs("event_create", nargs, 1) || !as_device(args[0], &dev)) {
+    return nullptr;
+  }
+  cudaEvent_t ev = nullptr;
+  cudaError_t err = cudaSuccess;
+  try {
+    c10::cuda::CUDAGuard guard(dev);
+    err = cudaEventCreateWithFlags(&ev, cudaEventDefault);
+  } catch (const c10::Error& e) {
+    return cxx_error("event_create", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return cxx_error("event_create", e.what());
+  }
+  if (err != cudaSuccess) {
+    return cuda_error("cudaEventCreateWithFlags", err);
+  }
+  return PyLong_FromVoidPtr(ev);
+}
+
+// event_destroy(ev)
+PyObject* event_destroy(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  cudaEvent_t ev = nullptr;
+  if (!check_nargs("event_destroy", nargs, 1) || !as_event(args[0], &ev, false)) {
+    return nullptr;
+  }
+  cudaError_t err = cudaEventDestroy(ev);
+  if (err != cudaSuccess) {
+    return cuda_error("cudaEventDestroy", err);
+  }
+  Py_RETURN_NONE;
+}
+
+// event_query(ev) -> bool: whether the work before the event's record has completed.
+PyObject* event_query(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  cudaEvent_t ev = nullptr;
+  if (!check_nargs("event_query", nargs, 1) || !as_event(args[0], &ev, false)) {
+    return nullptr;
+  }
+  cudaError_t err = cudaEventQuery(ev);
+  if (err == cudaSuccess) {
+    Py_RETURN_TRUE;
+  }
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError(); // as torch does: not an error for the user's next check
+    Py_RETURN_FALSE;
+  }
+  return cuda_error("cudaEventQuery", err);
+}
+
+// event_elapsed_ms(start, end) -> float
+PyObject* event_elapsed_ms(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  cudaEvent_t a = nullptr;
+  cudaEvent_t b = nullptr;
+  if (!check_nargs("event_elapsed_ms", nargs, 2) || !as_event(args[0], &a, false) ||
+      !as_event(args[1], &b, false)) {
+    return nullptr;
+  }
+  float ms = 0.0f;
+  cudaError_t err = cudaEventElapsedTime(&ms, a, b);
+  if (err != cudaSuccess) {
+    return cuda_error("cudaEventElapsedTime", err);
+  }
+  return PyFloat_FromDouble(static_cast<double>(ms));
+}
+
+// event_synchronize(ev): wait for the event, without the GIL.
+PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  cudaEvent_t ev = nullptr;
+  if (!check_nargs("event_synchronize", nargs, 1) || !as_event(args[0], &ev, false)) {
+    return nullptr;
+  }
+  cudaError_t err = cudaSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  err = cudaEventSynchronize(ev);
+  Py_END_ALLOW_THREADS
+  if (err != cudaSuccess) {
+    return cuda_error("cudaEventSynchronize", err);
+  }
+  Py_RETURN_NONE;
+}
+
+// (peak allocated, reserved, num_alloc_retries, num_sync_all_streams,
+//  num_device_alloc, num_device_free), from one read of the allocator's stats.
+PyObject* read_memory(c10::DeviceIndex dev) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev);
+  // [0] is the aggregate over the pools (StatType::AGGREGATE, whose namespace moved).
+  const long long values[6] = {
+      static_cast<long long>(stats.allocated_bytes[0].peak),
+      static_cast<long long>(stats.reserved_bytes[0].current),
+      static_cast<long long>(stats.num_alloc_retries),
+      static_cast<long long>(stats.num_sync_all_streams),
+      static_cast<long long>(stats.num_device_alloc),
+      static_cast<long long>(stats.num_device_free),
+  };
+  PyObject* mem = PyTuple_New(6);
+  if (mem == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < 6; ++i) {
+    PyObject* v = PyLong_FromLongLong(values[i]);
+    if (v == nullptr) {
+      Py_DECREF(mem);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(mem, i, v);
+  }
+  return mem;
+}
+
+#if STEPPROF_NVTX
+// Push an NVTX range named `name` (None: an empty name).  A str NVTX cannot take
+// as UTF-8 (a lone surrogate) is pushed with the character replaced.
+bool push_range(PyObject* name) {
+  if (name == Py_None) {
+    nvtxRangePushA("");
+    return true;
+  }
+  if (!PyUnicode_Check(name)) {
+    PyErr_Format(PyExc_TypeError, "range name must be str or None (got %s)", Py_TYPE(name)->tp_name);
+    return false;
+  }
+  const char* utf8 = PyUnicode_AsUTF8AndSize(name, nullptr);
+  if (utf8 != nullptr) {
+    nvtxRangePushA(utf8);
+    return true;
+  }
+  PyErr_Clear();
+  PyObject* bytes = PyUnicode_AsEncodedString(name, "utf-8", "replace");
+  if (bytes == nullptr) {
+    return false;
+  }
+  nvtxRangePushA(PyBytes_AS_STRING(bytes));
+  Py_DECREF(bytes);
+  return true;
+}
+#endif
+
+// boundary(device, ev, flags, name) -> (mark or None, mem or None)
+//
+// In this order: POP the innermost NVTX range; MARK: record `ev` on the device's
+// current stream (not while that stream captures a CUDA graph; ev 0 records
+// nothing), mark = ev; READ the allocator's figures; RESET its peak; PUSH a
+// range named `name`.
+PyObject* boundary(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  c10::DeviceIndex dev = 0;
+  cudaEvent_t ev = nullptr;
+  long flags = 0;
+  if (!check_nargs("boundary", nargs, 4) || !as_device(args[0], &dev) ||
+      !as_event(args[1], &ev, true) || !as_long(args[2], &flags)) {
+    return nullptr;
+  }
+  PyObject* name = args[3];
+  PyObject* mark = Py_None;
+  PyObject* mem = nullptr;
+  const char* step = "boundary";
+  try {
+#if STEPPROF_NVTX
+    if (flags & kPOP) {
+      nvtxRangePop();
+    }
+#endif
+    if ((flags & kMARK) && ev != nullptr) {
+      step = "the event record";
+      c10::cuda::CUDAGuard guard(dev);
+      cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      cudaError_t err = cudaStreamIsCapturing(stream, &capture);
+      if (err != cudaSuccess) {
+        return cuda_error("cudaStreamIsCapturing", err);
+      }
+      if (capture == cudaStreamCaptureStatusNone) {
+        err = cudaEventRecord(ev, stream);
+        if (err != cudaSuccess) {
+          return cuda_error("cudaEventRecord", err);
+        }
+        mark = args[1];
+      }
+    }
+    if (flags & kREAD) {
+      step = "the allocator stats read";
+      mem = read_memory(dev);
+      if (mem == nullptr) {
+        return nullptr;
+      }
+    }
+    if (flags & kRESET) {
+      step = "the peak reset";
+      c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
+    }
+#if STEPPROF_NVTX
+    if ((flags & kPUSH) && !push_range(name)) {
+      Py_XDECREF(mem);
+      return nullptr;
+    }
+#else
+    (void)name;
+#endif
+  } catch (const c10::Error& e) {
+    Py_XDECREF(mem);
+    return cxx_error(step, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    Py_XDECREF(mem);
+    return cxx_error(step, e.what());
+  }
+  if (mem == nullptr) {
+    mem = Py_None;
+    Py_INCREF(mem);
+  }
+  PyObject* result = PyTuple_New(2);
+  if (result == nullptr) {
+    Py_DECREF(mem);
+    return nullptr;
+  }
+  Py_INCREF(mark);
+  PyTuple_SET_ITEM(result, 0, mark);
+  PyTuple_SET_ITEM(result, 1, mem);
+  return result;
+}
+
+PyMethodDef methods[] = {
+    {"event_create", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_create)),
+     METH_FASTCALL, "event_create(device) -> int: a new timing event on the device."},
+    {"event_destroy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_destroy)),
+     METH_FASTCALL, "event_destroy(ev)"},
+    {"event_query", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_query)),
+     METH_FASTCALL, "event_query(ev) -> bool: whether the event has completed."},
+    {"event_elapsed_ms",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_elapsed_ms)),
+     METH_FASTCALL, "event_elapsed_ms(start, end) -> float"},
+    {"event_synchronize",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_synchronize)),
+     METH_FASTCALL, "event_synchronize(ev): wait for the event (releases the GIL)."},
+    {"boundary", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(boundary)),
+     METH_FASTCALL,
+     "boundary(device, ev, flags, name) -> (mark or None, mem or None): POP, MARK, READ, RESET, "
+     "PUSH, by flags."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "stepprof_boundary",
+    "stepprof's compiled step boundary (see stepprof/_device/compiled.py).",
+    -1,
+    methods,
+    nullptr,
+    nullptr,
+    nullptr,
+    nullptr,
+};
+
+} // namespace
+
+PyMODINIT_FUNC PyInit_stepprof_boundary(void) {
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) {
+    return nullptr;
+  }
+  if (PyModule_AddIntConstant(m, "ABI", kABI) < 0 || PyModule_AddIntConstant(m, "MARK", kMARK) < 0 ||
+      PyModule_AddIntConstant(m, "READ", kREAD) < 0 ||
+      PyModule_AddIntConstant(m, "RESET", kRESET) < 0 ||
+      PyModule_AddIntConstant(m, "PUSH", kPUSH) < 0 || PyModule_AddIntConstant(m, "POP", kPOP) < 0 ||
+      PyModule_AddObjectRef(m, "NVTX", STEPPROF_NVTX ? Py_True : Py_False) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

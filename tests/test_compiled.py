@@ -1,0 +1,566 @@
+"""The compiled step boundary: the backend over a fake extension, load(), build(), the CLI;
+and, on a GPU, the real extension against torch's own figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import stepprof
+from stepprof._device import compiled
+from stepprof._device.backend import MARK, POP, PUSH, READ, RESET
+from stepprof._device.compiled import CompiledCudaBackend, NothingToBuild
+from stepprof._errors import BuildError
+
+from stepprof._recorder.profiler import _make_profiler
+
+from .conftest import steps
+from .fakes import FakeEvent, FakeGpu
+from .report_helpers import cli
+
+
+class FakeBoundary:
+    """The compiled boundary's C API in Python, over a FakeGpu: events are int handles."""
+
+    ABI = compiled.ABI
+    NVTX = True
+    MARK, READ, RESET, PUSH, POP = MARK, READ, RESET, PUSH, POP
+
+    def __init__(self, gpu: FakeGpu) -> None:
+        self.gpu = gpu
+        self.events: dict[int, FakeEvent | None] = {}  # handle -> its last record (None: never)
+        self.created: list[tuple[int, int]] = []
+        self.destroyed: list[int] = []
+        self.boundaries: list[tuple[int, int, int, str | None]] = []
+        self.synchronized: list[int] = []
+        self.capturing = False
+        self._next = 0x7F00_0000
+
+    def _recorded(self, ev: int) -> FakeEvent:
+        if self.events.get(ev) is None:
+            raise RuntimeError("stepprof boundary: cudaEventQuery failed: invalid resource handle")
+        return self.events[ev]
+
+    def event_create(self, device: int) -> int:
+        self._next += 0x40
+        self.events[self._next] = None
+        self.created.append((device, self._next))
+        return self._next
+
+    def event_destroy(self, ev: int) -> None:
+        del self.events[ev]
+        self.destroyed.append(ev)
+
+    def event_query(self, ev: int) -> bool:
+        return self.gpu.is_done(self._recorded(ev))
+
+    def event_elapsed_ms(self, a: int, b: int) -> float:
+        return self.gpu.elapsed_ms(self._recorded(a), self._recorded(b))
+
+    def event_synchronize(self, ev: int) -> None:
+        self.synchronized.append(ev)
+        self.gpu.host_ns = max(self.gpu.host_ns, self._recorded(ev).t_ns)
+
+    def boundary(self, device: int, ev: int, flags: int, name: str | None):
+        self.boundaries.append((device, ev, flags, name))
+        if flags & POP:
+            self.gpu.range_pop()
+        mark = None
+        if flags & MARK and ev and not self.capturing:
+            self.events[ev] = self.gpu.mark()
+            mark = ev
+        mem = self.gpu.read_memory() if flags & READ else None
+        if flags & RESET:
+            self.gpu.reset_peak()
+        if flags & PUSH:
+            self.gpu.range_push(name)
+        return mark, mem
+
+
+@pytest.fixture
+def torch_cuda_calls(monkeypatch):
+    """The torch calls CudaBackend.__init__ looks up, present on a CPU build too."""
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: {}, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
+
+
+def backend(gpu: FakeGpu, **kw) -> tuple[CompiledCudaBackend, FakeBoundary]:
+    module = FakeBoundary(gpu)
+    kw.setdefault("syncs", "off")
+    return CompiledCudaBackend(0, module, **kw), module
+
+
+# -- the backend over a fake extension ---------------------------------------------
+
+
+def test_cross_is_one_call_that_marks_reads_and_resets(torch_cuda_calls, gpu):
+    b, m = backend(gpu)
+    assert b.boundary == "compiled" and b.has_device_timing and b.index == 0
+    gpu.alloc(100)
+    start, mem = b.cross(MARK | READ | RESET | PUSH, "step 1")
+    assert isinstance(start, int) and mem == (100, 100, 0, 0, 0, 0)
+    assert m.boundaries == [(0, start, MARK | READ | RESET | PUSH, "step 1")]
+    assert gpu.ranges == ["+step 1"]
+    gpu.launch(3.0)
+    end, _ = b.cross(MARK | READ | POP)
+    assert end != start and len(m.created) == 2 and gpu.ranges == ["+step 1", "-"]
+    assert not b.is_done(end)
+    gpu.wait_idle()
+    assert b.is_done(start) and b.is_done(end) and b.is_done(None)
+    assert b.elapsed_ms(start, end) == pytest.approx(3.0)
+
+
+def test_released_events_are_reused_and_a_boundary_without_a_mark_uses_none(torch_cuda_calls, gpu):
+    b, m = backend(gpu)
+    first = b.mark()
+    b.release(first)
+    b.release(None)
+    assert b.mark() == first and len(m.created) == 1  # from the pool, not a new event
+    b.cross(READ | RESET)
+    assert m.boundaries[-1] == (0, 0, READ | RESET, None)  # no event taken for a boundary without MARK
+    assert len(m.created) == 1
+
+
+def test_an_unrecorded_event_goes_back_to_the_pool_during_a_graph_capture(torch_cuda_calls, gpu):
+    b, m = backend(gpu)
+    m.capturing = True
+    mark, mem = b.cross(MARK | READ)
+    assert mark is None and mem is not None
+    m.capturing = False
+    again = b.mark()
+    assert again is not None and len(m.created) == 1  # the same event, now recorded
+
+
+def test_an_error_in_the_call_returns_the_event_to_the_pool(torch_cuda_calls, gpu):
+    b, m = backend(gpu)
+    gpu.fail_on = "read_memory"
+    with pytest.raises(RuntimeError, match="fake failure"):
+        b.cross(MARK | READ)
+    gpu.fail_on = None
+    b.mark()
+    assert len(m.created) == 1
+
+
+def test_nvtx_off_masks_push_and_pop(torch_cuda_calls, gpu):
+    b, m = backend(gpu, nvtx=False)
+    b.cross(MARK | PUSH, "step 1")
+    b.cross(MARK | POP)
+    assert [f for _, _, f, _ in m.boundaries] == [MARK, MARK] and gpu.ranges == []
+
+
+def test_an_extension_built_without_nvtx_pushes_the_ranges_through_torch(torch_cuda_calls, gpu):
+    module = FakeBoundary(gpu)
+    module.NVTX = False
+    b = CompiledCudaBackend(0, module, syncs="off")
+    pushed: list[str] = []
+    b._push, b._pop = (lambda name: pushed.append("+" + name)), (lambda: pushed.append("-"))
+    b.cross(MARK | READ | RESET | PUSH, "step 1")
+    b.cross(MARK | POP)
+    assert pushed == ["+step 1", "-"] and gpu.ranges == []
+    assert [f for _, _, f, _ in module.boundaries] == [MARK | READ | RESET, MARK]
+
+
+def test_every_backend_call_works_on_int_handles(torch_cuda_calls, gpu):
+    b, m = backend(gpu)
+    gpu.alloc(50)
+    assert b.read_memory()[:2] == (50, 50)
+    gpu.free(50)
+    b.reset_peak()
+    assert b.read_memory()[0] == 0
+    a = b.mark()
+    gpu.launch(2.0)
+    z = b.mark()
+    b.wait([a, None, z])
+    assert m.synchronized == [a, z] and b.is_done(z)
+    b.release(a)
+    b.release(z)
+    del b
+    assert sorted(m.destroyed) == sorted([a, z])  # pooled events are destroyed with the backend
+
+
+def test_a_profiler_on_the_compiled_backend_records_gpu_time_and_peaks(torch_cuda_calls, gpu, log):
+    b, m = backend(gpu)
+    with _make_profiler(log, backend=b, clock=gpu.clock, collect_every_s=None, warmup=0) as prof:
+        for i in range(4):
+            with prof.step():
+                gpu.alloc(1000 * (i + 1))
+                gpu.launch(5.0)
+                gpu.host(1.0)
+                gpu.free(1000 * (i + 1))
+            gpu.wait_idle()
+    recs = steps(log)
+    assert [r["gpu_ms"] for r in recs] == pytest.approx([5.0] * 4)
+    assert [r["peak_allocated_bytes"] for r in recs] == [1000, 2000, 3000, 4000]
+    assert all(r["device"] == "cuda:0" for r in recs)
+    assert 0 < len(m.created) <= 4  # events came back to the pool and were reused
+
+
+# -- cache_dir, load() ---------------------------------------------------------------
+
+
+def test_cache_dir_is_keyed_by_torch_cuda_python_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path))
+    d = compiled.cache_dir()
+    parent, key = os.path.split(d)
+    assert parent == str(tmp_path / "boundary")
+    assert key.startswith(f"torch-{torch.__version__}-cuda-{torch.version.cuda}-{sys.implementation.cache_tag}-")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu128")
+    other = compiled.cache_dir()
+    assert other != d and "torch-2.11.0+cu128-cuda-12.8-" in other
+    src = tmp_path / "boundary.cpp"
+    src.write_text("// another source\n")
+    monkeypatch.setattr(compiled, "_SOURCE", str(src))
+    assert compiled.cache_dir()[-12:] != other[-12:]  # the source's hash
+
+
+def test_cache_dir_falls_back_to_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("STEPPROF_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiled.cache_dir().startswith(str(tmp_path / "xdg" / "stepprof" / "boundary") + os.sep)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert compiled.cache_dir().startswith(str(tmp_path / "home" / ".cache" / "stepprof" / "boundary"))
+
+
+@pytest.fixture
+def cuda_torch(monkeypatch, tmp_path):
+    """A torch that says it has CUDA 12.8, with stepprof's cache in tmp_path."""
+    monkeypatch.setenv("STEPPROF_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+
+
+def test_load_on_a_cpu_torch_says_so(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    module, reason = compiled.load()
+    assert module is None and reason.startswith("this torch has no CUDA: ")
+
+
+def test_load_without_a_build_says_to_run_stepprof_build(cuda_torch):
+    module, reason = compiled.load()
+    assert module is None
+    assert "not built" in reason and "CUDA 12.8" in reason and torch.__version__ in reason
+    assert reason.endswith("run `stepprof build`")
+    assert compiled.status() == {"built": False, "path": None, "reason": reason}
+
+
+def test_a_corrupt_library_is_a_reason_not_a_crash(cuda_torch):
+    d = compiled.cache_dir()
+    os.makedirs(d)
+    with open(os.path.join(d, "stepprof_boundary.so"), "wb") as f:
+        f.write(b"\x7fELF not really a library")
+    module, reason = compiled.load()
+    assert module is None and "did not load (ImportError" in reason and "run `stepprof build`" in reason
+
+
+def _built(monkeypatch, fake) -> None:
+    """Pretend the library exists and loading it gives ``fake``."""
+    d = compiled.cache_dir()
+    os.makedirs(d)
+    open(os.path.join(d, "stepprof_boundary.so"), "wb").close()
+    loader = compiled.importlib.machinery.ExtensionFileLoader
+    monkeypatch.setattr(loader, "create_module", lambda self, spec: types.ModuleType(spec.name))
+    monkeypatch.setattr(
+        loader, "exec_module",
+        lambda self, module: module.__dict__.update(
+            {k: getattr(fake, k) for k in ("ABI", "NVTX", "MARK", "READ", "RESET", "PUSH", "POP")}),
+    )
+
+
+def test_load_checks_the_abi_and_the_flags(monkeypatch, cuda_torch, gpu):
+    from stepprof import _registry
+
+    fake = FakeBoundary(gpu)
+    fake.ABI = compiled.ABI + 1
+    _built(monkeypatch, fake)
+    module, reason = compiled.load()
+    assert module is None and f"C API {compiled.ABI + 1}, this stepprof needs {compiled.ABI}" in reason
+    _registry.reset()  # load() answers once per process; the registry forgets the answer
+    fake.ABI, fake.RESET = compiled.ABI, 64
+    module, reason = compiled.load()
+    assert module is None and "flag RESET is 64, stepprof's is 4" in reason
+    _registry.reset()
+    fake.RESET = RESET
+    module, reason = compiled.load()
+    assert reason is None and module.ABI == compiled.ABI
+    assert compiled.load()[0] is module  # cached
+    status = compiled.status()
+    assert status["built"] and status["path"].endswith("stepprof_boundary.so")
+
+
+def test_load_never_raises(monkeypatch, cuda_torch):
+    def boom():
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(compiled, "cache_dir", boom)
+    module, reason = compiled.load()
+    assert module is None and "OSError: disk on fire" in reason
+
+
+# -- build() -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tools(monkeypatch, tmp_path, cuda_torch):
+    """Every tool build() checks for is there; a test takes one away."""
+    from torch.utils import cpp_extension
+
+    home = tmp_path / "cuda"
+    (home / "include").mkdir(parents=True)
+    (home / "include" / "cuda_runtime_api.h").write_text("")
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(home))
+    loads: list[dict] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: loads.append(kw) or FakeBoundary(FakeGpu()))
+    return loads
+
+
+def test_build_compiles_into_the_cache_dir(tools):
+    report = compiled.build()
+    assert report.path == os.path.join(compiled.cache_dir(), "stepprof_boundary.so") and report.seconds >= 0
+    (kw,) = tools
+    assert kw["name"] == "stepprof_boundary" and kw["build_directory"] == compiled.cache_dir()
+    assert kw["sources"][0].endswith("boundary.cpp") and os.path.isfile(kw["sources"][0])
+    assert kw["with_cuda"] is True and kw["extra_cflags"] == ["-O2"] and kw["verbose"] is False
+    assert compiled.load()[1] is None  # the module just built is the one loaded
+    with pytest.raises(attrs_frozen_error()):
+        report.seconds = 0.0
+
+
+def attrs_frozen_error():
+    import attrs
+
+    return attrs.exceptions.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+    "take_away, words",
+    [
+        ("compiler", ["no C++ compiler", "no `c++` on PATH", "apt-get install g++", "$CXX"]),
+        ("cxx", ["no C++ compiler", "$CXX is 'clang++-99', not found"]),
+        ("ninja", ["ninja is not installed", "pip install ninja"]),
+        ("cuda_home", ["no CUDA headers", "CUDA_HOME is not set", "CUDA 12.8 toolkit"]),
+        ("headers", ["no CUDA headers", "has no include/cuda_runtime_api.h", "set $CUDA_HOME"]),
+    ],
+)
+def test_build_names_what_is_missing_and_the_fix(monkeypatch, tools, tmp_path, take_away, words):
+    from torch.utils import cpp_extension
+
+    if take_away == "compiler":
+        monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    elif take_away == "cxx":
+        monkeypatch.setenv("CXX", "clang++-99")
+        monkeypatch.setattr(compiled.shutil, "which", lambda name: None if name == "clang++-99" else name)
+    elif take_away == "ninja":
+        monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    elif take_away == "cuda_home":
+        monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    else:
+        monkeypatch.setattr(cpp_extension, "CUDA_HOME", str(tmp_path))
+    with pytest.raises(BuildError) as info:
+        compiled.build()
+    msg = str(info.value)
+    assert "\n" not in msg and not isinstance(info.value, NothingToBuild)
+    for w in words:
+        assert w in msg
+    assert tools == []  # nothing was compiled
+
+
+def test_a_compile_error_is_a_build_error_with_the_compilers_message(monkeypatch, tools):
+    from torch.utils import cpp_extension
+
+    def fail(**kw):
+        raise RuntimeError("Error building extension 'stepprof_boundary': boundary.cpp:12: error: oops")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with pytest.raises(BuildError, match="boundary.cpp:12: error: oops") as info:
+        compiled.build()
+    assert "stepprof build --verbose" in str(info.value)
+
+
+def test_build_on_a_cpu_torch_has_nothing_to_build(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(NothingToBuild) as info:
+        compiled.build()
+    assert isinstance(info.value, BuildError) and isinstance(info.value, stepprof.StepprofError)
+    assert str(info.value).startswith("there is nothing to build") and "\n" not in str(info.value)
+
+
+# -- the CLI -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch")
+def test_stepprof_build_on_a_cpu_torch_prints_one_line_and_exits_0(capsys):
+    rc, out, err = cli(capsys, "build")
+    assert rc == 0 and err == ""
+    assert out.count("\n") == 1 and "nothing to build" in out
+
+
+def test_stepprof_build_prints_where_it_went(capsys, tools):
+    rc, out, _ = cli(capsys, "build", "--verbose")
+    assert rc == 0 and compiled.cache_dir() in out and " s)" in out
+    assert tools[0]["verbose"] is True
+
+
+def test_stepprof_build_with_a_missing_tool_prints_the_reason_and_exits_1(monkeypatch, capsys, tools):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    rc, out, err = cli(capsys, "build")
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and "pip install ninja" in err
+
+
+def test_stepprof_env_shows_the_boundary(monkeypatch, capsys, cuda_torch):
+    rc, out, _ = cli(capsys, "env")
+    line = next(x for x in out.splitlines() if x.startswith("step boundary"))
+    env = json.loads(cli(capsys, "env", "--json")[1])["boundary"]
+    if torch.cuda.is_available():
+        assert env["used"] == "python" and "stepprof build" in env["reason"] and "python: " in line
+    else:
+        assert env["used"] == "none" and env["reason"].startswith("CUDA is not available")
+        assert "none: CUDA is not available" in line
+    assert env["saving_us"] == compiled.SAVING_US
+
+
+def test_stepprof_env_shows_a_loaded_boundary_as_compiled(monkeypatch, capsys):
+    from stepprof import _env
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(compiled, "status", lambda: {"built": True, "path": "/c/b.so", "reason": None})
+    assert _env._boundary(None) == {
+        "used": "compiled", "path": "/c/b.so", "reason": None, "saving_us": compiled.SAVING_US}
+    monkeypatch.setattr(compiled, "status", lambda: {"built": False, "path": None, "reason": "not built"})
+    row = _env._boundary_row(_env._boundary(None))
+    saving = compiled.SAVING_US["h200_tight_loop"]
+    assert row == f"python: not built; the compiled one saves ~{saving:.0f} µs a step on an H200"
+
+
+# -- on a GPU ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built():
+    """`stepprof build` (compiles, or finds the cache), then load()."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stepprof", "build"], capture_output=True, text=True, timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the compiled boundary is ready in" in proc.stdout
+    module, reason = compiled._load()
+    assert reason is None, reason
+    return module
+
+
+def _torch_figures(dev: int) -> tuple[int, ...]:
+    s = torch._C._cuda_memoryStats(dev)
+    return (
+        s["allocated_bytes"]["all"]["peak"], s["reserved_bytes"]["all"]["current"],
+        s["num_alloc_retries"], s["num_sync_all_streams"], s["num_device_alloc"], s["num_device_free"],
+    )
+
+
+@pytest.mark.cuda
+def test_the_built_boundary_loads_with_the_flags_and_abi(built):
+    assert built.ABI == compiled.ABI and built.NVTX is True
+    assert (built.MARK, built.READ, built.RESET, built.PUSH, built.POP) == (MARK, READ, RESET, PUSH, POP)
+
+
+@pytest.mark.cuda
+def test_a_read_equals_torchs_figures_and_reset_resets_the_peak(built):
+    dev = torch.cuda.current_device()
+    x = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)
+    del x
+    torch.cuda.synchronize()
+    _, mem = built.boundary(dev, 0, READ, None)
+    assert mem == _torch_figures(dev)
+    assert mem[0] >= 64 * 2**20
+    _, mem = built.boundary(dev, 0, RESET | READ, None)  # READ comes before RESET
+    assert mem[0] >= 64 * 2**20
+    _, after = built.boundary(dev, 0, READ, None)
+    assert after[0] == torch.cuda.memory_allocated(dev) < 64 * 2**20
+    assert after == _torch_figures(dev)
+
+
+@pytest.mark.cuda
+def test_elapsed_between_compiled_marks_agrees_with_torch_events(built):
+    dev = torch.cuda.current_device()
+    b = CompiledCudaBackend(dev, built)
+    a = torch.randn(4096, 4096, device=dev)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ratios = []
+    for _ in range(5):
+        start, _ = b.cross(MARK)
+        t0.record()
+        for _ in range(20):
+            a @ a
+        t1.record()
+        end, _ = b.cross(MARK)
+        b.wait([end])
+        assert b.is_done(start) and b.is_done(end)
+        ratios.append(b.elapsed_ms(start, end) / t0.elapsed_time(t1))
+        b.release(start)
+        b.release(end)
+    assert sorted(ratios)[2] == pytest.approx(1.0, rel=0.05)
+
+
+@pytest.mark.cuda
+def test_a_mark_inside_a_graph_capture_is_none_and_the_capture_succeeds(built):
+    dev = torch.cuda.current_device()
+    b = CompiledCudaBackend(dev, built, syncs="off")
+    x = torch.ones(1024, device=dev)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 2  # warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mark, mem = b.cross(MARK | READ | RESET)
+        y = x * 2
+    assert mark is None and mem is not None
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 2.0))
+    assert b.mark() is not None  # outside the capture, the pooled event records
+
+
+@pytest.mark.cuda
+def test_a_bad_event_handle_raises_and_torch_still_works(built):
+    dev = torch.cuda.current_device()
+    ev = built.event_create(dev)
+    with pytest.raises(RuntimeError, match="cudaEventElapsedTime failed"):
+        built.event_elapsed_ms(ev, ev)  # never recorded
+    with pytest.raises(RuntimeError, match="event handle 0"):
+        built.event_query(0)
+    built.event_destroy(ev)
+    x = torch.ones(1000, device=dev) * 3  # the next kernel launch and its check still succeed
+    torch.cuda.synchronize()
+    assert x.sum().item() == 3000.0
+    assert torch.cuda.current_stream().query()
+
+
+@pytest.mark.cuda
+def test_a_profiler_on_the_real_compiled_backend(built, log):
+    dev = torch.cuda.current_device()
+    b = CompiledCudaBackend(dev, built, syncs="off")
+    a = torch.randn(2048, 2048, device=dev)
+    with _make_profiler(log, backend=b, warmup=0) as prof:
+        for _ in range(5):
+            with prof.step():
+                a @ a
+    recs = steps(log)
+    assert len(recs) == 5 and all(r["gpu_ms"] > 0 and r["peak_allocated_bytes"] > 0 for r in recs)
