@@ -708,7 +708,7 @@ class RunAggregate:
             "overhead_us_median": figures.overhead_us_median,
             "overhead_us_mean": figures.overhead_us_mean,
             "gpu_steps": self.gpu.count,
-            "boundary": self._boundary(),
+            "boundary": self.boundary(),
             "syncs_per_step_median": None if syncs is None else syncs.median,
             "sync_mechanism": self.sync_mechanism if syncs is not None else None,
             "tflops_per_s_median": figures.tflops_per_s_median,
@@ -719,7 +719,7 @@ class RunAggregate:
             "run_id": self.run_id,
         }
 
-    def _boundary(self) -> str | None:
+    def boundary(self) -> str | None:
         """The run's summary's ``boundary`` (untrusted: one of the known names, else None)."""
         b = self.summary.get("boundary") if self.summary is not None else None
         return b if b in ("compiled", "python") else None

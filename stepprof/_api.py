@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from . import _memory, _registry
-from ._device.cuda import memory_backend
+from ._device.select import memory_backend
 from ._errors import ConfigError
 from ._memory import MemoryReport
 from ._options import NAMES

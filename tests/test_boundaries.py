@@ -240,13 +240,13 @@ def test_a_host_step_pending_when_cuda_comes_up_keeps_its_host_record(log, gpu, 
 
     from stepprof._device.backend import HostBackend
     from stepprof._recorder.profiler import _make_profiler
-    from stepprof._device import cuda
+    from stepprof._device import select
 
     cuda_up = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(cuda_up))
     monkeypatch.setattr(
-        cuda, "select_backend",
+        select, "select_backend",
         lambda device, **kw: gpu if cuda_up else HostBackend("CUDA is not initialised"),
     )
     prof = _make_profiler(log, clock=gpu.clock, collect_every_s=30)  # no harvest before close

@@ -4,6 +4,7 @@ and, on a GPU, the real extension against torch's own figures."""
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -564,3 +565,104 @@ def test_a_profiler_on_the_real_compiled_backend(built, log):
                 a @ a
     recs = steps(log)
     assert len(recs) == 5 and all(r["gpu_ms"] > 0 and r["peak_allocated_bytes"] > 0 for r in recs)
+
+
+@pytest.mark.cuda
+def test_the_compiled_and_python_boundaries_agree_on_the_same_steps(built, tmp_path):
+    """One deterministic GPU-bound step, run alternately under each boundary (as the user
+    would choose it: Profiler(boundary=...)): the same peak to the byte on every step,
+    phases included, and the same median GPU time within 1%."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layers = [m for _ in range(4) for m in (torch.nn.Linear(4096, 4096, dtype=torch.bfloat16), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+
+    def step(prof):
+        with prof.step(batch_size=4096):
+            with prof.measure("forward"):
+                loss = model(x).float().pow(2).mean()
+            with prof.measure("backward"):
+                loss.backward()
+            with prof.measure("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    profs = {b: stepprof.Profiler(str(tmp_path / f"{b}.jsonl"), boundary=b, phase_peaks_every=1)
+             for b in ("compiled", "python")}
+    for _ in range(30):
+        for prof in profs.values():
+            step(prof)
+    summaries = {b: p.close() for b, p in profs.items()}
+    assert {b: s.boundary for b, s in summaries.items()} == {"compiled": "compiled", "python": "python"}
+    compiled_steps, python_steps = (steps(str(tmp_path / f"{b}.jsonl"))[2:] for b in ("compiled", "python"))
+    for c, p in zip(compiled_steps, python_steps, strict=True):
+        assert c["peak_allocated_bytes"] == p["peak_allocated_bytes"] > 0
+        for ph in ("forward", "backward", "optimizer"):
+            assert c["phases"][ph]["peak_allocated_bytes"] == p["phases"][ph]["peak_allocated_bytes"]
+        assert c["reserved_bytes"] == p["reserved_bytes"]
+    median_c = statistics.median(r["gpu_ms"] for r in compiled_steps)
+    median_p = statistics.median(r["gpu_ms"] for r in python_steps)
+    assert median_c == pytest.approx(median_p, rel=0.01)
+
+
+# -- choosing the boundary: Profiler(boundary=...) -------------------------------------
+
+
+@pytest.fixture
+def fake_built(monkeypatch, torch_cuda_calls):
+    """CUDA up on device 0, and the compiled boundary 'built': load() returns a fake module."""
+    from stepprof._device import select
+
+    gpu = FakeGpu()
+    module = FakeBoundary(gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(select.compiled, "load", lambda: (module, None))
+    return module
+
+
+@pytest.mark.parametrize("boundary, chosen", [("auto", "compiled"), ("compiled", "compiled"), ("python", "python")])
+def test_a_built_boundary_is_used_unless_python_is_asked_for(fake_built, boundary, chosen):
+    from stepprof._device.select import select_backend
+
+    b = select_backend(None, syncs="off", boundary=boundary)
+    assert b.boundary == chosen and b.index == 0
+    assert isinstance(b, CompiledCudaBackend) == (chosen == "compiled")
+
+
+def test_without_a_build_auto_falls_back_to_python_and_compiled_is_refused_up_front(monkeypatch, torch_cuda_calls):
+    from stepprof._device import select
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    why = "the compiled boundary is not built for torch 9.9 (run `stepprof build`)"
+    monkeypatch.setattr(select.compiled, "load", lambda: (None, why))
+    assert select.select_backend(None, syncs="off", boundary="auto").boundary == "python"
+    with pytest.raises(stepprof.ConfigError, match=r"boundary='compiled', but the compiled boundary is not built"):
+        stepprof.Profiler(None, boundary="compiled")
+    select.check_compiled("auto")  # auto and python never raise
+    select.check_compiled("python")
+
+
+def test_the_summary_and_the_report_say_which_boundary_ran(tmp_path, torch_cuda_calls):
+    from stepprof._recorder.profiler import _make_profiler
+    from stepprof._report.build import build_report, report_log
+    from stepprof._report.render import render
+
+    log = str(tmp_path / "run.jsonl")
+    gpu = FakeGpu()
+    for b in (backend(gpu)[0], gpu):  # the compiled boundary, then the Python one (FakeGpu's)
+        prof = _make_profiler(log, backend=b, clock=gpu.clock, collect_every_s=None)
+        with prof.step():
+            gpu.launch(1.0)
+            gpu.host(1.0)
+        summary = prof.close()
+        assert summary.boundary == b.boundary
+        assert ("`stepprof build`" in str(summary)) == (b.boundary == "python")
+    report = report_log(log)
+    assert [r.boundary for r in report.runs] == ["compiled", "python"]
+    assert render(build_report([log])).count("`stepprof build` compiles the C++ one") == 1

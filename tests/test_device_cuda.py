@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stepprof._device import cuda
+from stepprof._device import cuda, select
 from stepprof._device.backend import HostBackend, HostSweepBackend
-from stepprof._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
+from stepprof._device.cuda import CudaSweepBackend
+from stepprof._device.select import select_sweep_backend, upgrade_from_host
 
 from .fakes import FakeGpu
 
@@ -25,8 +26,8 @@ def cuda_up(monkeypatch):
 def chosen(monkeypatch):
     """What upgrade_from_host asked the selectors for; they answer with a sentinel."""
     calls: list[tuple] = []
-    monkeypatch.setattr(cuda, "select_backend", lambda device, **kw: calls.append(("select", device, kw)) or "cuda")
-    monkeypatch.setattr(cuda, "select_sweep_backend", lambda device: calls.append(("sweep", device)) or "cuda-sweep")
+    monkeypatch.setattr(select, "select_backend", lambda device, **kw: calls.append(("select", device, kw)) or "cuda")
+    monkeypatch.setattr(select, "select_sweep_backend", lambda device: calls.append(("sweep", device)) or "cuda-sweep")
     return calls
 
 
@@ -35,7 +36,7 @@ def test_a_host_backend_is_upgraded_once_cuda_is_initialised(cuda_up, chosen):
     assert upgrade_from_host(host, nvtx=False, syncs="trace") is None       # not initialised yet
     cuda_up[0] = True
     assert upgrade_from_host(host, nvtx=False, syncs="trace") == "cuda"
-    assert chosen == [("select", None, {"nvtx": False, "syncs": "trace"})]
+    assert chosen == [("select", None, {"nvtx": False, "syncs": "trace", "boundary": "python"})]
 
 
 def test_a_sweep_upgrades_to_a_sweep_backend(cuda_up, chosen):
@@ -60,7 +61,7 @@ def test_without_cuda_a_host_backend_stays(monkeypatch, chosen):
 def test_no_backend_yet_always_gets_one(monkeypatch, chosen):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert upgrade_from_host(None, "cuda:1", pinned=True, syncs="off") == "cuda"
-    assert chosen == [("select", "cuda:1", {"nvtx": True, "syncs": "off"})]
+    assert chosen == [("select", "cuda:1", {"nvtx": True, "syncs": "off", "boundary": "python"})]
 
 
 def test_host_backends_state_their_capabilities():
@@ -106,7 +107,7 @@ def test_the_sweep_gets_a_cuda_sweep_backend_on_the_device_chosen(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: None, raising=False)
     gpu = FakeGpu()
     gpu.index = 3
-    monkeypatch.setattr(cuda, "select_backend", lambda device, **kw: gpu)
+    monkeypatch.setattr(select, "select_backend", lambda device, **kw: gpu)
     b = select_sweep_backend(None)
     assert isinstance(b, CudaSweepBackend) and b.index == 3 and b.device == "cuda:3"
 

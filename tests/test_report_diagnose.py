@@ -123,4 +123,5 @@ def test_a_run_without_measured_steps_gives_every_null_figure_its_reason(tmp_pat
     assert run["unavailable"]["overhead_us_median"] == why
     text = render(report)
     assert f"peak allocated            n/a  ({why})" in text
-    assert f"stepprof µs/step          n/a  ({why})" in text
+    assert f"stepprof µs/step (mean)   n/a  ({why})" in text
+    assert run["unavailable"]["overhead_us_mean"] == why

@@ -2,8 +2,10 @@
 
 - :mod:`.backend`: the :class:`~.backend.Backend` contract and its capabilities, the
   host backends (no CUDA).
-- :mod:`.cuda`: the CUDA backends and the choice of a backend
-  (``select_backend``, ``select_sweep_backend``, ``memory_backend``, ``upgrade_from_host``).
+- :mod:`.cuda`: the CUDA backends (the Python boundary).
+- :mod:`.compiled`: the compiled boundary (``stepprof build``) and its backend.
+- :mod:`.select`: the choice of a backend (``select_backend``, ``select_sweep_backend``,
+  ``memory_backend``, ``upgrade_from_host``).
 - :mod:`.sync_routes`: the "warn" and "trace" routes that bring torch's host-device
   waits to :mod:`stepprof._syncs`.
 - :mod:`.exchange`: the NCCL exchange's buffers (:mod:`stepprof._dist`).

@@ -79,7 +79,7 @@ class Backend(Protocol):
     - ``has_device_timing``: marks are device events, so GPU time and gaps come from
       them; without it the host clock times the step (and a profiler or sweep that
       chose the host may switch once CUDA comes up, see
-      :func:`stepprof._device.cuda.upgrade_from_host`).
+      :func:`stepprof._device.select.upgrade_from_host`).
     - ``has_device_memory``: the caching allocator's figures (peak, reserved, counters)
       are real; without them the recorder reads the host's RSS instead, and
       ``memory_reason`` says why.

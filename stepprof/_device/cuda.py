@@ -16,10 +16,7 @@ call), ``torch.cuda.mem_get_info`` and the device's identity (UUID and PCI bus
 id, from ``get_device_properties``), which :mod:`stepprof._device.nvml` uses to
 find the same GPU in NVML.
 
-Which backend a step gets is decided here too: :func:`select_backend` (the
-recorder), :func:`select_sweep_backend` (the sweep), :func:`memory_backend`
-(``stepprof.memory_report``) and, for a profiler or sweep that started on the
-host, :func:`upgrade_from_host`.
+Which backend a step gets is decided in :mod:`stepprof._device.select`.
 """
 
 from __future__ import annotations
@@ -30,15 +27,7 @@ from typing import Any
 import torch
 
 from .. import _syncs
-from .backend import (
-    ALLOCATOR_COUNTERS,
-    AllocatorFigures,
-    Backend,
-    BoundaryOps,
-    HostBackend,
-    HostSweepBackend,
-    Memory,
-)
+from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, Memory
 from .sync_routes import (
     enable_gpu_trace,
     install_trace_route,
@@ -46,14 +35,7 @@ from .sync_routes import (
     register_repeat_interleave_probe,
 )
 
-__all__ = [
-    "CudaBackend",
-    "CudaSweepBackend",
-    "memory_backend",
-    "select_backend",
-    "select_sweep_backend",
-    "upgrade_from_host",
-]
+__all__ = ["CudaBackend", "CudaSweepBackend"]
 
 
 class CudaBackend(BoundaryOps):
@@ -286,100 +268,3 @@ class CudaSweepBackend(CudaBackend):
             if 0 < fraction < 1:
                 capacity = min(capacity, int(fraction * total))
         return capacity
-
-
-# -- choosing a backend ------------------------------------------------------------
-
-
-def select_backend(device: Any = None, *, nvtx: bool = True, syncs: str = "warn") -> Backend:
-    """Choose the backend for a step that is starting now.
-
-    With ``device=None`` the CUDA backend is used only when CUDA is available
-    *and already initialised* by the user's code: stepprof never creates a CUDA
-    context (hundreds of MiB) for a job that trains on the CPU.
-    """
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cpu":
-            return HostBackend("device='cpu' was requested")
-        if dev.type != "cuda":
-            return HostBackend(f"device type {dev.type!r} has no CUDA events")
-        if not torch.cuda.is_available():
-            return HostBackend("CUDA is not available")
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return CudaBackend(index, nvtx=nvtx, syncs=syncs)
-    if not torch.cuda.is_available():
-        return HostBackend("CUDA is not available")
-    if not torch.cuda.is_initialized():
-        return HostBackend("CUDA was not initialised when the step began (the step ran on the CPU)")
-    return CudaBackend(torch.cuda.current_device(), nvtx=nvtx, syncs=syncs)
-
-
-def memory_backend(device: torch.device | None = None) -> Backend:
-    """A backend to read memory figures on now, for :func:`stepprof.memory_report`.
-
-    It never initialises CUDA: where the process has no CUDA context yet, the
-    answer is a :class:`HostBackend` whose ``gpu_reason`` says so, because
-    creating one would itself add hundreds of MiB to what nvidia-smi shows.
-    """
-    if device is not None and device.type != "cuda":
-        return HostBackend(f"device {str(device)!r} has no CUDA memory")
-    if not torch.cuda.is_available():
-        return HostBackend("CUDA is not available")
-    if not torch.cuda.is_initialized():
-        return HostBackend(
-            "CUDA is not initialised in this process, so it holds no GPU memory "
-            "(stepprof never initialises CUDA itself)"
-        )
-    index = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if not 0 <= index < torch.cuda.device_count():
-        return HostBackend(f"there is no CUDA device {index} ({torch.cuda.device_count()} visible)")
-    return CudaBackend(index, nvtx=False)
-
-
-def select_sweep_backend(device: Any = None) -> CudaSweepBackend | HostSweepBackend:
-    """The sweep's backend: CUDA when asked for, or (``device=None``) when the process
-    has already initialised CUDA (the model is on the GPU); otherwise the host."""
-    chosen = select_backend(device, nvtx=False)
-    if chosen.index is not None:
-        return CudaSweepBackend(chosen.index)
-    return HostSweepBackend(chosen.gpu_reason or "CUDA is not available")
-
-
-def upgrade_from_host(
-    backend: Backend | None,
-    device: Any = None,
-    *,
-    pinned: bool = False,
-    sweep: bool = False,
-    nvtx: bool = True,
-    syncs: str = "warn",
-) -> Backend | None:
-    """The backend to switch to now, or None to keep ``backend``.
-
-    A profiler or sweep chooses its backend when its first step begins; with no
-    device named, that is the host if CUDA was not initialised yet.  When the
-    training code initialises CUDA later, the host clock can no longer time its
-    asynchronous GPU work, so a host backend (one without ``has_device_timing``)
-    that was not ``pinned`` (a backend or device passed explicitly) is replaced by
-    the one :func:`select_backend` (``sweep=True``: :func:`select_sweep_backend`)
-    chooses now.  ``backend=None`` (none chosen yet) always gets one.
-
-    Args:
-        backend: the backend in use, or None.
-        device: the device the caller was given (None: the current CUDA device).
-        pinned: the caller was given its backend or device: never switch.
-        sweep: choose a sweep backend (:class:`CudaSweepBackend`).
-        nvtx: for :func:`select_backend`.
-        syncs: for :func:`select_backend`.
-    """
-    if backend is not None and (
-        pinned
-        or backend.has_device_timing
-        or not torch.cuda.is_available()
-        or not torch.cuda.is_initialized()
-    ):
-        return None
-    if sweep:
-        return select_sweep_backend(device)
-    return select_backend(device, nvtx=nvtx, syncs=syncs)

@@ -50,7 +50,7 @@ import torch
 
 from .. import _memory
 from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
-from .._device.cuda import upgrade_from_host
+from .._device.select import upgrade_from_host
 from .._errors import StepprofError, UsageError, raised_by_user
 from .._syncs import SyncTracker
 from .collector import Collector
@@ -409,7 +409,7 @@ class Boundaries:
         yet) switches to CUDA at the first step after the training code initialised it.
         """
         b = upgrade_from_host(self.backend, self._device_arg, pinned=self._pinned, nvtx=self._nvtx,
-                              syncs=self._sync_mode)
+                              syncs=self._sync_mode, boundary=self._boundary)
         if b is None:
             return self.backend  # type: ignore[return-value]
         self.backend = b

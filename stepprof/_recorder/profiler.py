@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .. import _dist, _memory
-from .._device.cuda import memory_backend
+from .._device.select import check_compiled, memory_backend
 from .._memory import MemoryReport
 from .._options import FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
@@ -154,6 +154,7 @@ class Profiler:
             overhead_budget=overhead_budget,
         )
         self._options = options
+        check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
         log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
         flops_mode, given = options.flops, options.flops_per_step
         ranks_every, log_ranks = options.ranks_every, options.log_ranks

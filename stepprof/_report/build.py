@@ -129,6 +129,8 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
         roofline=roof,
         spikes=_spikes(agg, figures.step_ms.median if figures.step_ms else None),
         summary_found=agg.summary is not None,
+        boundary=agg.boundary(),
+        gpu_steps=agg.gpu.count,
         unavailable=unavailable,
         rank=identity.get("rank"),
         local_rank=identity.get("local_rank"),

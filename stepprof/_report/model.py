@@ -184,6 +184,10 @@ class RunReport:
     roofline: dict[str, Any] | None
     spikes: Spikes | None
     summary_found: bool
+    #: Which boundary did the device work: "compiled" or "python" (from the summary record).
+    boundary: str | None
+    #: Measured steps with GPU figures (fewer than measured under ``overhead_budget``).
+    gpu_steps: int
     unavailable: dict[str, str]
     rank: int | None
     local_rank: int | None

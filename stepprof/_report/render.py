@@ -8,7 +8,7 @@ of them (a terminal escape, a newline) prints as a visible escape, on its own li
 
 from __future__ import annotations
 
-from .._records import Percentiles
+from .._records import COMPILED_SAVES_US, Percentiles
 from .._units import format_bytes, printable
 from .model import DistributedView, Report, RunReport
 
@@ -23,7 +23,7 @@ _REASON_KEYS = {
     "syncs/step": "syncs_per_step",
     "TFLOP/s (median)": "tflops_per_s_median",
     "MFU (median)": "mfu_median",
-    "stepprof µs/step": "overhead_us_median",
+    "stepprof µs/step (mean)": "overhead_us_mean",
     "peak allocated": "peak_allocated_bytes",
 }
 
@@ -149,8 +149,11 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         ("syncs/step", _spread(f.syncs_per_step, "{:g}")),
         ("TFLOP/s (median)", _number(f.tflops_per_s_median, ".4g")),
         ("MFU (median)", _number(f.mfu_median, ".1%")),
-        ("stepprof µs/step", _number(f.overhead_us_median, ".0f")),
+        ("stepprof µs/step (mean)", _number(f.overhead_us_mean, ".0f")
+         + (f" ({run.boundary} boundary)" if run.boundary else "")),
     ]
+    if run.gpu_steps < run.measured_steps and run.gpu_steps:
+        rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.measured_steps:,} measured steps (overhead_budget)"))
     m = run.memory
     rows += [
         ("peak allocated", format_bytes(m.peak_allocated_bytes_max)),
@@ -170,6 +173,9 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         key = _REASON_KEYS.get(label)
         reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
         out.append(f"   {label:<{width}}  {value}{reason}")
+    if run.boundary == "python":
+        out.append(f"   the Python boundary ran: `stepprof build` compiles the C++ one, about "
+                   f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
     if run.syncs is not None and run.syncs.sites:
         out.append("   top sync sites:")
         for s in run.syncs.sites[:5]:

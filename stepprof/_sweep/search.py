@@ -39,7 +39,8 @@ from typing import Any
 import attrs
 
 from .._registry import pop_active, push_active
-from .._device.cuda import CudaSweepBackend, select_sweep_backend, upgrade_from_host
+from .._device.cuda import CudaSweepBackend
+from .._device.select import select_sweep_backend, upgrade_from_host
 from .._log import JsonlWriter
 from .._schema import SCHEMA_VERSION
 from .._units import format_bytes
