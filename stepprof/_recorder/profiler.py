@@ -25,6 +25,7 @@ from .._options import FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from .._scopes import StepScope, make_measure
+from .._syncs import NOT_WATCHED
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
 from .collector import Collector
@@ -268,6 +269,7 @@ class Profiler:
                               b.broken is not None)
             for hook in self._hooks:
                 hook.on_close(closing)
+        self._end_syncs()
         self._summary = self._build_summary(ended_by)
         b.closed = True
         if self._log.count != self._signal_written:  # else the signal's summary says it all
@@ -276,6 +278,17 @@ class Profiler:
         b.warn_async()
         forget_open(self)
         return self._summary
+
+    def _end_syncs(self, report: bool = True) -> None:
+        """End the backend's sync session: the process's sync state comes back (unless
+        another profiler's session holds it).  A failure stops recording, if ``report``."""
+        b = self._boundaries.backend
+        try:
+            if b is not None:
+                b.end_syncs()
+        except Exception as e:  # noqa: BLE001 - close must always produce a summary
+            if report:
+                self._boundaries.fail(e)
 
     def _build_summary(self, ended_by: str) -> Summary:
         b = self._boundaries.backend
@@ -286,6 +299,7 @@ class Profiler:
             stopped=self._collector.error or self._boundaries.broken,
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
+            syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
         )
 
     def __enter__(self) -> Profiler:
@@ -360,6 +374,7 @@ class Profiler:
 
     def _forked(self) -> None:
         """In a forked child: drop the parent's state and record nothing more (see above)."""
+        self._end_syncs(report=False)  # the child gets the sync-debug mode, filters, functions back
         self._collector.forget()
         self._boundaries.forget(_INHERITED.format(pid=os.getpid()))
         self._memory.forget()

@@ -117,6 +117,7 @@ class SummarySink:
         stopped: str | None,
         log_failed: str | None,
         flops_reason: str | None,
+        syncs_outside: tuple[int | None, str | None] | None = None,
     ) -> Summary:
         """The summary of the records added so far.
 
@@ -130,6 +131,8 @@ class SummarySink:
             flops_reason: with FLOPs requested, why the profiler has no TFLOP/s yet; the
                 summary's reason when no step record carries the FLOPs fields.  None: FLOPs
                 were not requested.
+            syncs_outside: (``syncs_outside_steps``, None), or (None, why): the backend's
+                count, which no step record carries.  None: no backend gave one.
         """
         agg = self.aggregate
         extra: dict[str, str] = {}
@@ -143,4 +146,10 @@ class SummarySink:
         if agg.device is None:
             fields["device"] = device
         fields["ended_by"] = ended_by
+        if syncs_outside is not None:
+            fields["syncs_outside_steps"], why = syncs_outside
+            if why is None:
+                fields["unavailable"].pop("syncs_outside_steps", None)
+            else:
+                fields["unavailable"]["syncs_outside_steps"] = why
         return Summary(log=log, **fields)
