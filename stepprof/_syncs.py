@@ -529,10 +529,13 @@ class Sessions:
     thread's tracker; :meth:`unwatch` pops it.  The route stays installed in between.
     """
 
-    __slots__ = ("session",)
+    __slots__ = ("session", "final", "ended")
 
-    def __init__(self) -> None:
+    def __init__(self, final: bool = False) -> None:
         self.session: SyncSession | None = None
+        #: :meth:`end` is for good (a backend of one profiler): no session opens after it.
+        self.final = final
+        self.ended = False
 
     def watch(self, tracker: Any, route: Callable[[], Route]) -> str | None:
         """Route this thread's waits to ``tracker``; or why they are not counted this step.
@@ -541,7 +544,12 @@ class Sessions:
         """
         s = self.session
         if s is None or not s.open:
-            s = self.session = open_session(route())
+            with LOCK:  # two threads' first steps open one session
+                s = self.session
+                if s is None or not s.open:
+                    if self.ended and self.final:
+                        return CLOSED
+                    s = self.session = open_session(route())
         why = s.route.ensure()
         if why is not None:
             give_way(s.route, why)
@@ -554,8 +562,10 @@ class Sessions:
 
     def end(self) -> None:
         """Close the session (idempotent); the figures stay readable."""
-        if self.session is not None:
-            close_session(self.session)
+        with LOCK:
+            self.ended = True
+            if self.session is not None:
+                close_session(self.session)
 
     def outside(self, reason: str | None) -> tuple[int | None, str | None]:
         """(``syncs_outside_steps``, None), or (None, why): ``reason`` when syncs are not
@@ -572,6 +582,8 @@ class Sessions:
 
 #: Why ``syncs_outside_steps`` is null when no step watched syncs.
 NOT_WATCHED = "no step watched syncs: they are counted from the first step to close"
+#: Why a step that began while its profiler closed has no syncs.
+CLOSED = "the profiler was closing: its sync session had ended"
 
 
 def attach(tracker: Any) -> None:

@@ -536,3 +536,84 @@ def test_a_probe_taken_by_another_thread_is_not_an_error(monkeypatch):
     frame = sys._getframe()
     entry = tracker._new_location(frame.f_code, frame.f_lasti, "repeat_interleave", frame, frame)
     assert entry[1][1] == "repeat_interleave" and entry[3] == 1
+
+
+# -- the session: the route held from the first step to the close ---------------------
+
+
+def test_the_route_is_held_from_the_first_step_to_the_close(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu)
+    assert gpu.installs == 0  # nothing before the first step
+    for _ in range(5):
+        with prof.step():
+            t.item()
+        assert not _syncs._trackers  # per step only the tracker comes and goes
+    assert (gpu.installs, gpu.uninstalls, gpu.route.ensures) == (1, 0, 5) and _syncs.installed()
+    prof.close()
+    assert (gpu.installs, gpu.uninstalls) == (1, 1) and not _syncs.installed()
+    prof.close()  # again: nothing more
+    assert gpu.uninstalls == 1
+
+
+def test_a_route_that_gives_way_nulls_the_steps_and_the_outside_count(log, gpu):
+    t = FakeTensor(gpu)
+    why = "torch's sync-debug mode is 'error' (set outside stepprof), so a sync raises instead of being counted"
+    with make(log, gpu) as prof:
+        for give_way in (None, why, None):
+            gpu.route.give_way = give_way
+            with prof.step():
+                t.item()
+            t.item()  # between steps
+    counted, gave_way, again = steps(log)
+    assert counted["syncs"]["count"] == again["syncs"]["count"] == 1
+    assert gave_way["syncs"] is None and gave_way["unavailable"]["syncs"] == why
+    assert prof.summary.syncs_outside_steps is None
+    assert prof.summary.unavailable["syncs_outside_steps"] == why
+
+
+@pytest.mark.parametrize("case", ["cpu", "off", "no step"])
+def test_syncs_outside_steps_is_null_with_the_reason_when_not_counted(log, gpu, case):
+    if case == "cpu":
+        prof = stepprof.Profiler(log, device="cpu")
+        expected = "there is no device for the host to wait on"
+    elif case == "off":
+        gpu.sync_reason = expected = "sync tracking was turned off (syncs='off')"
+        prof = make(log, gpu)
+    else:
+        prof = make(log, gpu)
+        expected = _syncs.NOT_WATCHED
+    if case != "no step":
+        with prof.step():
+            pass
+    summary = prof.close()
+    assert summary.syncs_outside_steps is None
+    assert expected in summary.unavailable["syncs_outside_steps"]
+    (record,) = stepprof.read(log, kind="summary")
+    assert record["syncs_outside_steps"] is None
+    assert expected in record["unavailable"]["syncs_outside_steps"]
+
+
+def test_a_signals_summary_has_the_outside_count_so_far(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    t.item()
+    prof._on_signal("SIGTERM")
+    t.item()
+    prof.close()
+    first, last = stepprof.read(log, kind="summary")
+    assert (first["syncs_outside_steps"], last["syncs_outside_steps"]) == (1, 2)
+
+
+def test_a_failure_ending_the_session_still_closes_with_a_summary(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    gpu.fail_on = "end_syncs"
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        summary = prof.close()
+    assert summary.steps == 1 and "end_syncs" in summary.unavailable["stepprof"]
+    gpu.fail_on = None
+    _syncs.close_all()  # what the failed end left held (at exit, the hub's handler does this)

@@ -79,7 +79,7 @@ class CudaBackend(BoundaryOps):
         self.sync_mechanism: str | None = None if syncs == "off" else syncs
         self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
         self._sync_resolved = syncs != "trace"
-        self._sessions = _syncs.Sessions()
+        self._sessions = _syncs.Sessions(final=True)  # one profiler's backend
         register_repeat_interleave_probe(device_index)
         if nvtx:
             # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
