@@ -8,22 +8,21 @@ process CPU time added):
 
   ev2, ev5    2 or 5 ``torch.Event.record()`` per step (from a pool);
   mem1        one ``_cuda_resetPeakMemoryStats`` and one ``_cuda_memoryStats`` read;
-  syncroute   the "warn" sync route installed and removed (``_syncs.attach``/``detach``);
+  syncroute   the "warn" sync route's per-step work: its check and the step's tracker pushed
+              and popped (``_syncs.Sessions.watch``/``detach``), the route held by a
+              session for the whole run, as a profiler holds it;
   nvtx4       four NVTX push/pop pairs;
   pyrec       building a step-record-like nested dict;
   collsim     a thread that, every 20 ms, calls ``elapsed_time`` 4 times and ``query``
               once per step since its last wake (what the collector does);
   floor-step  only the CUDA calls a step record needs, with none of stepprof's Python
               around them: 2 event records, the peak reset and read, the sync route
-              installed and removed, and on a second thread 1 ``elapsed_time`` + 1 ``query``;
+              watched (as syncroute), and on a second thread 1 ``elapsed_time`` + 1 ``query``;
   floor-full  the same for the phased loop: 5 event records, 4 ``elapsed_time`` + 1 ``query``;
   step, full, full-inline   stepprof itself (bench/overhead.py's variants), and
   full-nogc   ``full`` with Python's garbage collector off during the round.
-Diagnostics of where in-loop costs come from (which part of the sync route costs what;
-how much pure Python work costs inside the loop and on a second thread):
-  mode        only torch's sync-debug mode set to "warn" at step entry and back at exit;
-  tap         only the warnings tap (front filter, ``_showwarnmsg`` hook) installed and removed;
-  patches     only the three ``synchronize`` wrappers set and restored;
+Diagnostics of where in-loop costs come from (how much pure Python work costs inside
+the loop and on a second thread):
   pywork      pure Python work that costs PYWORK_US in a tight loop, on the training thread
               at each step's end;
   collpy      the same work on a second thread, every 20 ms, for each step since its last
@@ -82,11 +81,12 @@ def ev(n):
     return f
 def mem1():
     rp(dev); fwd(); bwd(); opt(); s = ms(dev); s["allocated_bytes"]["all"]["peak"]
+sessions = _syncs.Sessions()  # holds the "warn" route for the whole run, as a profiler does
 def syncroute():
     tracker.begin([], None, "count", False)
-    _syncs.attach(tracker, sync_routes.install_warn_route)
+    sessions.watch(tracker, sync_routes.warn_route)
     fwd(); bwd(); opt()
-    _syncs.detach(); tracker.end()
+    _syncs.detach(tracker); tracker.end()
 def nvtx4():
     push("s"); push("f"); fwd(); pop(); push("b"); bwd(); pop(); push("o"); opt(); pop(); pop()
 def pyrec():
@@ -115,16 +115,6 @@ PYWORK_N = _n
 print(f"pywork: {PYWORK_N} iterations, {per_call:.1f} us per call in a tight loop")
 def pywork():
     fwd(); bwd(); opt(); _work(PYWORK_N)
-route = sync_routes.WarnRoute()
-def mode():
-    torch._C._cuda_set_sync_debug_mode(1); fwd(); bwd(); opt(); torch._C._cuda_set_sync_debug_mode(0)
-tap0 = _syncs.tap(False)
-def tap():
-    tap0.install(); fwd(); bwd(); opt(); tap0.uninstall()
-def patches():
-    for q in route.patches: setattr(q[0], q[1], q[3])
-    fwd(); bwd(); opt()
-    for q in route.patches: setattr(q[0], q[1], q[4])
 # a simulated collector: every 20 ms, elapsed_time on 4 completed pairs per step since the last wake
 done_ev = [torch.Event(device="cuda", enable_timing=True) for _ in range(2)]
 done_ev[0].record(); done_ev[1].record(); torch.cuda.synchronize()
@@ -153,19 +143,19 @@ def collsim():
 # The floor: only the CUDA calls the issue asks for, with none of stepprof's bookkeeping.
 def floor_step():
     j = i[0]; i[0] = (j + 2) % 60
-    tracker.begin([], None, "count", False); _syncs.attach(tracker, sync_routes.install_warn_route)
+    tracker.begin([], None, "count", False); sessions.watch(tracker, sync_routes.warn_route)
     rp(dev); pool[j].record()
     fwd(); bwd(); opt()
     pool[j + 1].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
-    _syncs.detach(); tracker.end()
+    _syncs.detach(tracker); tracker.end()
     _fs[0] += 1; _fs[1] += 1
 def floor_full():
     j = i[0]; i[0] = (j + 5) % 60
-    tracker.begin([], None, "count", False); _syncs.attach(tracker, sync_routes.install_warn_route)
+    tracker.begin([], None, "count", False); sessions.watch(tracker, sync_routes.warn_route)
     rp(dev); pool[j].record()
     fwd(); pool[j + 1].record(); bwd(); pool[j + 2].record(); opt(); pool[j + 3].record()
     pool[j + 4].record(); ms(dev)["allocated_bytes"]["all"]["peak"]
-    _syncs.detach(); tracker.end()
+    _syncs.detach(tracker); tracker.end()
     _ff[0] += 4; _ff[1] += 1
 
 # The same for pure Python work: owed and done per variant, worked only in its own rounds.
@@ -196,8 +186,7 @@ def step():
     with p_step.step(batch_size=64):
         fwd(); bwd(); opt()
 variants = {"bare": bare, "bare-again": bare, "ev2": ev(2), "ev5": ev(5), "mem1": mem1, "syncroute": syncroute,
-            "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "mode": mode, "tap": tap,
-            "patches": patches, "pywork": pywork, "collpy": collpy, "collpy-yield": collpy_yield,
+            "nvtx4": nvtx4, "pyrec": pyrec, "collsim": collsim, "pywork": pywork, "collpy": collpy, "collpy-yield": collpy_yield,
             "floor-step": floor_step, "floor-full": floor_full, "step": step,
             "full": lambda: phased_step(p_full, 64, fwd, bwd, opt),
             "full-nogc": lambda: phased_step(p_full_ng, 64, fwd, bwd, opt),
@@ -231,6 +220,7 @@ for _ in range(rounds):
         per[v].append((t1 - t0) / k * 1e6); cpu[v].append((c1 - c0) / k * 1e6)
 coll_stop.set()
 summ = {"step": p_step.close(), "full": p_full.close(), "full-nogc": p_full_ng.close(), "full-inline": p_full_inl.close()}
+sessions.end()
 out = {}
 print(f"{run_info('inloop_costs.py')['gpu']}, {rounds} interleaved rounds x {k} steps")
 print(f"{'variant':12s} {'us/step':>8s} {'added':>7s} {'ratio':>7s} {'CI95':>15s} {'cpu+':>7s} {'ovh':>6s}")

@@ -4,11 +4,17 @@ Three parts, on the launch-bound step of bench/overhead.py (8-layer 256-wide bf1
 MLP, batch 64, AdamW) inside the README's phased loop:
 
   1. sync tracking off vs on ("warn", the default), interleaved rounds, with an
-     A/A control (off vs off again);
+     A/A control (off vs off again): the per-step cost of a route installed once per
+     profiler session (its check and the step's tracker);
   2. the added cost per sync: steps of 50 ``.item()`` calls and of none (40 steps a round), off vs
      "warn"; (added with 50 - added with none) / 50, so that the per-step cost of
-     installing the tracking is not counted per sync.  And its floor: the same with only
+     the tracking is not counted per sync.  And its floor: the same with only
      torch's sync warning and Python's warnings machinery (a hook that does nothing);
+
+The "warn" route stays installed while its profiler is open, and an installed route
+counts every sync of the process (those between steps too), so in parts 1 and 2 each
+variant's round has a profiler of its own, opened before the round and closed after it
+(untimed, with one untimed step first): no variant runs under another's route.
   3. the opt-in "trace" mechanism.  Activating torch's GPU trace cannot be undone
      and makes every allocation and free call into Python, whoever allocates, so it
      runs last: the per-allocation cost before and after activation, the
@@ -73,6 +79,41 @@ def interleave(variants: dict, rounds: int, k: int, base: str, profs: dict) -> d
     return out
 
 
+def interleave_sessions(variants: dict, rounds: int, k: int, base: str) -> tuple[dict, dict]:
+    """:func:`interleave` with a fresh profiler per variant and round: ``variants`` maps a
+    name to (make a profiler, the step of that profiler).  Each round opens the profiler,
+    runs one step untimed (the backend is chosen and the sync session opened there), times
+    ``k`` steps, and closes it untimed.  Returns the figures and each variant's last summary.
+    """
+    per: dict = {v: [] for v in variants}
+    last: dict = {}
+    rng = random.Random(0)
+    for r in range(rounds + 1):  # the first round warms up, untimed
+        order = list(variants)
+        rng.shuffle(order)
+        for v in order:
+            make, step_of = variants[v]
+            p = make()
+            step = step_of(p)
+            step()
+            torch.cuda.synchronize()
+            p._drain()
+            wall_us, _ = timed_round(step, k, torch.cuda.synchronize, p._drain)
+            last[v] = p.close()
+            if r:
+                per[v].append(wall_us)
+    out = {}
+    for v, xs in per.items():
+        ratios = [x / b for x, b in zip(xs, per[base])]
+        out[v] = {
+            "us": quantiles(xs),
+            "ratio": {**quantiles(ratios), "median_ci95": median_ci(ratios)},
+            "added_us": quantiles([x - b for x, b in zip(xs, per[base])]),
+            "rounds_us": xs,
+        }
+    return out, last
+
+
 def alloc_pair_us(n: int = 20000) -> float:
     """Host µs to allocate and free a small CUDA tensor (the caching allocator's fast path)."""
     for _ in range(1000):
@@ -103,58 +144,59 @@ def main() -> int:
         return stepprof.Profiler(os.path.join(tmp, f"{tag}.jsonl"), **kw)
 
     # 1. the launch-bound step, sync tracking off vs on
-    profs = {"off": prof("off", syncs="off"), "off-again": prof("off2", syncs="off"),
-             "warn": prof("warn")}
-    res["launch_bound"] = interleave(
-        {v: (lambda p=p: phased_step(p, 64, fwd, bwd, opt)) for v, p in profs.items()},
-        args.rounds, args.steps, "off", profs,
+    def maker(tag, **kw):
+        return lambda: prof(tag, **kw)
+
+    def phased(p):
+        return lambda: phased_step(p, 64, fwd, bwd, opt)
+
+    res["launch_bound"], _ = interleave_sessions(
+        {"off": (maker("off", syncs="off"), phased), "off-again": (maker("off2", syncs="off"), phased),
+         "warn": (maker("warn"), phased)},
+        args.rounds, args.steps, "off",
     )
-    for p in profs.values():
-        p.close()
 
     # 2. the added cost per sync
     s = torch.ones(8, device="cuda").sum()
     n_syncs = 50
 
-    def syncing(p, n):
-        def step():
-            with p.step():
-                for _ in range(n):
-                    s.item()
-        return step
+    def syncing(n):
+        def step_of(p):
+            def step():
+                with p.step():
+                    for _ in range(n):
+                        s.item()
+            return step
+        return step_of
 
     # The floor: what torch and Python's warnings cost per sync before any counting --
     # sync-debug mode "warn", a front "always" filter for the message, and a hook in place
     # of warnings._showwarnmsg that does nothing (stepprof's own route minus its counting).
     front = _syncs.WarningTap()._filter  # the same front filter as stepprof's, not its hook
 
-    def floor(p, n):
-        def step():
-            with p.step():
-                torch._C._cuda_set_sync_debug_mode(1)
-                warnings.filters.insert(0, front)
-                shown, warnings._showwarnmsg = warnings._showwarnmsg, lambda msg: None
-                try:
-                    for _ in range(n):
-                        s.item()
-                finally:
-                    warnings._showwarnmsg = shown
-                    warnings.filters.remove(front)
-                    torch._C._cuda_set_sync_debug_mode(0)
-        return step
+    def floor(n):
+        def step_of(p):
+            def step():
+                with p.step():
+                    torch._C._cuda_set_sync_debug_mode(1)
+                    warnings.filters.insert(0, front)
+                    shown, warnings._showwarnmsg = warnings._showwarnmsg, lambda msg: None
+                    try:
+                        for _ in range(n):
+                            s.item()
+                    finally:
+                        warnings._showwarnmsg = shown
+                        warnings.filters.remove(front)
+                        torch._C._cuda_set_sync_debug_mode(0)
+            return step
+        return step_of
 
-    ps = {v: prof("s-" + v, syncs=v.split("-")[0]) for v in ("off-0", "warn-0", "off-50", "warn-50")}
-    pf = {v: prof("s-" + v, syncs="off") for v in ("floor-0", "floor-50")}
-    per_sync = interleave(
-        {**{v: syncing(p, int(v.split("-")[1])) for v, p in ps.items()},
-         **{v: floor(p, int(v.split("-")[1])) for v, p in pf.items()}},
-        args.rounds, 40, "off-0", {**ps, **pf},
-    )
-    for p in pf.values():
-        p.close()
-    counted = ps["warn-50"].close().syncs_per_step_median
-    for p in ps.values():
-        p.close()
+    variants = {v: (maker("s-" + v, syncs=v.split("-")[0]), syncing(int(v.split("-")[1])))
+                for v in ("off-0", "warn-0", "off-50", "warn-50")}
+    variants.update({v: (maker("s-" + v, syncs="off"), floor(int(v.split("-")[1])))
+                     for v in ("floor-0", "floor-50")})
+    per_sync, summaries = interleave_sessions(variants, args.rounds, 40, "off-0")
+    counted = summaries["warn-50"].syncs_per_step_median
     med = {v: r["us"]["median"] for v, r in per_sync.items()}
     # Per round, from that round's four variants (a paired estimate: drift between rounds
     # cancels), then the median over rounds and its 95% bootstrap interval.
@@ -177,6 +219,7 @@ def main() -> int:
         "item_us_untracked": (per_sync["off-50"]["us"]["median"] - per_sync["off-0"]["us"]["median"])
         / n_syncs,
         "added_us_per_sync": added,
+        "route_per_empty_step_us": per_sync["warn-0"]["added_us"],
         "note": "median over rounds of each round's (warn-50 - off-50 - warn-0 + off-0) / syncs",
         "variants": per_sync,
     }
@@ -223,6 +266,9 @@ def main() -> int:
           f"{a['median']:.2f} µs per sync (95% CI {a['median_ci95'][0]:.2f}-{a['median_ci95'][1]:.2f}; "
           f"{a['from_variant_medians']:.2f} from the variants' medians); "
           f"counted {ps['counted_per_step']} of {n_syncs} per step")
+    e = ps["route_per_empty_step_us"]
+    print(f"   the route per empty step (warn-0 - off-0): {e['median']:+.2f} µs "
+          f"(p10 {e['p10']:+.2f}, p90 {e['p90']:+.2f})")
     f = ps["floor_us_per_sync"]
     print(f"   the floor (torch's warning + Python's warnings, a hook that does nothing): "
           f"{f['median']:.2f} µs per sync (95% CI {f['median_ci95'][0]:.2f}-{f['median_ci95'][1]:.2f})")

@@ -55,6 +55,8 @@ ONLY_THE_COUNTED_STEP = (
 )
 NOT_REQUESTED_FLOPS = "FLOPs were not requested: pass Profiler(flops='auto') or flops_per_step=N"
 NO_STEP_AFTER_THE_COUNT = "no measured step after the counted one"
+#: Why a figure that only the summary record carries is missing.
+NO_SUMMARY = "no summary record (the run did not close)"
 
 #: Figures whose reason comes from the step records' ``unavailable`` (figure -> step field),
 #: with the reason used when no step gave one.
@@ -694,6 +696,9 @@ class RunAggregate:
         if extra_unavailable:
             unavailable.update(extra_unavailable)
         syncs = figures.syncs_per_step
+        outside, why = self.syncs_outside_steps()
+        if why is not None:
+            unavailable["syncs_outside_steps"] = why
         return {
             "steps": self.steps,
             "warmup_steps": self.warmup,
@@ -711,6 +716,7 @@ class RunAggregate:
             "boundary": self.boundary(),
             "syncs_per_step_median": None if syncs is None else syncs.median,
             "sync_mechanism": self.sync_mechanism if syncs is not None else None,
+            "syncs_outside_steps": outside,
             "tflops_per_s_median": figures.tflops_per_s_median,
             "mfu_median": figures.mfu_median,
             "unavailable": unavailable,
@@ -723,6 +729,21 @@ class RunAggregate:
         """The run's summary's ``boundary`` (untrusted: one of the known names, else None)."""
         b = self.summary.get("boundary") if self.summary is not None else None
         return b if b in ("compiled", "python") else None
+
+    def syncs_outside_steps(self) -> tuple[int | None, str | None]:
+        """The run's summary's ``syncs_outside_steps`` (only the profiler counts them), or
+        (None, why)."""
+        s = self.summary
+        if s is None:
+            return None, NO_SUMMARY
+        n = s.get("syncs_outside_steps")
+        if type(n) is int and n >= 0:
+            return n, None
+        reasons = s.get("unavailable")
+        why = reasons.get("syncs_outside_steps") if type(reasons) is dict else None
+        if type(why) is str:
+            return None, why
+        return None, "not in this log's summary (written by an older stepprof)"
 
     def _ended_by(self) -> str | None:
         """The run's summary's ``ended_by`` (untrusted: a str of a sane length, else None)."""

@@ -98,6 +98,10 @@ class Summary:
     log: str | None
     syncs_per_step_median: float | None = None
     sync_mechanism: str | None = None
+    #: Waits on a thread with no open step while the profiler watched syncs (from its first
+    #: step to its close), counted against no step.  None when syncs were not counted
+    #: throughout (``unavailable`` says why).
+    syncs_outside_steps: int | None = None
     tflops_per_s_median: float | None = None
     mfu_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
@@ -140,6 +144,8 @@ class Summary:
             parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
         if self.syncs_per_step_median:
             parts.append(f"{self.syncs_per_step_median:g} syncs/step")
+        if self.syncs_outside_steps:
+            parts.append(f"{self.syncs_outside_steps} syncs outside steps")
         if self.tflops_per_s_median is not None:
             parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
         if self.mfu_median is not None:

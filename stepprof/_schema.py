@@ -188,6 +188,7 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "log": s.log,
         "syncs_per_step_median": s.syncs_per_step_median,
         "sync_mechanism": s.sync_mechanism,
+        "syncs_outside_steps": s.syncs_outside_steps,
         "tflops_per_s_median": s.tflops_per_s_median,
         "mfu_median": s.mfu_median,
         "phases": _phases(s.phases),

@@ -25,14 +25,21 @@ The warning route's plumbing is here too (:class:`WarningTap`): torch's
 sync-debug mode "warn" turns each sync into a ``UserWarning``; a front filter
 ("always", for that message only) and a hook in place of
 ``warnings._showwarnmsg`` turn it into a count, and every other warning goes on
-to the original, and so to ``showwarning``, unchanged.  Everything is installed
-when the first step opens and restored when the last one closes, on every exit
-path.
+to the original, and so to ``showwarning``, unchanged.
+
+The hub holds the routes per *session* (a profiler, from its first watched step to
+its close): a route is installed when its first session opens and restored when
+its last one closes, at fork (in the child) and at interpreter exit.  Per step, only
+the thread's tracker is pushed and popped, after a check that the route is still in
+place (:meth:`Route.ensure`).  A wait on a thread with no open step counts in every
+open session's ``outside`` (``syncs_outside_steps``) and in other threads' open
+steps' ``other_threads``.
 """
 
 from __future__ import annotations
 
 import ast
+import atexit
 import dis
 import linecache
 import os
@@ -41,20 +48,30 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ._errors import SyncBudgetExceeded, raised_by_user
+from ._registry import register_state
 
 __all__ = [
+    "OWN_WAITS",
     "SYNC_MESSAGE",
+    "Route",
+    "SyncSession",
     "SyncTracker",
+    "Sessions",
     "WarningTap",
+    "attach",
     "classify",
+    "close_all",
+    "close_session",
     "count_elsewhere",
     "defer",
+    "detach",
     "dispatch",
+    "open_session",
 ]
 
 #: The text of torch's sync-debug warning (c10/cuda/CUDAFunctions.cpp).
@@ -229,6 +246,9 @@ PROBES: dict[str, Callable[[], int]] = {}
 class WaitCounter:
     """A tracker that only counts waits (for measuring an op, outside any step)."""
 
+    mechanism = None  # takes the waits of any route
+    deferred = None
+
     def __init__(self) -> None:
         self.waits = 0
         self.other_threads = 0
@@ -399,22 +419,217 @@ class SyncTracker:
                 self._mute -= 1
 
 
-# -- the hub: one process-wide installation, per-thread trackers ----------------
-
-_lock = threading.Lock()
-# Thread id -> the trackers of the steps open on it, innermost last (two profilers can
-# each have a step open on one thread: the inner step gets the waits).
-_trackers: dict[int, list[SyncTracker]] = {}
-_uninstall: list[Callable[[], None]] = []
+# -- the hub: routes held by sessions, trackers per thread ------------------------
 
 
-def dispatch(hint: str | None, origin: Any) -> None:
-    """Called by a mechanism for every host-device wait it sees, on the waiting thread."""
+class Route(Protocol):
+    """A mechanism's process-wide installation (:mod:`stepprof._device.sync_routes`).
+
+    Installed when the first session that uses it opens, uninstalled when the last one
+    closes.  ``traced``: its waits come from torch's GPU-trace callbacks.  A tracker takes
+    only the waits of its own mechanism's route (see :func:`dispatch`), so two routes
+    installed at once never count one wait twice.
+    """
+
+    traced: bool
+
+    def install(self) -> None: ...
+
+    def uninstall(self) -> None: ...
+
+    def ensure(self) -> str | None:
+        """At each watched step: put back what the user moved (identity checks when nothing
+        moved); or why the route gives way this step (the user's sync-debug mode)."""
+        ...
+
+
+class SyncSession:
+    """One profiler's hold on a route, from its first watched step to its close."""
+
+    __slots__ = ("route", "outside", "lost", "open")
+
+    def __init__(self, route: Route) -> None:
+        self.route = route
+        #: Waits on threads with no open step while the session was open.
+        self.outside = 0
+        #: Why ``outside`` is incomplete (the route gave way at some step), or None.
+        self.lost: str | None = None
+        self.open = True
+
+
+#: Guards opening and closing sessions and a route's repairs; never taken per step or per
+#: sync.  Held across ``os.fork()`` (see :func:`_before_fork`).
+LOCK = threading.RLock()
+# Thread id -> the trackers of the steps open on it, innermost last (two profilers can each
+# have a step open on one thread: the inner step gets the waits).  A thread changes only its
+# own entry, one dict or list operation at a time (atomic under the GIL): no lock per step.
+_trackers: dict[int, list[Any]] = {}
+# The open sessions: a tuple, replaced under LOCK, read without it.
+_sessions: tuple[SyncSession, ...] = ()
+
+
+def open_session(route: Route) -> SyncSession:
+    """Hold ``route`` for a new session; the first session of a route installs it."""
+    global _sessions
+    with LOCK:
+        if not any(s.route is route for s in _sessions):
+            route.install()
+        session = SyncSession(route)
+        _sessions = (*_sessions, session)
+    return session
+
+
+def close_session(session: SyncSession) -> None:
+    """End ``session`` (idempotent); the last session of its route uninstalls it."""
+    global _sessions
+    with LOCK:
+        if not session.open:
+            return
+        session.open = False
+        _sessions = tuple(s for s in _sessions if s is not session)
+        if not any(s.route is session.route for s in _sessions):
+            session.route.uninstall()
+
+
+def close_all(forget_trackers: bool = True) -> None:
+    """End every open session, uninstalling their routes (at exit, in a forked child, at
+    reset); with ``forget_trackers``, forget every thread's trackers too.  Restores all it
+    can, then raises the first failure."""
+    global _sessions
+    errors: list[Exception] = []
+    with LOCK:
+        sessions, _sessions = _sessions, ()
+        if forget_trackers:
+            _trackers.clear()
+        routes: list[Route] = []
+        for s in sessions:
+            s.open = False
+            if not any(r is s.route for r in routes):
+                routes.append(s.route)
+        for route in reversed(routes):
+            try:
+                route.uninstall()
+            except Exception as e:  # noqa: BLE001 - restore the rest before reporting
+                errors.append(e)
+    if errors:
+        raise errors[0]
+
+
+def give_way(route: Route, why: str) -> None:
+    """``route`` does not count this step (``why``): every session holding it is incomplete."""
+    for s in _sessions:
+        if s.route is route and s.lost is None:
+            s.lost = why
+
+
+class Sessions:
+    """A backend's sync session: opened at its first watched step, closed by :meth:`end`.
+
+    Per step, :meth:`watch` checks the route (:meth:`Route.ensure`) and pushes the
+    thread's tracker; :meth:`unwatch` pops it.  The route stays installed in between.
+    """
+
+    __slots__ = ("session", "final", "ended")
+
+    def __init__(self, final: bool = False) -> None:
+        self.session: SyncSession | None = None
+        #: :meth:`end` is for good (a backend of one profiler): no session opens after it.
+        self.final = final
+        self.ended = False
+
+    def watch(self, tracker: Any, route: Callable[[], Route]) -> str | None:
+        """Route this thread's waits to ``tracker``; or why they are not counted this step.
+
+        ``route`` gives the route to hold when no session is open (the first step).
+        """
+        s = self.session
+        if s is None or not s.open:
+            with LOCK:  # two threads' first steps open one session
+                s = self.session
+                if s is None or not s.open:
+                    if self.ended and self.final:
+                        return CLOSED
+                    s = self.session = open_session(route())
+        why = s.route.ensure()
+        if why is not None:
+            give_way(s.route, why)
+            return why
+        attach(tracker)
+        return None
+
+    def unwatch(self, tracker: Any) -> None:
+        detach(tracker)
+
+    def end(self) -> None:
+        """Close the session (idempotent); the figures stay readable."""
+        with LOCK:
+            self.ended = True
+            if self.session is not None:
+                close_session(self.session)
+
+    def outside(self, reason: str | None) -> tuple[int | None, str | None]:
+        """(``syncs_outside_steps``, None), or (None, why): ``reason`` when syncs are not
+        counted at all, else why the session's count is incomplete or missing."""
+        if reason is not None:
+            return None, reason
+        s = self.session
+        if s is None:
+            return None, NOT_WATCHED
+        if s.lost is not None:
+            return None, s.lost
+        return s.outside, None
+
+
+#: Why ``syncs_outside_steps`` is null when no step watched syncs.
+NOT_WATCHED = "no step watched syncs: they are counted from the first step to close"
+#: Why a step that began while its profiler closed has no syncs.
+CLOSED = "the profiler was closing: its sync session had ended"
+
+
+def attach(tracker: Any) -> None:
+    """Route this thread's waits to ``tracker`` (innermost) until :func:`detach`."""
+    tracker.attached = True  # first: an interrupt between the two still gets it detached
+    tid = threading.get_ident()
+    stack = _trackers.get(tid)
+    if stack is None:
+        _trackers[tid] = [tracker]
+    else:
+        stack.append(tracker)
+
+
+def detach(tracker: Any = None) -> None:
+    """Stop routing this thread's waits to ``tracker`` (default: its innermost one).
+    Detaching a tracker that is not attached does nothing."""
+    tid = threading.get_ident()
+    stack = _trackers.get(tid)
+    if stack:
+        if tracker is None:
+            tracker = stack.pop()
+        elif stack[-1] is tracker:
+            stack.pop()
+        elif any(t is tracker for t in stack):
+            stack[:] = [t for t in stack if t is not tracker]
+        if not stack:
+            _trackers.pop(tid, None)
+    if tracker is not None:
+        tracker.attached = False
+
+
+def dispatch(hint: str | None, origin: Any, traced: bool = False) -> None:
+    """Called by a route for every host-device wait it sees, on the waiting thread.
+
+    ``traced``: the wait came through torch's GPU-trace callbacks.  A step's tracker takes
+    the waits of its own mechanism's route; a wait on a thread with no open step is counted
+    elsewhere (:func:`count_elsewhere`).
+    """
     open_here = _trackers.get(threading.get_ident())
     if open_here:
-        open_here[-1].record(hint, origin)
+        t = open_here[-1]
+        m = t.mechanism
+        if m is None or (m == "trace") is traced:
+            t.record(hint, origin)
         return
-    count_elsewhere()
+    count_elsewhere(traced)
 
 
 def defer(exc: SyncBudgetExceeded) -> None:
@@ -426,53 +641,88 @@ def defer(exc: SyncBudgetExceeded) -> None:
         open_here[-1].deferred = exc
 
 
-def count_elsewhere() -> None:
-    """A wait on a thread with no open step: every open step counts it in ``other_threads``."""
+def count_elsewhere(traced: bool = False) -> None:
+    """A wait on a thread with no open step: every open session of that route counts it in
+    ``outside``, and every open step of that mechanism in ``other_threads``."""
+    for s in _sessions:
+        if s.route.traced is traced:
+            s.outside += 1
     for stack in list(_trackers.values()):
         for t in stack:
-            t.other_threads += 1
-
-
-def attach(tracker: SyncTracker, install: Callable[[], list[Callable[[], None]]]) -> None:
-    """Route this thread's waits to ``tracker``; the first attach runs ``install``.
-
-    ``install`` returns the undo callables; the last :func:`detach` runs them.
-    """
-    with _lock:
-        if not _trackers:
-            _uninstall[:] = install()
-        tracker.attached = True  # first: an interrupt between the two still gets it detached
-        _trackers.setdefault(threading.get_ident(), []).append(tracker)
-
-
-def detach(tracker: SyncTracker | None = None) -> None:
-    """Stop routing this thread's waits to ``tracker`` (default: its innermost one); the last
-    detach uninstalls.  Detaching a tracker that is not attached does nothing."""
-    with _lock:
-        tid = threading.get_ident()
-        stack = _trackers.get(tid)
-        if stack:
-            if tracker is None:
-                stack.pop().attached = False
-            elif tracker in stack:
-                stack.remove(tracker)
-                tracker.attached = False
-        if not stack:
-            _trackers.pop(tid, None)
-        if not _trackers and _uninstall:
-            undo, _uninstall[:] = list(_uninstall), []
-            errors = []
-            for u in reversed(undo):
-                try:
-                    u()
-                except Exception as e:  # noqa: BLE001 - restore the rest before reporting
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+            if (t.mechanism == "trace") is traced:
+                t.other_threads += 1
 
 
 def installed() -> bool:
-    return bool(_trackers)
+    """Whether any session holds a route."""
+    return bool(_sessions)
+
+
+class _OwnWaits:
+    """On a thread's stack while stepprof itself waits on the device (at close, in the
+    sweep): those waits are neither a step's nor outside the steps."""
+
+    mechanism = None
+    deferred = None
+    attached = False
+    other_threads = 0
+
+    def record(self, hint: str | None, origin: Any) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        attach(self)
+
+    def __exit__(self, *exc: Any) -> None:
+        detach(self)
+
+
+#: ``with OWN_WAITS:`` around stepprof's own waits.
+OWN_WAITS = _OwnWaits()
+
+
+def _before_fork() -> None:
+    LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    # The forking thread holds LOCK (_before_fork): the registry's handler, which runs first,
+    # closes the inherited profilers' sessions through it.  Then what is left is restored:
+    # the child gets the sync-debug mode, the filters, the hook and the functions back.
+    global LOCK
+    try:
+        close_all()
+    except Exception:  # noqa: BLE001, S110 - a forked child must start whatever happened here
+        pass
+    LOCK = threading.RLock()
+
+
+def _close_all_at_exit() -> None:
+    try:
+        close_all(forget_trackers=False)
+    except Exception:  # noqa: BLE001, S110 - at interpreter exit, nothing may raise
+        pass
+
+
+class _HubState:
+    """The hub's sessions and trackers, for :func:`stepprof._registry.reset`."""
+
+    def reset(self) -> None:
+        close_all()
+
+
+register_state(_HubState())
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
+# Registered after stepprof._registry's (imported first): runs before it at exit, so the
+# process state is back whatever the profilers' closing does.
+atexit.register(_close_all_at_exit)
 
 
 # -- the warning route's plumbing (pure Python) --------------------------------
@@ -489,6 +739,13 @@ def tap(forward: bool) -> WarningTap:
     return t
 
 
+def _remove(filters: list[Any], item: Any) -> None:
+    """Remove ``item`` from ``filters`` by identity (an equal filter of the user's stays)."""
+    for i in range(len(filters) - 1, -1, -1):
+        if filters[i] is item:
+            del filters[i]
+
+
 class WarningTap:
     """Turns torch's sync-debug warnings into counts.
 
@@ -501,6 +758,9 @@ class WarningTap:
     frame that issued the warning is the hook's caller.  With ``forward=True`` (the
     user had turned sync-debug warnings on themselves) the sync warnings are passed
     on too, after counting.
+
+    Installed once per session; :meth:`ensure` puts the filter back in front and the
+    hook back in place at each step if the user moved them.
     """
 
     def __init__(self, forward: bool = False) -> None:
@@ -508,35 +768,61 @@ class WarningTap:
         self._filter = ("always", re.compile(re.escape(SYNC_MESSAGE)), UserWarning, None, 0)
         self._cleared = False
         self._current: _Hook | None = None
-        self._hook: Any = None  # the installed bound method, so that uninstall can recognise it
+        self._hook: Any = None  # the installed bound method, so that ensure and uninstall recognise it
+        self._filters: list[Any] | None = None  # the filter list it was installed into
 
-    def install(self) -> Callable[[], None]:
-        # A new hook per installation: one that a user's own ``_showwarnmsg`` chained to
-        # during an earlier step stays in their chain, and must pass through, not loop
-        # back to theirs (which would call it again) or count a second time.
-        hook = self._current = _Hook(warnings._showwarnmsg, self.forward)  # type: ignore[attr-defined]
-        self._hook = hook.show
-        warnings.filters.insert(0, self._filter)
+    def install(self) -> None:
+        self._filters = warnings.filters
+        self._filters.insert(0, self._filter)
         if self.forward or not self._cleared:
             # A location's registry of "already shown" warnings is checked before any
             # filter, so a sync warning once shown there (under the user's own "warn"
             # mode) would be hidden from us.  Bumping the filters' version clears every
             # registry -- and so shows each of the user's once-per-location warnings once
             # more.  That is done at the first install of the process, and at each one
-            # while the user has "warn" on (sync warnings are shown, so registered, between
-            # steps).  Otherwise sync warnings only happen under our "always" filter, which
-            # registers nothing, and the user's warnings stay shown once, as before.
+            # while the user has "warn" on (sync warnings were shown, so registered,
+            # before the session).  Otherwise sync warnings only happen under our "always"
+            # filter, which registers nothing, and the user's warnings stay shown once.
             _filters_mutated()
             self._cleared = True
+        self._chain()
+
+    def _chain(self) -> None:
+        # A new hook each time: one that a user's own ``_showwarnmsg`` chained to stays in
+        # their chain, and must pass through, not loop back to theirs (which would call it
+        # again) or count a second time.
+        old = self._current
+        if old is not None:
+            old.active = False
+        hook = self._current = _Hook(warnings._showwarnmsg, self.forward)  # type: ignore[attr-defined]
+        self._hook = hook.show
         warnings._showwarnmsg = self._hook  # type: ignore[attr-defined]
-        return self.uninstall
+
+    def ensure(self) -> None:
+        """Our filter first and our hook in place (two identity checks); else put them back."""
+        f = warnings.filters
+        if f and f[0] is self._filter and warnings._showwarnmsg is self._hook:  # type: ignore[attr-defined]
+            return
+        with LOCK:
+            f = warnings.filters
+            if not f or f[0] is not self._filter:
+                # A filter of the user's is in front (``catch_warnings()`` and
+                # ``simplefilter``, say): ours goes back in front.  The version bump clears
+                # the registries, where a sync warning shown under theirs meanwhile would
+                # hide the next one at that line.
+                _remove(f, self._filter)
+                f.insert(0, self._filter)
+                _filters_mutated()
+            if warnings._showwarnmsg is not self._hook:  # type: ignore[attr-defined]
+                self._chain()  # the user's replacement: ours in front of theirs
 
     def uninstall(self) -> None:
-        try:
-            warnings.filters.remove(self._filter)
-        except ValueError:
-            pass  # the user reset the filters meanwhile
-        # No _filters_mutated(): an "always" filter never marks a location as shown.
+        # From the list it went into and from the current one (a ``catch_warnings()``
+        # copy still in force); no _filters_mutated(): an "always" filter marks nothing.
+        for f in (self._filters, warnings.filters):
+            if f is not None:
+                _remove(f, self._filter)
+        self._filters = None
         hook = self._current
         if hook is None:
             return
@@ -558,15 +844,12 @@ class _Hook:
         self.active = True
 
     def show(self, msg: Any) -> None:
-        if (
-            self.active
-            and _trackers
-            and msg.category is UserWarning
-            and str(msg.message).startswith(SYNC_MESSAGE)
-        ):
+        if self.active and msg.category is UserWarning and str(msg.message).startswith(SYNC_MESSAGE):
             open_here = _trackers.get(threading.get_ident())
             if open_here:  # sys._getframe(1): called from C, the frame that issued the warning
-                open_here[-1].record(None, sys._getframe(1))
+                t = open_here[-1]
+                if t.mechanism != "trace":
+                    t.record(None, sys._getframe(1))
             else:
                 count_elsewhere()
             if not self.forward:

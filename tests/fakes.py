@@ -35,6 +35,27 @@ class FakeEvent:
         self.uid = FakeEvent._next
 
 
+class FakeRoute:
+    """A sync route (``stepprof._syncs.Route``) that only counts; ``give_way`` is what its
+    ``ensure`` says (as the "warn" route says when the user set a sync-debug mode)."""
+
+    traced = False
+
+    def __init__(self) -> None:
+        self.installs = self.uninstalls = self.ensures = 0
+        self.give_way: str | None = None
+
+    def install(self) -> None:
+        self.installs += 1
+
+    def uninstall(self) -> None:
+        self.uninstalls += 1
+
+    def ensure(self) -> str | None:
+        self.ensures += 1
+        return self.give_way
+
+
 class FakeGpu(BoundaryOps):
     device = "cuda:0"
     index: int | None = None
@@ -62,8 +83,8 @@ class FakeGpu(BoundaryOps):
         # The allocator's cumulative counters, in ALLOCATOR_COUNTERS order: num_alloc_retries,
         # num_sync_all_streams, num_device_alloc, num_device_free (also read by name below).
         self.counters = [0, 0, 0, 0]
-        self.installs = 0
-        self.uninstalls = 0
+        self.route = FakeRoute()  # what a sync session holds: counts its (un)installs
+        self.sessions = _syncs.Sessions()
         # Memory for the reconciliation: outside the allocator, and the device.
         self.outside = 500 * MiB          # CUDA context and libraries
         self.total = 80 * GiB
@@ -158,23 +179,28 @@ class FakeGpu(BoundaryOps):
         if self.sync_reason is not None:
             return self.sync_reason
         tracker.mechanism = self.sync_mechanism
-
-        def install():
-            self.installs += 1
-
-            def undo():
-                self.uninstalls += 1
-
-            return [undo]
-
-        _syncs.attach(tracker, install)
-        return None
+        return self.sessions.watch(tracker, lambda: self.route)
 
     def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
         try:
             self._maybe_fail("unwatch_syncs")  # like an undo that fails: the rest still run
         finally:
             _syncs.detach(tracker)
+
+    def end_syncs(self) -> None:
+        self._maybe_fail("end_syncs")
+        self.sessions.end()
+
+    def syncs_outside_steps(self) -> tuple[int | None, str | None]:
+        return self.sessions.outside(self.sync_reason)
+
+    @property
+    def installs(self) -> int:
+        return self.route.installs
+
+    @property
+    def uninstalls(self) -> int:
+        return self.route.uninstalls
 
     def synchronize(self) -> None:
         self.syncs += 1
@@ -462,13 +488,8 @@ class TracedGpu(FakeGpu):
 
         self.callbacks = CallbackRegistry("stream synchronization")
         self.callbacks.add_callback(sync_routes.on_stream_sync)
-        self._install = sync_routes.install_trace_route
+        self.route = sync_routes.trace_route()
 
     def sync(self, hint: str | None = None, *, depth: int = 1) -> None:
         self.callbacks.fire_callbacks(0)
         self.wait_idle()
-
-    def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
-        tracker.mechanism = self.sync_mechanism
-        _syncs.attach(tracker, self._install)
-        return None

@@ -3,6 +3,7 @@ the warning route's plumbing, and restoring global state."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -217,7 +218,7 @@ def test_budget_raise_names_the_site_and_keeps_the_step(log, gpu):
     failed, ok = steps(log)
     assert failed["error"]["type"] == "SyncBudgetExceeded"
     assert ok["error"] is None and ok["syncs"]["count"] == 1
-    assert gpu.installs == gpu.uninstalls == 2
+    assert gpu.installs == gpu.uninstalls == 1 and gpu.route.ensures == 2
 
 
 def test_budget_warn_warns_once_per_site_at_the_users_line(log, gpu):
@@ -276,9 +277,10 @@ def test_internal_failure_while_watching_still_detaches(log, gpu):
     with pytest.warns(RuntimeWarning, match="internal error"):
         with prof.step():
             t.item()
-    assert not _syncs.installed()
+    assert not _syncs._trackers  # detached; the route stays until the close
     gpu.fail_on = None
     prof.close()
+    assert not _syncs.installed() and gpu.uninstalls == 1
 
 
 def test_no_cuda_means_null_syncs_and_allocator_with_reasons(log):
@@ -310,9 +312,34 @@ def test_allocator_counters_are_per_step_deltas(log, gpu):
 # -- the warning route's plumbing, with real warnings ------------------------------
 
 
-def _tapped(forward=False):
-    tap = _syncs.WarningTap(forward=forward)
-    return lambda: [tap.install()]
+class TapRoute:
+    """A route of the warnings tap alone (no sync-debug mode, no wrappers)."""
+
+    traced = False
+
+    def __init__(self, forward=False):
+        self.tap = _syncs.WarningTap(forward=forward)
+
+    def install(self):
+        self.tap.install()
+
+    def uninstall(self):
+        self.tap.uninstall()
+
+    def ensure(self):
+        self.tap.ensure()
+
+
+@contextlib.contextmanager
+def watching(tracker, route):
+    """A session of one step: ``route`` installed, ``tracker`` watching, both undone at exit."""
+    sessions = _syncs.Sessions()
+    assert sessions.watch(tracker, lambda: route) is None
+    try:
+        yield sessions
+    finally:
+        sessions.unwatch(tracker)
+        sessions.end()
 
 
 class _Shown:
@@ -332,13 +359,10 @@ def test_warning_tap_counts_sync_warnings_and_passes_the_rest_on():
     tracker.begin([], None, "count", True)
     with _Shown() as shown:
         filters, show = list(warnings.filters), warnings.showwarning
-        _syncs.attach(tracker, _tapped())
-        try:
+        with watching(tracker, TapRoute()):
             for _ in range(2):
                 warnings.warn(f"{_syncs.SYNC_MESSAGE} (Triggered internally)")  # tapped
             warnings.warn("the user's own warning")
-        finally:
-            _syncs.detach()
         assert warnings.filters == filters and warnings.showwarning is show
     rec = tracker.end()
     assert [(s["where"], s["count"]) for s in rec["sites"]] == [(line_of("tapped"), 2)]
@@ -368,11 +392,8 @@ def test_a_sync_warning_shown_before_stepprof_is_still_counted():
         sync()  # shown once by the user's own "warn" mode: now in the location's registry
         tracker = _syncs.SyncTracker("warn")
         tracker.begin([], None, "count", True)
-        _syncs.attach(tracker, _tapped())
-        try:
+        with watching(tracker, TapRoute()):
             sync()
-        finally:
-            _syncs.detach()
     assert shown.messages == [_syncs.SYNC_MESSAGE]
     assert tracker.end()["count"] == 1
 
@@ -381,11 +402,8 @@ def test_warning_tap_forwards_sync_warnings_when_the_user_had_them_on():
     tracker = _syncs.SyncTracker("warn")
     tracker.begin([], None, "count", True)
     with _Shown() as shown:
-        _syncs.attach(tracker, _tapped(forward=True))
-        try:
+        with watching(tracker, TapRoute(forward=True)):
             warnings.warn(_syncs.SYNC_MESSAGE)
-        finally:
-            _syncs.detach()
     assert tracker.end()["count"] == 1
     assert shown.messages == [_syncs.SYNC_MESSAGE]
 
@@ -393,12 +411,9 @@ def test_warning_tap_forwards_sync_warnings_when_the_user_had_them_on():
 def test_budget_raise_propagates_through_the_warning_machinery():
     tracker = _syncs.SyncTracker("warn")
     tracker.begin([], 0, "raise", True)
-    _syncs.attach(tracker, _tapped())
-    try:
+    with watching(tracker, TapRoute()):
         with pytest.raises(stepprof.SyncBudgetExceeded, match="max_syncs=0"):
             warnings.warn(_syncs.SYNC_MESSAGE)
-    finally:
-        _syncs.detach()
     tracker.end()
 
 
@@ -406,13 +421,12 @@ def test_uninstall_leaves_a_showwarning_hook_installed_after_ours():
     show = warnings.showwarning
     tracker = _syncs.SyncTracker("warn")
     tracker.begin([], None, "count", True)
-    _syncs.attach(tracker, _tapped())
 
     def users_hook(*args, **kwargs):
         pass
 
-    warnings.showwarning = users_hook
-    _syncs.detach()
+    with watching(tracker, TapRoute()):
+        warnings.showwarning = users_hook
     try:
         assert warnings.showwarning is users_hook
     finally:
@@ -445,17 +459,20 @@ def test_two_profilers_with_steps_open_on_one_thread(log, gpu, tmp_path):
     assert not _syncs.installed() and gpu.installs == gpu.uninstalls == 1
 
 
-def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
-    """The user wraps ``_showwarnmsg`` during a step (chaining to what was there: ours)."""
-    tap = _syncs.WarningTap(forward=False)
+def test_a_showwarnmsg_hook_chained_mid_session_counts_once_and_gets_the_rest():
+    """The user wraps ``_showwarnmsg`` during a session (chaining to what was there: ours).
+    At the next step ours goes back in front of theirs: a sync still counts once, and does
+    not loop; their hook still gets every other warning; theirs stays after the close."""
+    route = TapRoute()
     seen = []
     original = warnings._showwarnmsg
     tracker = _syncs.SyncTracker("warn")
+    sessions = _syncs.Sessions()
     try:
         with _Shown() as shown:
-            for step in range(2):
+            for step in range(3):
                 tracker.begin([], None, "count", True)
-                _syncs.attach(tracker, lambda: [tap.install()])
+                assert sessions.watch(tracker, lambda: route) is None
                 try:
                     if step == 0:
                         chained = warnings._showwarnmsg
@@ -468,11 +485,18 @@ def test_a_showwarnmsg_hook_chained_during_a_step_does_not_loop_at_the_next():
                     warnings.warn(_syncs.SYNC_MESSAGE)  # chained-sync
                     warnings.warn(f"the user's own warning {step}")
                 finally:
-                    _syncs.detach()
+                    sessions.unwatch(tracker)
                 assert tracker.end()["count"] == 1
+            sessions.end()
+            assert warnings._showwarnmsg is users_hook  # theirs, set since: left in place
+            warnings.warn("after the close")
     finally:
         warnings._showwarnmsg = original
-    assert shown.messages == ["the user's own warning 0", "the user's own warning 1"]
+    assert shown.messages == [f"the user's own warning {i}" for i in range(3)] + ["after the close"]
+    # Their hook saw the first sync (it was in front then) and every warning of theirs.
+    assert seen == [_syncs.SYNC_MESSAGE] + [f"the user's own warning {i}" for i in range(3)] + [
+        "after the close"
+    ]
 
 
 def test_budget_raise_with_the_trace_route_is_not_swallowed(log, monkeypatch):
@@ -512,3 +536,84 @@ def test_a_probe_taken_by_another_thread_is_not_an_error(monkeypatch):
     frame = sys._getframe()
     entry = tracker._new_location(frame.f_code, frame.f_lasti, "repeat_interleave", frame, frame)
     assert entry[1][1] == "repeat_interleave" and entry[3] == 1
+
+
+# -- the session: the route held from the first step to the close ---------------------
+
+
+def test_the_route_is_held_from_the_first_step_to_the_close(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu)
+    assert gpu.installs == 0  # nothing before the first step
+    for _ in range(5):
+        with prof.step():
+            t.item()
+        assert not _syncs._trackers  # per step only the tracker comes and goes
+    assert (gpu.installs, gpu.uninstalls, gpu.route.ensures) == (1, 0, 5) and _syncs.installed()
+    prof.close()
+    assert (gpu.installs, gpu.uninstalls) == (1, 1) and not _syncs.installed()
+    prof.close()  # again: nothing more
+    assert gpu.uninstalls == 1
+
+
+def test_a_route_that_gives_way_nulls_the_steps_and_the_outside_count(log, gpu):
+    t = FakeTensor(gpu)
+    why = "torch's sync-debug mode is 'error' (set outside stepprof), so a sync raises instead of being counted"
+    with make(log, gpu) as prof:
+        for give_way in (None, why, None):
+            gpu.route.give_way = give_way
+            with prof.step():
+                t.item()
+            t.item()  # between steps
+    counted, gave_way, again = steps(log)
+    assert counted["syncs"]["count"] == again["syncs"]["count"] == 1
+    assert gave_way["syncs"] is None and gave_way["unavailable"]["syncs"] == why
+    assert prof.summary.syncs_outside_steps is None
+    assert prof.summary.unavailable["syncs_outside_steps"] == why
+
+
+@pytest.mark.parametrize("case", ["cpu", "off", "no step"])
+def test_syncs_outside_steps_is_null_with_the_reason_when_not_counted(log, gpu, case):
+    if case == "cpu":
+        prof = stepprof.Profiler(log, device="cpu")
+        expected = "there is no device for the host to wait on"
+    elif case == "off":
+        gpu.sync_reason = expected = "sync tracking was turned off (syncs='off')"
+        prof = make(log, gpu)
+    else:
+        prof = make(log, gpu)
+        expected = _syncs.NOT_WATCHED
+    if case != "no step":
+        with prof.step():
+            pass
+    summary = prof.close()
+    assert summary.syncs_outside_steps is None
+    assert expected in summary.unavailable["syncs_outside_steps"]
+    (record,) = stepprof.read(log, kind="summary")
+    assert record["syncs_outside_steps"] is None
+    assert expected in record["unavailable"]["syncs_outside_steps"]
+
+
+def test_a_signals_summary_has_the_outside_count_so_far(log, gpu):
+    t = FakeTensor(gpu)
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    t.item()
+    prof._on_signal("SIGTERM")
+    t.item()
+    prof.close()
+    first, last = stepprof.read(log, kind="summary")
+    assert (first["syncs_outside_steps"], last["syncs_outside_steps"]) == (1, 2)
+
+
+def test_a_failure_ending_the_session_still_closes_with_a_summary(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+    gpu.fail_on = "end_syncs"
+    with pytest.warns(RuntimeWarning, match="internal error"):
+        summary = prof.close()
+    assert summary.steps == 1 and "end_syncs" in summary.unavailable["stepprof"]
+    gpu.fail_on = None
+    _syncs.close_all()  # what the failed end left held (at exit, the hub's handler does this)

@@ -189,6 +189,79 @@ def test_users_own_sync_debug_modes_are_respected(log):
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_syncs_in_and_between_steps_and_the_mode_at_close(log):
+    """The route is installed at the first step and stays: a sync between steps counts in
+    ``syncs_outside_steps`` and in no step; close puts the sync-debug mode back."""
+    s = torch.ones(8, device="cuda").sum()
+    before = (torch.cuda.get_sync_debug_mode(), list(warnings.filters), warnings._showwarnmsg,
+              torch.cuda.synchronize, torch.cuda.Event.synchronize)
+    assert before[0] == 0
+    with stepprof.Profiler(log) as prof:
+        for _ in range(3):
+            with prof.step():
+                s.item()  # in-step
+            assert torch.cuda.get_sync_debug_mode() == 1  # installed for the session
+            s.item()
+            torch.cuda.synchronize()
+    after = (torch.cuda.get_sync_debug_mode(), list(warnings.filters), warnings._showwarnmsg,
+             torch.cuda.synchronize, torch.cuda.Event.synchronize)
+    assert after == before
+    recs = [r for r in stepprof.read(log) if r["kind"] == "step"]
+    assert [(r["syncs"]["count"], r["syncs"]["sites"][0]["where"]) for r in recs] == [(1, line_of("in-step"))] * 3
+    assert prof.summary.syncs_outside_steps == 6  # two a step, and none of stepprof's own
+
+
+def test_a_users_error_mode_mid_session_is_given_way_to_and_kept(log):
+    s = torch.ones(8, device="cuda").sum()
+    try:
+        with stepprof.Profiler(log) as prof:
+            with prof.step():
+                s.item()
+            torch.cuda.set_sync_debug_mode("error")
+            with prof.step():
+                torch.ones(8, device="cuda").square()
+        first, second = [r for r in stepprof.read(log) if r["kind"] == "step"]
+        assert first["syncs"]["count"] == 1
+        assert second["syncs"] is None and "'error'" in second["unavailable"]["syncs"]
+        assert prof.summary.syncs_outside_steps is None
+        assert "'error'" in prof.summary.unavailable["syncs_outside_steps"]
+        assert torch.cuda.get_sync_debug_mode() == 2  # theirs, kept
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_gets_the_sync_state_back(log):
+    s = torch.ones(8, device="cuda").sum()
+    original = torch.cuda.synchronize
+    prof = stepprof.Profiler(log)
+    with prof.step():
+        s.item()
+    assert torch.cuda.get_sync_debug_mode() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # no CUDA call in a forked child: the C getter reads a host-side flag
+        try:
+            ours = [f for f in warnings.filters if "synchronizing" in getattr(f[1], "pattern", "")]
+            report = {"mode": torch._C._cuda_get_sync_debug_mode(), "filter": bool(ours),
+                      "synchronize": torch.cuda.synchronize is original}
+        except BaseException as e:  # noqa: BLE001
+            report = {"error": repr(e)}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        report = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert report == {"mode": 0, "filter": False, "synchronize": True}
+    assert torch.cuda.get_sync_debug_mode() == 1  # the parent's session goes on
+    with prof.step():
+        s.item()
+    prof.close()
+    assert torch.cuda.get_sync_debug_mode() == 0
+    assert [r["syncs"]["count"] for r in stepprof.read(log) if r["kind"] == "step"] == [1, 1]
+
+
 _TRACE_SCRIPT = """\
 import json, sys, torch, stepprof
 s = torch.ones(8, device="cuda").sum()
@@ -199,6 +272,7 @@ with stepprof.Profiler(sys.argv[1], syncs="trace") as prof:
         torch.cuda.synchronize()
         ev.record()
         ev.synchronize()
+    s.item()  # between steps
 rec = [r for r in stepprof.read(sys.argv[1]) if r["kind"] == "step"][0]
 raised = None
 with stepprof.Profiler(None, syncs="trace") as p2:
@@ -209,6 +283,7 @@ with stepprof.Profiler(None, syncs="trace") as p2:
         raised = [e.kind, e.where.rsplit(":", 1)[1], e.count]
 print(json.dumps(rec["syncs"]))
 print(json.dumps(raised))
+print(json.dumps(prof.summary.syncs_outside_steps))
 """
 
 
@@ -223,11 +298,12 @@ def test_trace_mechanism_self_tests_and_counts(tmp_path):
         capture_output=True, text=True, timeout=120, env=env,
     )
     assert out.returncode == 0, out.stderr
-    syncs, raised = (json.loads(x) for x in out.stdout.strip().splitlines()[-2:])
+    syncs, raised, outside = (json.loads(x) for x in out.stdout.strip().splitlines()[-3:])
     assert syncs["mechanism"] == "trace"
     # A budget error found in a trace callback (which torch calls from C++ and which cannot
     # raise into the user's code) is raised at the step's exit, naming the line.
-    assert raised == ["item", "15", 1]
+    assert raised == ["item", "16", 1]
+    assert outside == 1  # the wait between steps; stepprof's own at close count nowhere
     assert sorted((s["kind"], s["where"].rsplit(":", 1)[1]) for s in syncs["sites"]) == [
         ("device_synchronize", "7"), ("event_synchronize", "9"), ("item", "6"),
     ]

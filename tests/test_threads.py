@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 from collections import Counter
 
@@ -165,3 +166,50 @@ def test_close_from_another_thread_leaves_that_threads_open_step_unrecorded(log,
     assert not errors  # its exit after close is quiet
     assert [r["name"] for r in stepprof.read(log, kind="step")] == ["first"]
     assert not _syncs._trackers
+
+
+def test_threads_first_steps_at_once_open_one_sync_session(log, gpu, switch_every_1us, monkeypatch):
+    """Four threads' first steps race to open the profiler's sync session: one opens it (the
+    route is installed once), and every thread's syncs go to its own step."""
+    from .fake_torch import FakeTensor
+
+    install = gpu.route.install
+
+    def slow_install():  # a wide window: the other threads arrive while it installs
+        time.sleep(0.01)
+        install()
+
+    monkeypatch.setattr(gpu.route, "install", slow_install)
+    monkeypatch.setattr(_syncs, "_INTERNAL_PREFIXES", (*_syncs._INTERNAL_PREFIXES, fake_torch_file()))
+    t = FakeTensor(gpu)
+    start = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            start.wait(5)
+            for _ in range(50):
+                with prof.step(f"t{i}"):
+                    t.item()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with make(log, gpu, collect_every_s=0.002) as prof:
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert gpu.installs == 1 and gpu.uninstalls == 0
+    assert not errors
+    assert gpu.installs == gpu.uninstalls == 1 and not _syncs.installed()
+    recs = list(stepprof.read(log, kind="step"))
+    assert len(recs) == THREADS * 50
+    assert all(r["syncs"]["count"] == 1 for r in recs)
+    assert prof.summary.syncs_outside_steps == 0
+
+
+def fake_torch_file() -> str:
+    from . import fake_torch
+
+    return fake_torch.__file__

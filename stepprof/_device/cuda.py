@@ -28,12 +28,7 @@ import torch
 
 from .. import _syncs
 from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, Memory
-from .sync_routes import (
-    enable_gpu_trace,
-    install_trace_route,
-    install_warn_route,
-    register_repeat_interleave_probe,
-)
+from .sync_routes import enable_gpu_trace, register_repeat_interleave_probe, trace_route, warn_route
 
 __all__ = ["CudaBackend", "CudaSweepBackend"]
 
@@ -66,6 +61,7 @@ class CudaBackend(BoundaryOps):
         self.sync_mechanism: str | None = None if syncs == "off" else syncs
         self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
         self._sync_resolved = syncs != "trace"
+        self._sessions = _syncs.Sessions(final=True)  # one profiler's backend
         register_repeat_interleave_probe(device_index)
         if nvtx:
             # The C bindings behind torch.cuda.nvtx.range_push/range_pop, minus a Python frame.
@@ -124,6 +120,8 @@ class CudaBackend(BoundaryOps):
     def watch_syncs(self, tracker: _syncs.SyncTracker) -> str | None:
         """Route this thread's host-device waits to ``tracker`` until :meth:`unwatch_syncs`.
 
+        The first call opens this backend's sync session (the route is installed then, if
+        no other session holds it); later ones check the route and push the tracker.
         Returns why they are not counted this step, or None when they are.
         """
         if self.sync_mechanism is None:
@@ -140,22 +138,22 @@ class CudaBackend(BoundaryOps):
                     stacklevel=5,
                 )
         tracker.mechanism = self.sync_mechanism
-        if self.sync_mechanism == "trace":
-            _syncs.attach(tracker, install_trace_route)
-            return None
-        if not _syncs.installed() and torch._C._cuda_get_sync_debug_mode() == 2:
-            return (
-                "torch's sync-debug mode is 'error' (set outside stepprof), "
-                "so a sync raises instead of being counted"
-            )
-        _syncs.attach(tracker, install_warn_route)
-        return None
+        return self._sessions.watch(tracker, trace_route if self.sync_mechanism == "trace" else warn_route)
 
     def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
         _syncs.detach(tracker)
 
+    def end_syncs(self) -> None:
+        """Close the sync session: the route is restored unless another session holds it."""
+        self._sessions.end()
+
+    def syncs_outside_steps(self) -> tuple[int | None, str | None]:
+        """(waits on threads with no open step during the session, None), or (None, why)."""
+        return self._sessions.outside(self.sync_reason if self.sync_mechanism is None else None)
+
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.index)
+        with _syncs.OWN_WAITS:  # stepprof's own wait: nobody's sync
+            torch.cuda.synchronize(self.index)
 
     def wait(self, marks: list[Any]) -> None:
         """Block until these events have completed (``cudaEventSynchronize`` on each).
@@ -163,9 +161,10 @@ class CudaBackend(BoundaryOps):
         Unlike :meth:`synchronize`, it waits for nothing else on the device: not for a
         collective on NCCL's stream that another rank never joins.
         """
-        for m in marks:
-            if m is not None:
-                m.synchronize()
+        with _syncs.OWN_WAITS:  # stepprof's own waits: nobody's syncs
+            for m in marks:
+                if m is not None:
+                    m.synchronize()
 
     def range_push(self, name: str) -> None:
         if self._nvtx:

@@ -4,14 +4,16 @@
 copies to the host, ``nonzero``, ``Stream.synchronize``...) issue a UserWarning on
 the calling thread, which ``_syncs.WarningTap`` counts; it costs nothing until a
 sync happens.  It misses device and event waits, so ``torch.cuda.synchronize``,
-``torch.accelerator.synchronize`` and ``torch.cuda.Event.synchronize`` are wrapped
-while a step is open.  ``torch.Event`` is an immutable C type and cannot be wrapped.
+``torch.accelerator.synchronize`` and ``torch.cuda.Event.synchronize`` are wrapped.
+``torch.Event`` is an immutable C type and cannot be wrapped.
 
 "trace": torch's private GPU-trace callbacks see every wait, but torch calls into
 Python on every allocation and free once they are active (for good: activation
 cannot be undone), which costs a few percent on an allocation-heavy step.
 
-The process-wide state of both routes is one object, :data:`ROUTES`.
+Each route is a :class:`stepprof._syncs.Route`: installed when the first profiler
+session that uses it opens, uninstalled when the last one closes.  Their
+process-wide state is one object, :data:`ROUTES`.
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ from .._registry import register_state
 
 __all__ = [
     "ROUTES",
+    "TraceRoute",
     "WarnRoute",
     "enable_gpu_trace",
-    "install_trace_route",
-    "install_warn_route",
     "on_device_sync",
     "on_event_sync",
     "on_stream_sync",
     "register_repeat_interleave_probe",
     "repeat_interleave_waits",
     "set_sync_debug_mode",
+    "trace_route",
     "waiter",
+    "warn_route",
 ]
 
 _UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
@@ -51,18 +54,24 @@ _UTILS_FILE = os.path.join(os.path.dirname(torch.__file__), "_utils.py")
 #: callback-firing helpers in ``torch/_utils.py``.
 _DEVICE_DIR = os.path.dirname(__file__) + os.sep
 
+#: torch's sync-debug modes, by number (``torch.cuda.set_sync_debug_mode``).
+MODE_NAMES = {0: "default", 1: "warn", 2: "error"}
+
 
 class _RouteState:
     """The sync routes' process-wide state.  :meth:`reset` forgets what can be forgotten."""
 
-    __slots__ = ("warn_route", "trace_registered", "trace_on", "trace_probe", "prototype_quiet")
+    __slots__ = ("warn_route", "trace_route", "trace_registered", "trace_on", "trace_probe",
+                 "prototype_quiet")
 
     def __init__(self) -> None:
-        #: The "warn" route's installation, built at its first use.
+        #: The "warn" route, built at its first use.
         self.warn_route: WarnRoute | None = None
+        #: The "trace" route (its on-flag is :attr:`trace_on`).
+        self.trace_route = TraceRoute()
         #: torch's GPU-trace callbacks are registered (for good: they cannot be removed).
         self.trace_registered = False
-        #: A step is open on the "trace" route: the callbacks count (else they return).
+        #: A session holds the "trace" route: the callbacks count (else they return).
         self.trace_on = False
         #: Set while :func:`enable_gpu_trace` checks that the callbacks fire: they list here.
         self.trace_probe: list[str | None] | None = None
@@ -74,18 +83,16 @@ class _RouteState:
 
         The callbacks' registration stays (torch cannot unregister them), and so
         does the silenced prototype warning (torch issues it once per process).
-        Call it only with no step open.
+        Call it after :func:`stepprof._syncs.close_all` (the registry's reset does).
         """
         self.warn_route = None
         self.trace_on = False
         self.trace_probe = None
 
 
-ROUTES = register_state(_RouteState())
-
 # Set on a thread while one of the wrappers below runs its original: a wrapper reached
-# from inside another one (a user's replacement, made during a step, that calls the
-# wrapper it replaced, and is wrapped in turn at the next step) is the same wait.
+# from inside another one (a user's replacement, made during a session, that calls the
+# wrapper it replaced, and is wrapped in turn) is the same wait.
 # Per thread and restored on every exit, so it is not part of ROUTES.
 _waiting = threading.local()
 
@@ -93,12 +100,13 @@ _waiting = threading.local()
 # -- "warn" ------------------------------------------------------------------------
 
 
-def waiter(original: Callable[..., Any], hint: str) -> Callable[..., Any]:
-    """``original`` wrapped to report each call as a wait of kind ``hint`` while a step is open."""
+def waiter(original: Callable[..., Any], hint: str, route: Any) -> Callable[..., Any]:
+    """``original`` wrapped to report each call as a wait of kind ``hint`` while ``route``
+    is installed (a wrapper kept by someone after that passes straight through)."""
 
     @functools.wraps(original)
     def wait(*args: Any, **kwargs: Any) -> Any:
-        if _syncs.installed() and not getattr(_waiting, "on", False):
+        if route.installed and not getattr(_waiting, "on", False):
             _syncs.dispatch(hint, sys._getframe(1))
             _waiting.on = True
             try:
@@ -121,12 +129,20 @@ def set_sync_debug_mode(mode: int) -> None:
     torch._C._cuda_set_sync_debug_mode(mode)
 
 
-class WarnRoute:
-    """The "warn" mechanism's installation, built once: installed per step, undone at exit.
+def _mode_name(mode: int) -> str:
+    return repr(MODE_NAMES.get(mode, mode))
 
-    It runs at every step entry and exit, so the wrappers are made once and the
-    undo is one call (see bench/inloop_costs.py for its cost).
+
+class WarnRoute:
+    """The "warn" mechanism: the sync-debug mode, the warnings tap, three wrappers.
+
+    Installed once per session (:meth:`install`), checked at each watched step
+    (:meth:`ensure`: identity checks, nothing allocated while nothing moved), restored at
+    the session's close (:meth:`uninstall`) to what the user had when it started, except
+    what the user changed since, which is left as they set it.
     """
+
+    traced = False
 
     def __init__(self) -> None:
         targets = [(torch.cuda, "synchronize", "device_synchronize"),
@@ -134,36 +150,63 @@ class WarnRoute:
         accelerator = getattr(torch, "accelerator", None)
         if accelerator is not None and hasattr(accelerator, "synchronize"):
             targets.append((accelerator, "synchronize", "device_synchronize"))
+        self.installed = False
         # [obj, name, hint, wrapper, the original it wraps]
         self.patches = [
-            [obj, name, hint, waiter(getattr(obj, name), hint), getattr(obj, name)]
+            [obj, name, hint, waiter(getattr(obj, name), hint, self), getattr(obj, name)]
             for obj, name, hint in targets
         ]
         self.mode_was = 0
         self.tap: _syncs.WarningTap | None = None
+        self._get_mode: Callable[[], int] = lambda: 0
 
-    def install(self) -> list[Callable[[], None]]:
-        mode = self.mode_was = torch._C._cuda_get_sync_debug_mode()
+    def install(self) -> None:
+        self._get_mode = get = torch._C._cuda_get_sync_debug_mode
+        mode = self.mode_was = get()
         if mode == 0:
             set_sync_debug_mode(1)
         try:
             # The user had "warn" on: count, and pass their warnings on as before.
             self.tap = _syncs.tap(forward=mode == 1)
             self.tap.install()
-            for p in self.patches:
-                current = getattr(p[0], p[1])
-                if current is not p[4]:  # replaced since (by the user): wrap theirs
-                    p[3], p[4] = waiter(current, p[2]), current
-                setattr(p[0], p[1], p[3])
+            self._wrap()
         except BaseException:
             self.uninstall()
             raise
-        return [self.uninstall]
+        self.installed = True
+
+    def _wrap(self) -> None:
+        for p in self.patches:
+            current = getattr(p[0], p[1])
+            if current is not p[3]:
+                if current is not p[4]:  # replaced (by the user): wrap theirs
+                    p[3], p[4] = waiter(current, p[2], self), current
+                setattr(p[0], p[1], p[3])
+
+    def ensure(self) -> str | None:
+        mode = self._get_mode()
+        if mode != 1:
+            if mode == 2:
+                return ("torch's sync-debug mode is 'error' (set outside stepprof), so a sync "
+                        "raises instead of being counted")
+            return (f"torch's sync-debug mode was set to {_mode_name(mode)}"
+                    f"{' (off)' if mode == 0 else ''} outside stepprof during the run; "
+                    f"stepprof gives way while it stays so")
+        tap = self.tap
+        if tap is not None:
+            tap.ensure()
+        for p in self.patches:
+            if getattr(p[0], p[1]) is not p[3]:
+                with _syncs.LOCK:
+                    self._wrap()
+                break
+        return None
 
     def uninstall(self) -> None:
+        self.installed = False
         try:
             for obj, name, _, wrapper, original in self.patches:
-                if getattr(obj, name) is wrapper:  # else the user patched it meanwhile: leave theirs
+                if getattr(obj, name) is wrapper:  # else the user patched it since: leave theirs
                     setattr(obj, name, original)
             if self.tap is not None:
                 self.tap.uninstall()
@@ -174,11 +217,11 @@ class WarnRoute:
                 torch._C._cuda_set_sync_debug_mode(0)
 
 
-def install_warn_route() -> list[Callable[[], None]]:
-    """Install the "warn" route (for :func:`stepprof._syncs.attach`); returns its undo."""
+def warn_route() -> WarnRoute:
+    """The process's "warn" route (made at its first use)."""
     if ROUTES.warn_route is None:
         ROUTES.warn_route = WarnRoute()
-    return ROUTES.warn_route.install()
+    return ROUTES.warn_route
 
 
 # -- "trace" -----------------------------------------------------------------------
@@ -198,11 +241,11 @@ def _trace_fire(hint: str | None) -> None:
         origin = origin.f_back
     if origin is not None:
         try:
-            _syncs.dispatch(hint, origin)
+            _syncs.dispatch(hint, origin, traced=True)
         except SyncBudgetExceeded as e:  # torch would log it and go on: the step raises it
             _syncs.defer(e)
     else:  # a thread of torch's own (C++ autograd's): no Python caller, so no step open on it
-        _syncs.count_elsewhere()
+        _syncs.count_elsewhere(traced=True)
 
 
 def on_device_sync(*_: Any) -> None:
@@ -252,14 +295,27 @@ def enable_gpu_trace(index: int) -> str | None:
     return None
 
 
-def install_trace_route() -> list[Callable[[], None]]:
-    """Turn the (registered) trace callbacks on (for :func:`stepprof._syncs.attach`)."""
-    ROUTES.trace_on = True
+class TraceRoute:
+    """The "trace" mechanism: the (registered) callbacks count while a session holds it."""
 
-    def undo() -> None:
+    traced = True
+
+    def install(self) -> None:
+        ROUTES.trace_on = True
+
+    def uninstall(self) -> None:
         ROUTES.trace_on = False
 
-    return [undo]
+    def ensure(self) -> None:
+        return None
+
+
+def trace_route() -> TraceRoute:
+    """The process's "trace" route."""
+    return ROUTES.trace_route
+
+
+ROUTES = register_state(_RouteState())
 
 
 # -- measuring a multi-wait op -----------------------------------------------------
@@ -277,13 +333,13 @@ def repeat_interleave_waits(index: int) -> int:
     no repeat is negative): 2.  That is torch's implementation, so it is measured.
     """
     counter = _syncs.WaitCounter()
-    _syncs.attach(counter, list)  # type: ignore[arg-type] - a step is open: nothing to install
+    _syncs.attach(counter)
     try:
         side = torch.cuda.Stream(index)
         with torch.cuda.stream(side):
             torch.repeat_interleave(torch.ones(2, dtype=torch.long, device=torch.device("cuda", index)))
     finally:
-        _syncs.detach()
+        _syncs.detach(counter)
     return counter.waits
 
 

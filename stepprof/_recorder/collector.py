@@ -203,7 +203,8 @@ class Collector:
         summary: where records are aggregated for the summary.
         clock0_ns, unix0_s: one reading of the step clock and the time since the epoch
             taken together, to date the steps.
-        clock: the step clock (times the collector's own work, for ``overhead_us``).
+        cost_clock: times the collector's own work, for ``overhead_us`` (the calling
+            thread's CPU time).
         overhead_budget: the profiler's setting (None: every step in full).
         phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
         collect_every_s: how often the thread harvests; None: the training thread
@@ -221,7 +222,7 @@ class Collector:
         unix0_s: float,
         phase_peaks_every: int,
         collect_every_s: float | None,
-        clock: Callable[[], int] = time.perf_counter_ns,
+        cost_clock: Callable[[], int] = time.thread_time_ns,
         overhead_budget: float | None = None,
     ) -> None:
         self.pending: deque[Step] = deque()
@@ -233,7 +234,7 @@ class Collector:
         self.error: str | None = None  # why the thread stopped writing records
         self.lock = threading.Lock()  # one harvest at a time
         self._clock0 = clock0_ns
-        self._clock = clock
+        self._clock = cost_clock
         #: The last harvest's time per record written (building, the hooks, writing, the
         #: summary): each record of the next harvest adds it to its ``overhead_us``.
         self.ns_per_record = 0.0

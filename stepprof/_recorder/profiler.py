@@ -25,6 +25,7 @@ from .._options import FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from .._scopes import StepScope, make_measure
+from .._syncs import NOT_WATCHED
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
 from .collector import Collector
@@ -185,7 +186,10 @@ class Profiler:
         self._collector = Collector(
             self._log, self._summary_sink, clock0_ns=clock(), unix0_s=time.time(),
             phase_peaks_every=self.phase_peaks_every,
-            collect_every_s=None if every is None else min(every, self.flush_every_s), clock=clock,
+            collect_every_s=None if every is None else min(every, self.flush_every_s),
+            # The collector's own work is timed in its thread's CPU time: its wall time would
+            # also count the stretches it waits for the GIL while the training thread runs.
+            cost_clock=time.thread_time_ns if clock is REAL.clock else clock,
             overhead_budget=self.overhead_budget,
         )
         self._boundaries = b = Boundaries(
@@ -284,6 +288,7 @@ class Profiler:
                               b.broken is not None)
             for hook in self._hooks:
                 hook.on_close(closing)
+        self._end_syncs()
         self._summary = self._build_summary(ended_by)
         b.closed = True
         if self._log.count != self._signal_written:  # else the signal's summary says it all
@@ -292,6 +297,17 @@ class Profiler:
         b.warn_async()
         forget_open(self)
         return self._summary
+
+    def _end_syncs(self, report: bool = True) -> None:
+        """End the backend's sync session: the process's sync state comes back (unless
+        another profiler's session holds it).  A failure stops recording, if ``report``."""
+        b = self._boundaries.backend
+        try:
+            if b is not None:
+                b.end_syncs()
+        except Exception as e:  # noqa: BLE001 - close must always produce a summary
+            if report:
+                self._boundaries.fail(e)
 
     def _build_summary(self, ended_by: str) -> Summary:
         b = self._boundaries.backend
@@ -303,6 +319,7 @@ class Profiler:
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
             boundary=b.boundary if b is not None and b.has_device_timing else None,
+            syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
         )
 
     def __enter__(self) -> Profiler:
@@ -377,6 +394,7 @@ class Profiler:
 
     def _forked(self) -> None:
         """In a forked child: drop the parent's state and record nothing more (see above)."""
+        self._end_syncs(report=False)  # the child gets the sync-debug mode, filters, functions back
         self._collector.forget()
         self._boundaries.forget(_INHERITED.format(pid=os.getpid()))
         self._memory.forget()

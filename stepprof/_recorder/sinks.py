@@ -118,6 +118,7 @@ class SummarySink:
         log_failed: str | None,
         flops_reason: str | None,
         boundary: str | None = None,
+        syncs_outside: tuple[int | None, str | None] | None = None,
     ) -> Summary:
         """The summary of the records added so far.
 
@@ -132,6 +133,8 @@ class SummarySink:
                 summary's reason when no step record carries the FLOPs fields.  None: FLOPs
                 were not requested.
             boundary: which boundary did the device work (None: no CUDA device).
+            syncs_outside: (``syncs_outside_steps``, None), or (None, why): the backend's
+                count, which no step record carries.  None: no backend gave one.
         """
         agg = self.aggregate
         extra: dict[str, str] = {}
@@ -146,4 +149,10 @@ class SummarySink:
             fields["device"] = device
         fields["ended_by"] = ended_by
         fields["boundary"] = boundary
+        if syncs_outside is not None:
+            fields["syncs_outside_steps"], why = syncs_outside
+            if why is None:
+                fields["unavailable"].pop("syncs_outside_steps", None)
+            else:
+                fields["unavailable"]["syncs_outside_steps"] = why
         return Summary(log=log, **fields)
