@@ -12,8 +12,9 @@ from ._stats import quantile
 from ._units import format_bytes
 
 #: What the compiled boundary saves per step against the Python one, in µs: the step record
-#: on the launch-bound step of bench/overhead.py on an H200 (docs/benchmarks.md).
-COMPILED_SAVES_US = 19.0
+#: on the launch-bound step of bench/overhead.py on an H200, `step-python` less `step`
+#: (docs/benchmarks.md).
+COMPILED_SAVES_US = 78.0
 
 __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 

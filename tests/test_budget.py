@@ -141,3 +141,18 @@ def test_a_bad_budget_is_refused_naming_the_argument(bad):
 def test_a_bad_boundary_is_refused_naming_the_choices():
     with pytest.raises(stepprof.ConfigError, match="'boundary' must be 'auto'"):
         stepprof.Profiler(None, boundary="c++")
+
+
+def test_a_budget_that_cannot_be_kept_says_so_in_the_summary(log):
+    gpu = FakeGpu(mark_cost_ns=50_000)
+    prof = make(log, gpu, overhead_budget=0.001)  # 1 µs of a 1 ms step
+    for _ in range(20):
+        with prof.step():
+            gpu.host(1.0)
+    budget = prof._collector.budget
+    for _ in range(32):  # light steps measured at 5 µs each (the fake clock gives them none)
+        budget.add(False, 5.0, 1.0)
+    budget.choose()
+    summary = prof.close()
+    assert budget.interval == MAX_INTERVAL
+    assert "still costs 5.0 µs, over overhead_budget=0.001" in summary.unavailable["overhead_budget"]

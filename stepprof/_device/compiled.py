@@ -29,6 +29,7 @@ import torch
 
 from .. import _registry
 from .._errors import BuildError
+from .._records import COMPILED_SAVES_US
 from .._roofline import cache_dir as _stepprof_cache_dir
 from .backend import MARK, POP, PUSH, READ, RESET, Memory
 from .cuda import CudaBackend
@@ -52,7 +53,7 @@ ABI = 1
 #: ``overhead_us`` of an empty step in a tight loop, 21.3 (Python) vs 7.5 (compiled); the
 #: boundary calls alone (entry MARK|RESET|PUSH plus exit MARK|READ|POP) take 18.3 vs 4.5.
 #: H200, torch 2.11.0+cu130, Python 3.12, 2026-12-01.
-SAVING_US = {"h200_tight_loop": 13.9}
+SAVING_US = {"h200_tight_loop": 13.9, "h200_launch_bound_step": COMPILED_SAVES_US}
 
 _NAME = "stepprof_boundary"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boundary.cpp")

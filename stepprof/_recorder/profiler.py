@@ -319,6 +319,7 @@ class Profiler:
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
             boundary=b.boundary if b is not None and b.has_device_timing else None,
+            budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
         )
 

@@ -118,6 +118,7 @@ class SummarySink:
         log_failed: str | None,
         flops_reason: str | None,
         boundary: str | None = None,
+        budget_unmet: str | None = None,
         syncs_outside: tuple[int | None, str | None] | None = None,
     ) -> Summary:
         """The summary of the records added so far.
@@ -133,6 +134,7 @@ class SummarySink:
                 summary's reason when no step record carries the FLOPs fields.  None: FLOPs
                 were not requested.
             boundary: which boundary did the device work (None: no CUDA device).
+            budget_unmet: why ``overhead_budget`` could not be kept, or None.
             syncs_outside: (``syncs_outside_steps``, None), or (None, why): the backend's
                 count, which no step record carries.  None: no backend gave one.
         """
@@ -144,6 +146,8 @@ class SummarySink:
             extra["stepprof"] = stopped
         if log_failed:
             extra["log"] = log_failed
+        if budget_unmet:
+            extra["overhead_budget"] = budget_unmet
         fields = agg.summary_fields(extra_unavailable=extra)
         if agg.device is None:
             fields["device"] = device
