@@ -115,8 +115,9 @@ def _boundary_row(b: dict[str, Any]) -> str:
     if b["used"] == "compiled":
         return f"compiled ({b['path']})"
     if b["used"] == "python":
-        saving = b["saving_us"].get("h200_tight_loop")
-        gain = f"; the compiled one saves ~{saving:.0f} µs a step on an H200" if saving else ""
+        saving = b["saving_us"].get("h200_launch_bound_step")
+        gain = (f"; `stepprof build` compiles one that saves ~{saving:.0f} µs a step on a host-bound "
+                f"H200 loop" if saving else "")
         return f"python: {b['reason']}{gain}"
     return f"none: {b['reason']}"
 

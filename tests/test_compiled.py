@@ -442,8 +442,9 @@ def test_stepprof_env_shows_a_loaded_boundary_as_compiled(monkeypatch, capsys):
         "used": "compiled", "path": "/c/b.so", "reason": None, "saving_us": compiled.SAVING_US}
     monkeypatch.setattr(compiled, "status", lambda: {"built": False, "path": None, "reason": "not built"})
     row = _env._boundary_row(_env._boundary(None))
-    saving = compiled.SAVING_US["h200_tight_loop"]
-    assert row == f"python: not built; the compiled one saves ~{saving:.0f} µs a step on an H200"
+    saving = compiled.SAVING_US["h200_launch_bound_step"]
+    assert row == (f"python: not built; `stepprof build` compiles one that saves ~{saving:.0f} µs a step "
+                   f"on a host-bound H200 loop")
 
 
 # -- on a GPU ------------------------------------------------------------------------

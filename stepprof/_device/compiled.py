@@ -49,10 +49,11 @@ __all__ = [
 #: The C API version this module speaks; ``boundary.cpp``'s ``ABI`` must equal it.
 ABI = 1
 
-#: Host time a profiled step saves with the compiled boundary, in µs: the median
-#: ``overhead_us`` of an empty step in a tight loop, 21.3 (Python) vs 7.5 (compiled); the
-#: boundary calls alone (entry MARK|RESET|PUSH plus exit MARK|READ|POP) take 18.3 vs 4.5.
-#: H200, torch 2.11.0+cu130, Python 3.12, 2026-12-01.
+#: Host time a profiled step saves with the compiled boundary, in µs, on an H200 (torch
+#: 2.11.0+cu130, Python 3.12, 2026-12-01): in a tight loop, the median ``overhead_us`` of an
+#: empty step, 21.3 (Python) vs 7.5 (compiled), the boundary calls alone (entry
+#: MARK|RESET|PUSH plus exit MARK|READ|POP) 18.3 vs 4.5; in the launch-bound loop of
+#: bench/overhead.py, the added time of a step record (:data:`stepprof._records.COMPILED_SAVES_US`).
 SAVING_US = {"h200_tight_loop": 13.9, "h200_launch_bound_step": COMPILED_SAVES_US}
 
 _NAME = "stepprof_boundary"
