@@ -62,8 +62,9 @@ CLOSE_WAIT_S = 5.0
 LOG_RANKS = ("all", "zero")
 
 # The exchanged vector, float64 (exact for byte counts below 2**53 and for a CRC32):
-_EXCHANGE, _STEPS, _GPU, _WALL, _PEAK, _SYNCS, _GAP, _CRC, _GPU_BASIS, _NPH = range(10)
-_PH0 = 10
+# _INTERVAL: the interval between full steps this rank would choose under overhead_budget.
+_EXCHANGE, _STEPS, _GPU, _WALL, _PEAK, _SYNCS, _GAP, _CRC, _GPU_BASIS, _NPH, _INTERVAL = range(11)
+_PH0 = 11
 WIDTH = _PH0 + MAX_PHASES
 _NAN = float("nan")
 
@@ -376,8 +377,12 @@ class Exchange:
     """
 
     def __init__(self, every: int, ident: Identity, *, group: Any = None,
-                 gather: Gather | None = None, close_wait_s: float = CLOSE_WAIT_S) -> None:
+                 gather: Gather | None = None, close_wait_s: float = CLOSE_WAIT_S,
+                 budget: Any = None) -> None:
         self.every = every
+        #: Under ``overhead_budget``: the ranks agree on the interval between full steps
+        #: through the exchange (see :class:`stepprof._recorder.budget.Budget`).
+        self.budget = budget
         self.ident = ident
         self.window = Window()
         self._group = group
@@ -401,6 +406,11 @@ class Exchange:
         if self.exits % self.every or self.failed is not None:
             return
         vec, names = self.window.take(self.exits)
+        budget = self.budget
+        if budget is not None:
+            vec[_INTERVAL] = float(budget.desired)
+            if step is not None:
+                budget.awaiting(step + self.every)  # the ranks' answer applies from there
         try:
             if self._gather is None:
                 self._gather = _real_gather(self._group, device_index)
@@ -454,6 +464,11 @@ class Exchange:
                 return
             with self._lock:
                 self._outstanding.pop(0)
+            if self.budget is not None and step is not None:
+                # Every rank gets the same rows: each adopts the longest interval any asked for
+                # (a failed exchange: every step in full), from the same step on.
+                asked = [r[_INTERVAL] for r in rows if math.isfinite(r[_INTERVAL])]
+                self.budget.agreed(step + self.every, int(max(asked)) if asked else 1)
             if record is not None and self._zero():
                 write(record)
 

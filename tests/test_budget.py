@@ -156,3 +156,59 @@ def test_a_budget_that_cannot_be_kept_says_so_in_the_summary(log):
     summary = prof.close()
     assert budget.interval == MAX_INTERVAL
     assert "still costs 5.0 µs, over overhead_budget=0.001" in summary.unavailable["overhead_budget"]
+
+
+# -- distributed: the ranks agree on the interval through the exchange ---------------------
+
+
+def test_shared_budget_waits_for_the_ranks_answer_and_applies_it_from_the_same_step():
+    b = Budget(0.01)
+    b.shared = True
+    for _ in range(8):
+        b.add(True, 100, 1.0)
+    assert b.choose() == 16 and b.desired == 16 and b.interval == 1  # a wish, not applied
+    b.awaiting(200)  # an exchange at step 100, every 100 steps: its answer applies from 200
+    assert [b.interval_at(i) for i in (150, 199)] == [1, 1]
+    assert b.interval_at(200) == 1  # the answer is late: every step in full (a superset)
+    b.agreed(200, 32)  # the longest interval any rank asked for
+    assert b.interval_at(201) == 32 and b.interval_at(300) == 32
+    b.awaiting(400)
+    b.agreed(400, 8)  # in before step 400: applied from 400, not before
+    assert b.interval_at(399) == 32 and b.interval_at(400) == 8
+
+
+class _Gather:
+    """Rank 0's all_gather in a two-rank run: rank 1 wants ``other_interval``."""
+
+    def __init__(self, other_interval: int) -> None:
+        self.other_interval = other_interval
+        self.sent: list[float] = []
+
+    def __call__(self, vec):
+        from stepprof import _dist
+
+        self.sent.append(vec[_dist._INTERVAL])
+        other = list(vec)
+        other[_dist._INTERVAL] = float(self.other_interval)
+        return lambda: [list(vec), other]
+
+
+def test_ranks_measure_the_same_steps_in_full(monkeypatch, log):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    gpu = FakeGpu(mark_cost_ns=50_000)
+    gather = _Gather(other_interval=64)
+    prof = make(log, gpu, overhead_budget=0.01, ranks_every=50, gather=gather)
+    assert prof._collector.budget.shared
+    for _ in range(400):
+        with prof.step():
+            gpu.host(1.0)
+    prof.close()
+    records = stepprof.read(log.replace(".jsonl", ".rank0.jsonl"), kind="step")
+    full = [r["step"] for r in records if r.get("sampled") is True]
+    # Every step is full until the first answer (from step 49 + 50 = 99), then one in 64: the
+    # other rank asked for more than this rank's own wish, which it sent with each exchange.
+    assert all(i in full for i in range(99))
+    assert [i for i in full if i >= 99] == [i for i in range(99, 400) if i % 64 == 0]
+    assert 1 < gather.sent[-1] < 64

@@ -443,7 +443,7 @@ class Boundaries:
         step.backend = b
         budget = self._budget
         if budget is not None and not step.warmup:
-            k = budget.interval
+            k = budget.interval_at(index)
             if index % k:  # a light step: the clock and the sync count only
                 step.sampled = 0
                 self._counters = None  # the next full step reads a new baseline

@@ -7,8 +7,16 @@ interval is a power of two, and a step is full when its index is a multiple of i
 the full steps of a shorter interval include those of a longer one.
 
 The collector feeds :meth:`Budget.add` with every measured record's ``overhead_us`` and
-``wall_ms`` and calls :meth:`Budget.choose` after each harvest; the training thread only
-reads :attr:`Budget.interval`.  With F the median cost of a full step, L of a light one
+``wall_ms`` and calls :meth:`Budget.choose` after each harvest; the training thread asks
+:meth:`Budget.interval_at` at each step's entry.
+
+In a distributed run (``shared``), the ranks must measure the same steps in full, so that
+their exchanged figures line up.  Each rank's choice is only its wish (:attr:`desired`),
+sent with each exchange; every rank receives the same rows and adopts the longest interval
+asked for, from the step one exchange period after that exchange (:meth:`agreed`).  A rank
+whose answer is late measures every step in full from that step until it arrives
+(:meth:`awaiting`): a superset of the agreed steps, never a subset.  Until the first answer,
+every step is full.  With F the median cost of a full step, L of a light one
 and W the median step time, the mean cost over an interval of k steps is
 (F + (k - 1) L) / k, which is within ``fraction`` x W when
 k >= (F - L) / (fraction x W - L).
@@ -41,6 +49,12 @@ class Budget:
         self.interval = 1
         #: Why the budget cannot be met (a light step alone costs more), or None.
         self.unmet: str | None = None
+        #: Distributed: the interval is agreed through the exchange, not chosen here.
+        self.shared = False
+        #: The interval this rank's costs call for (what :meth:`choose` found last).
+        self.desired = 1
+        self._holds: deque[int] = deque()  # steps from which an exchange's answer is due
+        self._changes: deque[tuple[int, int]] = deque()  # (from step, interval), agreed
         self._full: deque[float] = deque(maxlen=WINDOW)
         self._light: deque[float] = deque(maxlen=WINDOW)
         self._wall: deque[float] = deque(maxlen=WINDOW)
@@ -67,8 +81,29 @@ class Budget:
             need = max(1.0, (full - light) / (allowed - light))
             k = min(MAX_INTERVAL, 1 << max(0, math.ceil(math.log2(need))))
             self.unmet = None
-        self.interval = k
+        self.desired = k
+        if not self.shared:
+            self.interval = k
         return k
+
+    def interval_at(self, index: int) -> int:
+        """The interval for step ``index`` (training thread)."""
+        changes = self._changes
+        while changes and index >= changes[0][0]:
+            start, self.interval = changes.popleft()
+            if self._holds and self._holds[0] == start:
+                self._holds.popleft()
+        if self._holds and index >= self._holds[0]:
+            return 1  # the ranks' answer for this stretch is not in yet: every step in full
+        return self.interval
+
+    def awaiting(self, start: int) -> None:
+        """An exchange was sent: its answer applies from step ``start`` (training thread)."""
+        self._holds.append(start)
+
+    def agreed(self, start: int, interval: int) -> None:
+        """The ranks' answer: ``interval`` from step ``start`` on (collector thread)."""
+        self._changes.append((start, max(1, min(MAX_INTERVAL, interval))))
 
     def reason(self, interval: int) -> str:
         """Why a light step has no GPU figures."""

@@ -103,8 +103,8 @@ class ExchangeHook(Hook):
             elif not b.has_device_timing:
                 gap = (step.t0 - prev[1]) / 1e6
             b.release(prev[0])
-        if step.warmup or step.error is not None:
-            return
+        if step.warmup or step.error is not None or step.sampled == 0:
+            return  # a light step (overhead_budget) has no GPU figures to compare
         gpu_ms = record["gpu_ms"]
         key = "gpu_ms" if gpu_ms is not None else "wall_ms"
         top = {k: v[key] for k, v in record["phases"].items() if "/" not in k}

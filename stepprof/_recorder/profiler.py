@@ -208,10 +208,12 @@ class Profiler:
         self._memory = MemoryHook(warmup=self.warmup, every=self.memory_every, retire=b.retire)
         self._exchange = exchange = (
             ExchangeHook(_dist.Exchange(ranks_every, ident, group=group, gather=seams.gather,
-                                        close_wait_s=seams.close_wait_s),
+                                        close_wait_s=seams.close_wait_s, budget=self._collector.budget),
                          self._collector.harvest_if_free)
             if ident is not None and ranks_every else None
         )
+        if exchange is not None and self._collector.budget is not None:
+            self._collector.budget.shared = True  # the ranks agree on the interval
         hooks: list[Hook] = [h for h in (self._flops, self._memory, exchange) if h is not None]
         self._hooks = hooks
         b.use(hooks)
