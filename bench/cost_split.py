@@ -117,19 +117,32 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     }
 
 
+def _us(ns: float | None) -> float | None:
+    return None if ns is None else ns / 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", default="cost_split.json")
+    ap.add_argument("--no-gc", action="store_true", help="turn Python's cyclic garbage collector off")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     args = ap.parse_args()
+    if args.no_gc:
+        import gc
+
+        gc.disable()
     if not torch.cuda.is_available():
         print("bench/cost_split.py needs CUDA; nothing measured")
         return 0
     work = make_workload(256, 64)
     out = {**run_info("cost_split.py"), "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (kw, kind) in VARIANTS.items():
+        for name in args.variants.split(","):
+            kw, kind = VARIANTS[name]
             out["variants"][name] = r = run(name, kw, kind, args.steps, tmp, work)
+            r["collector_cpu_us_per_record"] = _us(r["collector_cpu_us_per_record"])
+            r["collector_wall_us_per_record"] = _us(r["collector_wall_us_per_record"])
             calls = ", ".join(f"{k} {v:.1f}" for k, v in r["per_step_calls_us"].items())
             fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             print(f"{name:18s} step {r['step_us']:8.1f} µs | hot full {fmt(r['hot_full_us'])} light "
