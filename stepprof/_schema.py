@@ -87,6 +87,8 @@ def step_record(
     host_rss_bytes: int | None | _Absent = ABSENT,
     thread: str | _Absent = ABSENT,
     sampled: bool | _Absent = ABSENT,
+    data_wait_ms: float | None = None,
+    data_ms: float | _Absent = ABSENT,
     flops: float | None | _Absent = ABSENT,
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
@@ -100,7 +102,8 @@ def step_record(
 
     The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
     only), ``thread`` (steps of a thread other than the training thread), ``sampled``
-    (under ``overhead_budget``: whether the step got its GPU figures), ``flops``,
+    (under ``overhead_budget``: whether the step got its GPU figures), ``data_ms`` (a batch
+    fetched through ``stepprof.iterate``), ``flops``,
     ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
     as True), and ``run_id`` and the rank fields (a distributed run's), which the log
     writer adds.
@@ -121,6 +124,7 @@ def step_record(
         "reserved_bytes": reserved_bytes,
         "batch_size": batch_size,
         "samples_per_s": samples_per_s,
+        "data_wait_ms": data_wait_ms,
         "phases": phases,
         "overhead_us": overhead_us,
         "error": error,
@@ -135,6 +139,8 @@ def step_record(
         record["thread"] = thread
     if sampled is not ABSENT:
         record["sampled"] = sampled
+    if data_ms is not ABSENT:
+        record["data_ms"] = data_ms
     if flops is not ABSENT:
         record["flops"] = flops
     if tflops_per_s is not ABSENT:

@@ -31,7 +31,10 @@ def test_step_record_figures(log, gpu):
     # The step cannot complete faster than its device span: samples/s uses max(wall, gpu).
     assert r["samples_per_s"] == pytest.approx(32 / 5e-3)
     assert r["error"] is None
-    assert r["unavailable"] == {}
+    # The first step has no data wait: nothing came before it.
+    assert r["data_wait_ms"] is None and "data_ms" not in r
+    assert r["unavailable"] == {"data_wait_ms": "no previous step on this thread returned from its "
+                                                "exit (the first step, or one cut short)"}
     assert r["phases"] == {}
     assert r["overhead_us"] >= 0
 

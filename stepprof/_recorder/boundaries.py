@@ -92,7 +92,8 @@ def error_message(exc: BaseException) -> str:
 class ThreadSteps:
     """One thread's step context: its open step, its phase stack, its sync tracker."""
 
-    __slots__ = ("tid", "thread", "step", "stack", "last_top_mark", "tracker", "watching", "hooked")
+    __slots__ = ("tid", "thread", "step", "stack", "last_top_mark", "tracker", "watching", "hooked",
+                 "last_exit", "data_ns", "batch")
 
     def __init__(self, tid: int, thread: str | None, tracker: SyncTracker, hooked: bool) -> None:
         self.tid = tid
@@ -103,6 +104,9 @@ class ThreadSteps:
         self.tracker = tracker
         self.watching = False
         self.hooked = hooked  # the training thread: its steps run the hooks
+        self.last_exit = 0  # the clock when its last step's exit returned (0: none, or it failed)
+        self.data_ns = -1  # time in stepprof.iterate's __next__ since then (-1: not used)
+        self.batch: tuple[int | None, str | None] | None = None  # the last batch iterate() saw
 
 
 class Boundaries:
@@ -219,6 +223,13 @@ class Boundaries:
             self._main = ctx
         return ctx
 
+    def note_batch(self, data_ns: int, batch: tuple[int | None, str | None]) -> None:
+        """stepprof.iterate fetched a batch on this thread: ``data_ns`` in ``__next__``, its size
+        (or why not); the thread's next step takes both."""
+        ctx = self.context()
+        ctx.data_ns = data_ns if ctx.data_ns < 0 else ctx.data_ns + data_ns
+        ctx.batch = batch
+
     @property
     def step(self) -> Step | None:
         """The calling thread's open step, or None."""
@@ -238,8 +249,13 @@ class Boundaries:
         *,
         step: bool,
         budget: tuple[int | None, str | None] = (None, None),
+        batch_reason: str | None = None,
     ) -> Any:
-        """Open a step (``step=True``, or no step is open on this thread) or a phase; return a token."""
+        """Open a step (``step=True``, or no step is open on this thread) or a phase; return a token.
+
+        ``batch_reason``: why ``batch_size`` is None when a batch was given and its size could
+        not be inferred.
+        """
         if self.closed:
             raise UsageError(
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
@@ -266,7 +282,7 @@ class Boundaries:
         depth = len(ctx.stack)
         try:
             if open_step is None:
-                return self.begin_step(ctx, name or "step", batch_size, budget)
+                return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason)
             return self.begin_phase(ctx, open_step, name or "phase")
         except StepprofError:
             raise
@@ -374,6 +390,7 @@ class Boundaries:
                     ctx.stack.clear()
                     ctx.step = None
                     ctx.last_top_mark = None
+                    ctx.last_exit = 0  # the next step's wait is not measured from a cut-short exit
                 self._open.pop(ctx.tid, None)
                 if token.backend is None:  # cut short before the first backend was chosen
                     token.backend = self.backend
@@ -418,12 +435,25 @@ class Boundaries:
         return b
 
     def begin_step(
-        self, ctx: ThreadSteps, name: str, batch_size: int | None, syncs: tuple[int | None, str | None]
+        self,
+        ctx: ThreadSteps,
+        name: str,
+        batch_size: int | None,
+        syncs: tuple[int | None, str | None],
+        batch_reason: str | None = None,
     ) -> Step:
         t_in = self._clock()
         index = self.next_index
         self.next_index = index + 1
+        if batch_size is None and batch_reason is None and ctx.batch is not None:
+            batch_size, batch_reason = ctx.batch  # from stepprof.iterate: the batch just fetched
         step = Step(index, name, index < self._warmup, batch_size)
+        step.batch_reason = batch_reason
+        if ctx.last_exit:
+            step.data_wait_ns = t_in - ctx.last_exit
+        if ctx.data_ns >= 0:
+            step.data_ns, ctx.data_ns = ctx.data_ns, -1
+        ctx.batch = None
         step.ctx = ctx
         step.thread = ctx.thread
         step.backend = self.backend
@@ -616,14 +646,17 @@ class Boundaries:
             self._pending.append(step)
             if not b.has_device_timing:
                 collector.harvest()  # nothing to wait for on the host: write it now
+            ctx.last_exit = self._clock()
             return
         if collector.error is not None or (self._writer is not None and self._writer.failed is not None):
             self.warn_async()
         now = self._clock()
         step.overhead_ns += now - t_in
         self._pending.append(step)
+        ctx.last_exit = now
         if collector.thread is None:
             collector.start()
+            ctx.last_exit = self._clock()
         elif now >= self._catch_up_at and self._flush_every_ns is not None:
             self._catch_up(now)
 
@@ -642,6 +675,9 @@ class Boundaries:
         pending = self._pending
         if pending and now - pending[0].t1 > every:
             self._collector.harvest_if_free()  # its time goes to the records it writes
+            ctx = self._main
+            if ctx is not None:
+                ctx.last_exit = self._clock()  # the harvest is stepprof's time, not the data wait
 
     # -- failure ---------------------------------------------------------------------
 
@@ -669,6 +705,7 @@ class Boundaries:
         ctx.step = None
         ctx.stack.clear()
         ctx.last_top_mark = None
+        ctx.last_exit = 0
 
     def fail(self, exc: BaseException) -> None:
         """An internal failure: stop recording, keep training, say so once."""

@@ -39,6 +39,18 @@ OVERLAP_REASON = (
 )
 
 
+_NO_PREVIOUS = "no previous step on this thread returned from its exit (the first step, or one cut short)"
+
+
+def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, Any]:
+    """(``data_wait_ms``, ``data_ms`` or ABSENT when no batch came through ``stepprof.iterate``);
+    the reason when ``data_wait_ms`` is null."""
+    wait = s.data_wait_ns / 1e6 if s.data_wait_ns >= 0 else None
+    if wait is None:
+        unavailable["data_wait_ms"] = _NO_PREVIOUS
+    return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT
+
+
 def build_step_record(
     s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None
 ) -> dict[str, Any]:
@@ -102,7 +114,9 @@ def build_step_record(
         unavailable["gpu_busy"] = "wall time was zero"
     samples_per_s = None
     if s.batch_size is None:
-        unavailable["samples_per_s"] = "no batch_size was given"
+        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
+        if s.batch_reason is not None:
+            unavailable["batch_size"] = s.batch_reason
     else:
         span_ms = max(wall_ms, gpu_ms or 0.0)
         if span_ms > 0:
@@ -127,6 +141,7 @@ def build_step_record(
             )
     if on_host and s.rss is None:
         unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+    data_wait_ms, data_ms = _data_figures(s, unavailable)
     return step_record(
         step=s.index,
         name=s.name,
@@ -134,6 +149,8 @@ def build_step_record(
         device=b.device,
         start_unix_s=start_unix_s,
         wall_ms=wall_ms,
+        data_wait_ms=data_wait_ms,
+        data_ms=data_ms,
         gpu_ms=gpu_ms,
         gpu_busy=gpu_busy,
         peak_allocated_bytes=peak,
@@ -160,7 +177,9 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     )
     samples_per_s = None
     if s.batch_size is None:
-        unavailable["samples_per_s"] = "no batch_size was given"
+        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
+        if s.batch_reason is not None:
+            unavailable["batch_size"] = s.batch_reason
     elif wall_ms > 0:
         samples_per_s = per_s(s.batch_size, wall_ms)
         if samples_per_s is None:
@@ -172,9 +191,10 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     on_host = not b.has_device_memory
     if on_host:
         unavailable["host_rss_bytes"] = why
+    data_wait_ms, data_ms = _data_figures(s, unavailable)
     return step_record(
         step=s.index, name=s.name, warmup=s.warmup, device=b.device, start_unix_s=start_unix_s,
-        wall_ms=wall_ms, gpu_ms=None, gpu_busy=None, peak_allocated_bytes=None, reserved_bytes=None,
+        wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms, gpu_ms=None, gpu_busy=None, peak_allocated_bytes=None, reserved_bytes=None,
         batch_size=s.batch_size, samples_per_s=samples_per_s, phases={}, overhead_us=s.overhead_ns / 1e3,
         error=s.error, syncs=s.syncs, allocator=None, unavailable=unavailable,
         host_rss_bytes=None if on_host else ABSENT,

@@ -46,6 +46,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
+        "data_wait_ns", "data_ns", "batch_reason",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -76,6 +77,11 @@ class Step:
         # Under overhead_budget: 0 for a light step (no device boundaries), else the interval
         # it was chosen under; without a budget, None.
         self.sampled: int | None = None
+        # Host time from the thread's previous step exit to this entry (-1: none), and the
+        # part of it spent in stepprof.iterate's __next__ (-1: the loop does not use it).
+        self.data_wait_ns = -1
+        self.data_ns = -1
+        self.batch_reason: str | None = None  # why batch_size is None, when it was not inferred
 
     def marks(self) -> list[tuple[Any, Any]]:
         """Every (start, end) pair of device marks the step holds: its own, then its phases'."""
