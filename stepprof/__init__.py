@@ -19,7 +19,7 @@ from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 
 if typing.TYPE_CHECKING:
-    from ._api import configure, measure, memory_report, profile_step
+    from ._api import configure, iterate, measure, memory_report, profile_step
     from ._memory import MemoryReport
     from ._recorder.profiler import Profiler
     from ._sweep.search import sweep
@@ -44,6 +44,7 @@ __all__ = [
     "UsageError",
     "configure",
     "frame",
+    "iterate",
     "measure",
     "memory_report",
     "profile_step",
@@ -59,6 +60,7 @@ def __getattr__(name: str) -> object:
         "MemoryReport": "_memory",
         "Profiler": "_recorder.profiler",
         "configure": "_api",
+        "iterate": "_api",
         "measure": "_api",
         "memory_report": "_api",
         "profile_step": "_api",

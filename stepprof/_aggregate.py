@@ -62,6 +62,8 @@ NO_SUMMARY = "no summary record (the run did not close)"
 #: with the reason used when no step gave one.
 _STEP_REASONS = {
     "gpu_ms": ("gpu_ms", "not recorded"),
+    "data_wait_ms_median": ("data_wait_ms", "not in this log (written by an older stepprof)"),
+    "input_wait_fraction": ("data_wait_ms", "not in this log (written by an older stepprof)"),
     "gpu_busy_median": ("gpu_busy", "not recorded"),
     "samples_per_s_median": ("samples_per_s", "not recorded"),
     "syncs_per_step_median": ("syncs", "not in this log (written by an older stepprof)"),
@@ -119,6 +121,12 @@ class RunFigures:
     syncs_per_step: Percentiles | None
     overhead_us_median: float | None
     overhead_us_mean: float | None
+    #: Host time before each step since the previous one's exit (input, logging, anything).
+    data_wait_ms: Percentiles | None
+    #: The share of the loop's time (data wait + wall) spent in the data wait.
+    input_wait_fraction: float | None
+    #: Mean time in the loader's ``__next__`` (``data_ms``, with ``stepprof.iterate``).
+    data_ms_mean: float | None
     tflops_per_s_median: float | None
     mfu_median: float | None
 
@@ -184,7 +192,8 @@ class RunAggregate:
 
     _COUNTERS = ("steps", "warmup", "errors", "measured", "alloc_steps", "steps_with_device_alloc",
                  "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped",
-                 "ranks_records", "overhead_sum_ns")
+                 "ranks_records", "overhead_sum_ns", "data_wait_sum_ns", "loop_sum_ns",
+                 "data_sum_ns", "data_steps")
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -199,8 +208,9 @@ class RunAggregate:
         self.first_measured: int | None = None
         self.wall, self.gpu, self.span, self.busy = (QuantileSketch() for _ in range(4))
         self.sps, self.syncs, self.tflops, self.mfu, self.overhead = (QuantileSketch() for _ in range(5))
+        self.data_wait = QuantileSketch()
         self.sketches = (self.wall, self.gpu, self.span, self.busy, self.sps, self.syncs,
-                         self.tflops, self.mfu, self.overhead)
+                         self.tflops, self.mfu, self.overhead, self.data_wait)
         self.peak: float | None = None
         self.reserved: float | None = None
         self.reserved_last: float | None = None
@@ -227,6 +237,9 @@ class RunAggregate:
         self.summary: dict[str, Any] | None = None
         self.step_reasons: dict[str, str] = {}  # the first reason per field of the timed steps
         self.overhead_sum_ns = 0  # the timed steps' overhead_us, for the mean
+        self.data_wait_sum_ns = 0  # the timed steps' data_wait_ms, and their data_wait_ms + wall_ms
+        self.loop_sum_ns = 0
+        self.data_sum_ns = self.data_steps = 0  # their data_ms (stepprof.iterate), and how many had it
         self.since_settle = 0
         # Distributed runs: this log's rank, and (rank 0's log) the ranks records.
         self.identity: dict[str, Any] | None = None
@@ -325,6 +338,17 @@ class RunAggregate:
             t = type(x)
             if t is float or t is int:
                 self.sps.buf.append(x)
+        x = get("data_wait_ms")
+        t = type(x)
+        if t is float or t is int:
+            self.data_wait.buf.append(x)
+            self.data_wait_sum_ns += round(x * 1e6)  # ints: sums alike however a log is split
+            self.loop_sum_ns += round((x + wall) * 1e6)
+            x = get("data_ms")
+            t = type(x)
+            if t is float or t is int:
+                self.data_sum_ns += round(x * 1e6)
+                self.data_steps += 1
         x = get("overhead_us")
         t = type(x)
         if t is float or t is int:
@@ -584,7 +608,7 @@ class RunAggregate:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.sketches = (self.wall, self.gpu, self.span, self.busy, self.sps, self.syncs,
-                         self.tflops, self.mfu, self.overhead)
+                         self.tflops, self.mfu, self.overhead, self.data_wait)
 
     # -- figures out --------------------------------------------------------------
 
@@ -610,6 +634,9 @@ class RunAggregate:
             syncs_per_step=_percentiles(self.syncs),
             overhead_us_median=self.overhead.quantile(0.5),
             overhead_us_mean=self.overhead_sum_ns / self.overhead.count / 1e3 if self.overhead.count else None,
+            data_wait_ms=_percentiles(self.data_wait),
+            input_wait_fraction=self.data_wait_sum_ns / self.loop_sum_ns if self.loop_sum_ns > 0 else None,
+            data_ms_mean=self.data_sum_ns / self.data_steps / 1e6 if self.data_steps else None,
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
         )
@@ -634,6 +661,8 @@ class RunAggregate:
             "samples_per_s_median": figures.samples_per_s,
             "overhead_us_median": figures.overhead_us_median,
             "overhead_us_mean": figures.overhead_us_mean,
+            "data_wait_ms_median": figures.data_wait_ms,
+            "input_wait_fraction": figures.input_wait_fraction,
             "syncs_per_step_median": figures.syncs_per_step,
         }
         why: dict[str, str] = {}
@@ -712,6 +741,8 @@ class RunAggregate:
             "samples_per_s_median": None if figures.samples_per_s is None else figures.samples_per_s.median,
             "overhead_us_median": figures.overhead_us_median,
             "overhead_us_mean": figures.overhead_us_mean,
+            "data_wait_ms_median": None if figures.data_wait_ms is None else figures.data_wait_ms.median,
+            "input_wait_fraction": figures.input_wait_fraction,
             "gpu_steps": self.gpu.count,
             "boundary": self.boundary(),
             "syncs_per_step_median": None if syncs is None else syncs.median,

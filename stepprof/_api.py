@@ -15,13 +15,14 @@ from ._errors import ConfigError
 from ._memory import MemoryReport
 from ._options import NAMES
 from ._recorder.profiler import Profiler
-from ._scopes import MeasureFunction, ProfileStepFunction
+from ._scopes import IterateFunction, MeasureFunction, ProfileStepFunction
 from ._validate import check_option_names, check_report_device, check_warmup_variable
 
-__all__ = ["configure", "current", "measure", "memory_report", "profile_step"]
+__all__ = ["configure", "current", "iterate", "measure", "memory_report", "profile_step"]
 
 profile_step = ProfileStepFunction("profile_step")
 measure = MeasureFunction("measure")
+iterate = IterateFunction("iterate")
 
 
 def current() -> Profiler:

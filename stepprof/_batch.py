@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["infer_batch_size"]
+__all__ = ["NO_BATCH", "infer_batch_size"]
+
+#: No batch was passed (None may be a batch).
+NO_BATCH: Any = object()
 
 #: How deep into nested containers the search goes, and how many tensors it looks at.
 _DEPTH = 3

@@ -120,6 +120,10 @@ class Summary:
     gpu_steps: int | None = None
     #: Which boundary did the device work on CUDA: ``"compiled"`` or ``"python"`` (None: no CUDA).
     boundary: str | None = None
+    #: Median host time before a step since the previous step's exit (``data_wait_ms``).
+    data_wait_ms_median: float | None = None
+    #: The share of the loop's time (data wait + step wall time) spent waiting before steps.
+    input_wait_fraction: float | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -151,6 +155,8 @@ class Summary:
             parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
         if self.mfu_median is not None:
             parts.append(f"MFU {self.mfu_median:.0%}")
+        if self.input_wait_fraction is not None and self.input_wait_fraction >= 0.05:
+            parts.append(f"input wait {self.input_wait_fraction:.0%} of the loop")
         if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
             parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
         if self.overhead_us_mean is not None:

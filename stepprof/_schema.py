@@ -202,6 +202,8 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "overhead_us_mean": s.overhead_us_mean,
         "gpu_steps": s.gpu_steps,
         "boundary": s.boundary,
+        "data_wait_ms_median": s.data_wait_ms_median,
+        "input_wait_fraction": s.input_wait_fraction,
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
         "run_id": s.run_id,
     }

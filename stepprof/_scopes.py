@@ -16,16 +16,29 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
-from ._errors import UsageError
+from ._batch import NO_BATCH, infer_batch_size
+from ._errors import UsageError, raised_by_user
 from ._registry import current
 from ._validate import check_batch_size, check_budget, check_name
 
-__all__ = ["MeasureFunction", "MeasureScope", "ProfileStepFunction", "Recorder", "StepScope", "make_measure"]
+__all__ = [
+    "IterateFunction",
+    "Iterated",
+    "MeasureFunction",
+    "MeasureScope",
+    "NO_BATCH",
+    "ProfileStepFunction",
+    "Recorder",
+    "StepScope",
+    "iterate_over",
+    "make_measure",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,10 +48,13 @@ class Recorder(Protocol):
 
     def _enter(
         self, name: str | None, batch_size: int | None, *, step: bool,
-        budget: tuple[int | None, str | None] = (None, None),
+        budget: tuple[int | None, str | None] = (None, None), batch_reason: str | None = None,
+        batch: Any = NO_BATCH,
     ) -> Any: ...
 
     def _exit(self, token: Any, exc: BaseException | None) -> None: ...
+
+    def _note_batch(self, data_ns: int, batch: Any) -> None: ...
 
 
 class _Scope:
@@ -71,7 +87,7 @@ class _Scope:
 class StepScope(_Scope):
     """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
 
-    __slots__ = ("_profiler", "_name", "_batch_size", "_budget")
+    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_batch_reason")
 
     def __init__(
         self,
@@ -80,9 +96,13 @@ class StepScope(_Scope):
         batch_size: int | None,
         max_syncs: int | None = None,
         on_sync: str | None = None,
+        batch: Any = NO_BATCH,
     ) -> None:
         self._profiler = profiler
         self._name = name
+        self._batch_reason = None
+        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
+            batch_size, self._batch_reason = infer_batch_size(batch)  # the batch is not kept
         self._batch_size = batch_size
         self._budget = (max_syncs, on_sync)
         self._tokens: list[tuple[Recorder, Any]] = []
@@ -93,7 +113,8 @@ class StepScope(_Scope):
         prof = self._profiler or current()
         token = None
         try:
-            token = prof._enter(self._name, self._batch_size, step=True, budget=self._budget)
+            token = prof._enter(self._name, self._batch_size, step=True, budget=self._budget,
+                                batch_reason=self._batch_reason)
             self._tokens.append((prof, token))
             return self
         except BaseException as e:
@@ -151,6 +172,7 @@ class MeasureScope(_Scope):
             )
         name = self._name or getattr(fn, "__qualname__", None) or repr(fn)
         bound = self._profiler
+        at = _batch_position(fn)  # the batch, if it opens a step: its first argument (after self)
 
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
@@ -159,7 +181,7 @@ class MeasureScope(_Scope):
             prof = bound or current()
             token = None
             try:
-                token = prof._enter(name, None, step=False)
+                token = prof._enter(name, None, step=False, batch=args[at] if len(args) > at else NO_BATCH)
                 result = fn(*args, **kwargs)
             except BaseException as e:
                 if token is not None:
@@ -180,6 +202,64 @@ class MeasureScope(_Scope):
 
     def __repr__(self) -> str:
         return f"<stepprof.measure {self._name!r}>"
+
+
+def _batch_position(fn: Callable[..., Any]) -> int:
+    """Where a measured function's batch is: its first argument, or its second after ``self``/``cls``."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return 0
+    return 1 if params and params[0] in ("self", "cls") else 0
+
+
+class Iterated:
+    """What ``stepprof.iterate(loader)`` returns: the iterable, each item timed on its way out.
+
+    Iterating it iterates ``iterable`` (again for each ``for``, like a DataLoader), hands each
+    item on unchanged, and tells the profiler how long ``__next__`` took and the batch's size
+    (:func:`stepprof._batch.infer_batch_size`); the thread's next step records both
+    (``data_ms``, ``batch_size``).  ``len()`` is the iterable's.
+    """
+
+    __slots__ = ("_iterable", "_profiler")
+
+    def __init__(self, iterable: Iterable[Any], profiler: Recorder | None) -> None:
+        self._iterable = iterable
+        self._profiler = profiler
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Timed(iter(self._iterable), self._profiler)
+
+    def __len__(self) -> int:
+        return len(self._iterable)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"<stepprof.iterate {self._iterable!r}>"
+
+
+class _Timed:
+    """One pass over an :class:`Iterated`."""
+
+    __slots__ = ("_it", "_profiler")
+
+    def __init__(self, it: Iterator[Any], profiler: Recorder | None) -> None:
+        self._it = it
+        self._profiler = profiler
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        t0 = time.perf_counter_ns()
+        item = next(self._it)  # StopIteration and the loader's own errors go to the loop
+        t1 = time.perf_counter_ns()
+        try:
+            (self._profiler or current())._note_batch(t1 - t0, item)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
+        return item
 
 
 # An interrupt (KeyboardInterrupt, or an exception that a signal handler raises) may land
@@ -265,6 +345,7 @@ class ProfileStepFunction(_PublicFunction):
         batch_size: int | None = None,
         max_syncs: int | None = None,
         on_sync: str | None = None,
+        batch: Any = NO_BATCH,
     ) -> StepScope:
         """A context manager around one training step of the current profiler.
 
@@ -277,6 +358,9 @@ class ProfileStepFunction(_PublicFunction):
             max_syncs: this step's sync budget (default: the profiler's, None).
             on_sync: ``"count"``, ``"warn"`` or ``"raise"`` when the step goes over
                 ``max_syncs`` (default: the profiler's, ``"count"``).
+            batch: the step's batch, to infer ``batch_size`` from when it is not given: the
+                leading dimension of its tensors (a tensor, tuple, list, dict or an object
+                holding them), if they all agree; else ``batch_size`` is null with the reason.
 
         Example:
             >>> import stepprof
@@ -287,8 +371,44 @@ class ProfileStepFunction(_PublicFunction):
             1
         """
         return StepScope(
-            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync)
+            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync), batch=batch
         )
+
+
+class IterateFunction(_PublicFunction):
+    """The type of ``stepprof.iterate``."""
+
+    _hint = "use `for batch in stepprof.iterate(loader):` (did you forget the loader?)"
+
+    def __call__(self, iterable: Iterable[Any]) -> Iterated:
+        """Iterate ``iterable`` (a DataLoader, say), timing how long each batch takes to come.
+
+        Each item is handed on unchanged.  The time spent in its ``__next__`` becomes the
+        next step's ``data_ms`` (part of its ``data_wait_ms``, the host time since the
+        previous step's exit), and its size the next step's ``batch_size`` when the step
+        gives none (see ``profile_step(batch=...)``).
+
+        Example:
+            >>> import stepprof, torch
+            >>> loader = [torch.zeros(8, 2) for _ in range(3)]
+            >>> with stepprof.Profiler(None) as prof:
+            ...     for batch in stepprof.iterate(loader):
+            ...         with stepprof.profile_step():
+            ...             pass
+            >>> prof.summary.steps
+            3
+        """
+        return iterate_over(iterable, None)
+
+
+def iterate_over(iterable: Any, profiler: Recorder | None) -> Iterated:
+    """What ``iterate(iterable)`` returns: an :class:`Iterated` (``profiler`` None: the current one)."""
+    if not hasattr(iterable, "__iter__") and not hasattr(iterable, "__getitem__"):
+        raise UsageError(
+            f"iterate() takes an iterable, such as a DataLoader (got {type(iterable).__name__}); "
+            f"use `for batch in stepprof.iterate(loader):`"
+        )
+    return Iterated(iterable, profiler)
 
 
 class MeasureFunction(_PublicFunction):

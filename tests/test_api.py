@@ -25,7 +25,7 @@ def test_all_is_exactly_the_public_surface():
         "BuildError", "ConfigError", "MemoryReport", "Percentiles", "PhaseFigures", "Profiler", "SCHEMA_VERSION",
         "StepprofError",
         "Summary", "SweepPoint", "SweepResult", "SyncBudgetExceeded", "UsageError", "configure",
-        "frame", "measure", "memory_report", "profile_step", "read", "sweep",
+        "frame", "iterate", "measure", "memory_report", "profile_step", "read", "sweep",
     ]
 
 

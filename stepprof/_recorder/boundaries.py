@@ -51,6 +51,7 @@ import torch
 from .. import _memory
 from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
 from .._device.select import upgrade_from_host
+from .._batch import NO_BATCH, infer_batch_size
 from .._errors import StepprofError, UsageError, raised_by_user
 from .._syncs import SyncTracker
 from .collector import Collector
@@ -250,11 +251,13 @@ class Boundaries:
         step: bool,
         budget: tuple[int | None, str | None] = (None, None),
         batch_reason: str | None = None,
+        batch: Any = NO_BATCH,
     ) -> Any:
         """Open a step (``step=True``, or no step is open on this thread) or a phase; return a token.
 
         ``batch_reason``: why ``batch_size`` is None when a batch was given and its size could
-        not be inferred.
+        not be inferred.  ``batch``: a measured function's batch, whose size a step it opens
+        infers when it has none.
         """
         if self.closed:
             raise UsageError(
@@ -282,6 +285,8 @@ class Boundaries:
         depth = len(ctx.stack)
         try:
             if open_step is None:
+                if batch_size is None and batch is not NO_BATCH:
+                    batch_size, batch_reason = infer_batch_size(batch)
                 return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason)
             return self.begin_phase(ctx, open_step, name or "phase")
         except StepprofError:

@@ -24,7 +24,8 @@ from .._memory import MemoryReport
 from .._options import FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
-from .._scopes import StepScope, make_measure
+from .._batch import NO_BATCH, infer_batch_size
+from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._syncs import NOT_WATCHED
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
@@ -230,6 +231,7 @@ class Profiler:
         batch_size: int | None = None,
         max_syncs: int | None = None,
         on_sync: str | None = None,
+        batch: Any = NO_BATCH,
     ) -> StepScope:
         """A context manager around one training step.
 
@@ -238,13 +240,24 @@ class Profiler:
             batch_size: samples in the step; enables ``samples_per_s``.
             max_syncs, on_sync: this step's sync budget and policy (default: the
                 profiler's).
+            batch: the step's batch, to infer ``batch_size`` from (see
+                :func:`stepprof.profile_step`).
         """
         return StepScope(self, check_name(name), check_batch_size(batch_size),
-                         *check_budget(max_syncs, on_sync))
+                         *check_budget(max_syncs, on_sync), batch=batch)
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
         return make_measure(name, self)
+
+    def iterate(self, iterable: Any) -> Iterated:
+        """Like :func:`stepprof.iterate`, but recording into this profiler."""
+        return iterate_over(iterable, self)
+
+    def _note_batch(self, data_ns: int, item: Any) -> None:
+        """:func:`stepprof.iterate` fetched ``item`` in ``data_ns``: for this thread's next step."""
+        if self._summary is None and self._boundaries.broken is None:
+            self._boundaries.note_batch(data_ns, infer_batch_size(item))
 
     @property
     def summary(self) -> Summary | None:

@@ -72,7 +72,18 @@ _ROOFLINE_REMEDY = {
     ],
 }
 
-_KINDS = ("host-bound", "sync-heavy", "memory-headroom", "fragmentation", "spikes", "roofline")
+#: The share of the loop spent before steps (``input_wait_fraction``) that makes it input-bound.
+INPUT_BOUND_FRACTION = 0.2
+
+_INPUT_REMEDY = (
+    "DataLoader(num_workers=N): load batches in worker processes (start near the CPU cores per GPU)",
+    "DataLoader(pin_memory=True) with .to(device, non_blocking=True): copies overlap compute",
+    "DataLoader(persistent_workers=True): workers survive between epochs",
+    "DataLoader(prefetch_factor=k): more batches in flight per worker",
+    "move the transforms to the GPU (decode and augment on the device), or precompute them",
+)
+
+_KINDS = ("input-bound", "host-bound", "sync-heavy", "memory-headroom", "fragmentation", "spikes", "roofline")
 
 
 def _ms(x: float | None) -> str:
@@ -101,6 +112,11 @@ def diagnose(
         return (), {kind: "no measured steps" for kind in _KINDS}
     found: list[Diagnosis] = []
     missing: dict[str, str] = {}
+    data = input_bound(run)
+    if isinstance(data, Diagnosis):
+        found.append(data)
+    elif data is not None:
+        missing["input-bound"] = data
     host = host_bound(run, sweep)
     if isinstance(host, Diagnosis):
         found.append(host)
@@ -123,6 +139,47 @@ def diagnose(
         elif result is not None:
             missing[kind] = result
     return tuple(found), missing
+
+
+def input_bound(run: RunReport) -> Diagnosis | str | None:
+    """The loop waits between steps: the data wait takes ``INPUT_BOUND_FRACTION`` of its time or more."""
+    f = run.figures
+    share = f.input_wait_fraction
+    if share is None or f.data_wait_ms is None:
+        return run.unavailable.get("input_wait_fraction", "data_wait_ms not recorded")
+    if share < INPUT_BOUND_FRACTION:
+        return None
+    wait = f.data_wait_ms.median
+    step = f.wall_ms.median if f.wall_ms is not None else None
+    evidence = [
+        f"{share:.0%} of the loop's time is spent between steps: median data_wait_ms {wait:.2f}"
+        + (f" against a median step of {step:.2f} ms" if step is not None else "")
+    ]
+    title = "Input-bound: the loop waits for its next batch"
+    remedies = _INPUT_REMEDY
+    if f.data_ms_mean is None:
+        title = "Input-bound (likely): the loop spends its time between steps"
+        evidence.append(
+            "without stepprof.iterate(loader) the wait cannot be told apart from other host work "
+            "between steps (logging, evaluation, a step body left outside profile_step)"
+        )
+        remedies = (*_INPUT_REMEDY, "for batch in stepprof.iterate(loader): separates the loader's time (data_ms)")
+    else:
+        evidence.append(
+            f"of the wait, a mean {f.data_ms_mean:.2f} ms is spent fetching the batch (the loader's "
+            f"__next__, through stepprof.iterate); the rest is other host work between steps"
+        )
+        if f.data_ms_mean < 0.5 * wait:
+            title = "Between steps: the loop waits, but mostly not for the loader"
+            remedies = ("look at the code between the steps: logging that syncs, evaluation, "
+                        "checkpoints, a part of the step left outside profile_step", *_INPUT_REMEDY)
+    if f.gpu_ms is not None and step is not None and wait + step > 0:
+        busy = f.gpu_ms.median / (wait + step)
+        evidence.append(
+            f"the GPU works a median {f.gpu_ms.median:.2f} ms of each {wait + step:.2f} ms iteration: "
+            f"idle {max(0.0, 1 - busy):.0%} of the loop"
+        )
+    return Diagnosis(kind="input-bound", title=title, evidence=tuple(evidence), remedy=remedies)
 
 
 def host_bound(run: RunReport, sweep: dict[str, Any] | None) -> Diagnosis | str | None:

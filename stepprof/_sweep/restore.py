@@ -83,10 +83,13 @@ class MutedProfiler:
 
     closed = False
 
-    def _enter(self, name: Any, batch_size: Any, *, step: bool) -> None:
+    def _enter(self, name: Any, batch_size: Any, *, step: bool, **_: Any) -> None:
         return None
 
     def _exit(self, token: Any, exc: Any) -> None:
+        pass
+
+    def _note_batch(self, data_ns: int, item: Any) -> None:
         pass
 
     def __repr__(self) -> str:
