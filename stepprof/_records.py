@@ -120,6 +120,11 @@ class Summary:
     gpu_steps: int | None = None
     #: Which boundary did the device work on CUDA: ``"compiled"`` or ``"python"`` (None: no CUDA).
     boundary: str | None = None
+    #: Energy (NVML, CUDA only): the mean ``energy_j`` of the measured steps that have one,
+    #: their joules over their spans' seconds, and their samples per joule.
+    energy_j_per_step: float | None = None
+    power_w_mean: float | None = None
+    samples_per_j: float | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -151,6 +156,8 @@ class Summary:
             parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
         if self.mfu_median is not None:
             parts.append(f"MFU {self.mfu_median:.0%}")
+        if self.energy_j_per_step is not None and self.power_w_mean is not None:
+            parts.append(f"{self.energy_j_per_step:.3g} J/step ({self.power_w_mean:.0f} W)")
         if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
             parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
         if self.overhead_us_mean is not None:
