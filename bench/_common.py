@@ -25,13 +25,16 @@ def per_call_us(fn: Callable[[], Any], n: int = 2000, rounds: int = 7, warmup: i
 
 
 def timed_round(fn: Callable[[], Any], k: int, sync: Callable[[], Any],
-                settle: Callable[[], Any] | None = None) -> tuple[float, float]:
+                settle: Callable[[], Any] | None = None,
+                wait: Callable[[], Any] | None = None) -> tuple[float, float]:
     """Wall and process-CPU µs per call of ``k`` calls of ``fn``, between two ``sync()``.
 
     ``settle`` runs after the closing ``sync()`` and inside the timing: it finishes the work
     the round's calls left behind (a stepprof profiler's ``_drain``: the records its
     collector thread has not written yet), so that each round pays for its own ``k`` steps
-    and none of that work runs during the next variant's round.
+    and none of that work runs during the next variant's round.  ``wait`` runs before it and
+    outside the timing (wall and CPU): waiting for something that comes by the clock, not
+    by the work (the energy sample a profiler's held records wait for).
     """
     sync()
     c0 = time.process_time()
@@ -39,10 +42,15 @@ def timed_round(fn: Callable[[], Any], k: int, sync: Callable[[], Any],
     for _ in range(k):
         fn()
     sync()
+    paused_s = paused_cpu_s = 0.0
+    if wait is not None:
+        w0, wc0 = time.perf_counter(), time.process_time()
+        wait()
+        paused_s, paused_cpu_s = time.perf_counter() - w0, time.process_time() - wc0
     if settle is not None:
         settle()
-    t1 = time.perf_counter()
-    c1 = time.process_time()
+    t1 = time.perf_counter() - paused_s
+    c1 = time.process_time() - paused_cpu_s
     return (t1 - t0) / k * 1e6, (c1 - c0) / k * 1e6
 
 

@@ -9,6 +9,12 @@ Variants, interleaved in a shuffled order every round:
   full         ``prof.step`` plus forward/backward/optimizer phases (the README's loop);
   step-python, full-python  the same with ``boundary="python"``;
   full-budget  ``full`` with ``overhead_budget=0.01``;
+  full-energy-off  ``full`` without the energy sampler (``energy_every_s=None``; ``full`` and the
+               others run with the default, a read of NVML's energy counter every 0.5 s on a
+               thread of its own).  The sampler runs by the clock through every variant's
+               rounds, so the ratio of ``full`` to this one shows what energy adds per step
+               (held records, their energy figures), not the sampler's reads, which every
+               variant shares;
   profiler     the bare step under torch.profiler (CPU+CUDA activities), trace
                post-processing (its exit and key_averages()) excluded and reported apart;
   with --ablate, the full loop with one setting changed (ABLATIONS below).
@@ -105,6 +111,7 @@ VARIANTS = {
     "step-python": {"boundary": "python"},
     "full-python": {"boundary": "python"},
     "full-budget": {"overhead_budget": 0.01},
+    "full-energy-off": {"energy_every_s": None},
 }
 #: With --ablate: one feature changed at a time, to attribute the full loop's cost.
 ABLATIONS = {
@@ -113,6 +120,37 @@ ABLATIONS = {
     "full-no-syncs": {"syncs": "off"},
     "full-no-nvtx": {"nvtx": False},
 }
+
+
+def _settling(prof):
+    """(wait, settle) for ``timed_round``: a profiler's records are written in its own round.
+
+    With energy sampling on CUDA, a step's record waits for the first energy sample after the
+    step: the untimed ``wait`` holds the collector (so that its thread writes nothing) until
+    that sample has come, then the timed ``settle`` writes the round's records.
+    """
+    if prof is None:
+        return None, None
+    energy = prof._energy
+    if energy is None or energy.sampler is None:
+        return None, prof._drain
+    collector = prof._collector
+
+    def wait():
+        collector.lock.acquire()
+        end = time.perf_counter_ns()
+        sampler = energy.sampler
+        deadline = time.monotonic() + 10 * energy.every_s + 5
+        while sampler.running and (sampler.latest() or 0) < end and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def settle():
+        try:
+            collector.harvest()
+        finally:
+            collector.lock.release()
+
+    return wait, settle
 
 
 def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profiler: bool = True,
@@ -148,7 +186,10 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
             fn()
     sync()
     for prof in profs.values():  # the warm-up's records, before any round
-        prof._drain()
+        wait, settle = _settling(prof)
+        if wait is not None:
+            wait()
+        settle()
 
     per_step = {v: [] for v in variants}
     cpu_per_step = {v: [] for v in variants}
@@ -166,8 +207,8 @@ def run(name: str, width: int, batch: int, rounds: int, k: int, tmp: str, profil
             # stepprof's variants write their round's last records before the clock stops:
             # left to the collector thread, they would be written during the next round.
             prof = profs.get(v)
-            wall_us, cpu_us = timed_round(fn, k, sync,
-                                          prof._drain if prof is not None else None)
+            wait, settle = _settling(prof)
+            wall_us, cpu_us = timed_round(fn, k, sync, settle, wait)
             if v == "profiler":
                 # The post-processing: the exit stops the trace and collects its events
                 # (CUPTI's buffers flushed, kineto's results built), key_averages() parses them.

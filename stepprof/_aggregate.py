@@ -16,7 +16,10 @@ What counts, in one place:
 - a *measured* step is past warm-up, without an error, with a numeric ``wall_ms``;
 - the step flagged ``flops_counted`` ran under ``FlopCounterMode`` (eagerly, with the
   counter's own cost): it counts as measured but is left out of every per-step figure;
-- the one MFU is the median of the steps' ``mfu``.
+- the one MFU is the median of the steps' ``mfu``;
+- energy (``energy_j``, over the timed steps that have it) is summed, not sketched:
+  J per step is the mean, average W the sum of ``energy_j`` over the sum of
+  ``energy_span_ms``, samples per joule the batch sizes over their steps' joules.
 
 ``add`` is the report's hot loop (a million records a log; see bench/report.py), so
 the step path is written out with type tests rather than generic helpers.
@@ -55,6 +58,8 @@ ONLY_THE_COUNTED_STEP = (
 )
 NOT_REQUESTED_FLOPS = "FLOPs were not requested: pass Profiler(flops='auto') or flops_per_step=N"
 NO_STEP_AFTER_THE_COUNT = "no measured step after the counted one"
+NO_ENERGY = ("no step record has energy_j: energy is sampled on CUDA only "
+             "(Profiler(energy_every_s=...)), and logs of stepprof 0.1.0 lack it")
 #: Why a figure that only the summary record carries is missing.
 NO_SUMMARY = "no summary record (the run did not close)"
 
@@ -129,6 +134,9 @@ class RunFigures:
     data_ms_mean: float | None
     tflops_per_s_median: float | None
     mfu_median: float | None
+    energy_j_per_step: float | None = None
+    power_w_mean: float | None = None
+    samples_per_j: float | None = None
 
 
 def _percentiles(sketch: QuantileSketch) -> Percentiles | None:
@@ -193,7 +201,8 @@ class RunAggregate:
     _COUNTERS = ("steps", "warmup", "errors", "measured", "alloc_steps", "steps_with_device_alloc",
                  "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped",
                  "ranks_records", "overhead_sum_ns", "data_wait_sum_ns", "loop_sum_ns",
-                 "data_sum_ns", "data_steps")
+                 "data_sum_ns", "data_steps", "energy_steps", "energy_uj", "energy_span_us",
+                 "energy_samples", "energy_batched_uj")
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -240,6 +249,11 @@ class RunAggregate:
         self.data_wait_sum_ns = 0  # the timed steps' data_wait_ms, and their data_wait_ms + wall_ms
         self.loop_sum_ns = 0
         self.data_sum_ns = self.data_steps = 0  # their data_ms (stepprof.iterate), and how many had it
+        # Energy over the timed steps with energy_j, in integer units (sums alike however
+        # a log is split): µJ, µs of their spans, and their batch sizes and µJ where given.
+        self.energy_steps = self.energy_uj = self.energy_span_us = 0
+        self.energy_samples = self.energy_batched_uj = 0
+        self.energy_reason: str | None = None  # the latest timed step's reason for a null energy_j
         self.since_settle = 0
         # Distributed runs: this log's rank, and (rank 0's log) the ranks records.
         self.identity: dict[str, Any] | None = None
@@ -362,6 +376,8 @@ class RunAggregate:
         phases = get("phases")
         if phases and type(phases) is dict:
             self._add_phases(phases)
+        if "energy_j" in r:
+            self._add_energy(r, batch)
         if "tflops_per_s" in r:
             x = get("tflops_per_s")
             t = type(x)
@@ -394,6 +410,23 @@ class RunAggregate:
             why = unavailable.get("mfu")
             if type(why) is str and r.get("mfu") is None and r.get("tflops_per_s") is not None:
                 self.mfu_reason = why
+
+    def _add_energy(self, r: dict[str, Any], batch: Any) -> None:
+        x, span = r.get("energy_j"), r.get("energy_span_ms")
+        tx, ts = type(x), type(span)
+        if (tx is float or tx is int) and (ts is float or ts is int) and x >= 0 and span > 0:
+            uj = round(x * 1e6)
+            self.energy_steps += 1
+            self.energy_uj += uj
+            self.energy_span_us += round(span * 1e3)
+            if type(batch) is int and batch > 0:
+                self.energy_samples += batch
+                self.energy_batched_uj += uj
+            return
+        reasons = r.get("unavailable")
+        why = reasons.get("energy_j") if type(reasons) is dict else None
+        if type(why) is str:
+            self.energy_reason = why
 
     def _add_memory_fields(self, r: dict[str, Any]) -> None:
         x = r.get("peak_allocated_bytes")
@@ -585,7 +618,7 @@ class RunAggregate:
             self.memory_first = later.memory_first
         if later.memory_last is not None:
             self.memory_last = later.memory_last
-        for name in ("flops", "flops_counted_step", "summary", "flops_reason", "mfu_reason"):
+        for name in ("flops", "flops_counted_step", "summary", "flops_reason", "mfu_reason", "energy_reason"):
             if getattr(later, name) is not None:
                 setattr(self, name, getattr(later, name))
         self.flops_requested = self.flops_requested or later.flops_requested
@@ -639,6 +672,10 @@ class RunAggregate:
             data_ms_mean=self.data_sum_ns / self.data_steps / 1e6 if self.data_steps else None,
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
+            energy_j_per_step=self.energy_uj / self.energy_steps / 1e6 if self.energy_steps else None,
+            power_w_mean=self.energy_uj / self.energy_span_us if self.energy_span_us else None,
+            samples_per_j=(self.energy_samples / (self.energy_batched_uj / 1e6)
+                           if self.energy_batched_uj else None),
         )
 
     @property
@@ -685,6 +722,13 @@ class RunAggregate:
                 if figures.tflops_per_s_median is None
                 else self.mfu_reason or self._flops_record_reason("ideal_ms") or "not computed"
             )
+        if figures.energy_j_per_step is None:
+            why["energy_j_per_step"] = why["power_w_mean"] = why["samples_per_j"] = (
+                (NO_MEASURED_STEPS if self.measured == 0 else ONLY_THE_COUNTED_STEP) if self.timed_steps == 0
+                else self.energy_reason or NO_ENERGY
+            )
+        elif figures.samples_per_j is None:
+            why["samples_per_j"] = "no batch_size was given"
         for field, (key, step_key) in _PHASE_REASONS.items():
             if any(getattr(ph, field) is None for ph in self._phase_figures().values()):
                 why[key] = self.step_reasons.get(step_key) or "not recorded"
@@ -750,6 +794,9 @@ class RunAggregate:
             "syncs_outside_steps": outside,
             "tflops_per_s_median": figures.tflops_per_s_median,
             "mfu_median": figures.mfu_median,
+            "energy_j_per_step": figures.energy_j_per_step,
+            "power_w_mean": figures.power_w_mean,
+            "samples_per_j": figures.samples_per_j,
             "unavailable": unavailable,
             "phases": self._phase_figures(),
             "ended_by": self._ended_by(),

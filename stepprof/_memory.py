@@ -59,7 +59,7 @@ _ALLOCATOR_FIELDS = (
 )
 _FIGURE_FIELDS = _ALLOCATOR_FIELDS + (
     "nvml_process_bytes", "nvml_device_used_bytes", "mem_get_info_used_bytes", "total_bytes",
-    "residual_bytes", "context_baseline_bytes", "basis",
+    "residual_bytes", "context_baseline_bytes", "basis", "power_limit_w", "other_processes",
 )
 
 
@@ -102,6 +102,11 @@ class MemoryReport:
     explanation: str
     notes: tuple[str, ...] = ()
     unavailable: dict[str, str] = attrs.field(factory=dict)
+    #: The GPU's enforced power limit in W (NVML), or None.
+    power_limit_w: float | None = None
+    #: Compute processes on the GPU other than this one (NVML), or None: energy and
+    #: device-wide figures include theirs.
+    other_processes: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds)."""
@@ -254,6 +259,10 @@ def reconcile(
         un["nvml_process_bytes"] = snap.nvml.process_reason or "NVML was not read"
     if snap.nvml.device_used_bytes is None:
         un["nvml_device_used_bytes"] = snap.nvml.device_reason or "NVML was not read"
+    if snap.nvml.power_limit_w is None:
+        un["power_limit_w"] = snap.nvml.power_limit_reason or "NVML was not read"
+    if snap.nvml.other_processes is None:
+        un["other_processes"] = snap.nvml.other_processes_reason or "NVML was not read"
 
     seen, basis, why_total = _total(snap)
     residual, _, why_residual = residual_of(snap)
@@ -349,6 +358,8 @@ def reconcile(
         explanation=_explain(basis, seen, allocated, reserved, residual, why_total, un, u),
         notes=tuple(notes),
         unavailable=un,
+        power_limit_w=snap.nvml.power_limit_w,
+        other_processes=snap.nvml.other_processes,
     )
 
 

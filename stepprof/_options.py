@@ -13,11 +13,13 @@ import attrs
 
 from ._dist import RANKS_EVERY
 from ._validate import (
+    ENERGY_EVERY_S,
     FLUSH_EVERY_S,
     MEMORY_EVERY,
     PHASE_PEAKS_EVERY,
     check_boundary,
     check_device,
+    check_energy_every_s,
     check_flops,
     check_flush_every_s,
     check_log,
@@ -33,7 +35,7 @@ from ._validate import (
     check_warmup,
 )
 
-__all__ = ["FLUSH_EVERY_S", "NAMES", "ProfilerOptions"]
+__all__ = ["ENERGY_EVERY_S", "FLUSH_EVERY_S", "NAMES", "ProfilerOptions"]
 
 
 def _flops_mode(flops: Any) -> str | None:
@@ -50,7 +52,7 @@ def _one_source_of_flops(options: ProfilerOptions, _: attrs.Attribute[Any], flop
 
 @attrs.frozen
 class ProfilerOptions:
-    """The 17 settings of :class:`stepprof.Profiler` (documented there), checked.
+    """The 18 settings of :class:`stepprof.Profiler` (documented there), checked.
 
     Each value is converted as the profiler uses it (``device`` to a
     ``torch.device``, ``log`` to a str, ``flops_per_step`` to a float); a bad one
@@ -77,6 +79,7 @@ class ProfilerOptions:
     flush_every_s: float = attrs.field(default=FLUSH_EVERY_S, converter=check_flush_every_s)
     boundary: str = attrs.field(default="auto", converter=check_boundary)
     overhead_budget: float | None = attrs.field(default=None, converter=check_overhead_budget)
+    energy_every_s: float | None = attrs.field(default=ENERGY_EVERY_S, converter=check_energy_every_s)
 
 
 #: The settings' names, in :class:`stepprof.Profiler`'s order.

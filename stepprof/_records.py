@@ -124,6 +124,11 @@ class Summary:
     data_wait_ms_median: float | None = None
     #: The share of the loop's time (data wait + step wall time) spent waiting before steps.
     input_wait_fraction: float | None = None
+    #: Energy (NVML, CUDA only): the mean ``energy_j`` of the measured steps that have one,
+    #: their joules over their spans' seconds, and their samples per joule.
+    energy_j_per_step: float | None = None
+    power_w_mean: float | None = None
+    samples_per_j: float | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -157,6 +162,8 @@ class Summary:
             parts.append(f"MFU {self.mfu_median:.0%}")
         if self.input_wait_fraction is not None and self.input_wait_fraction >= 0.05:
             parts.append(f"input wait {self.input_wait_fraction:.0%} of the loop")
+        if self.energy_j_per_step is not None and self.power_w_mean is not None:
+            parts.append(f"{self.energy_j_per_step:.3g} J/step ({self.power_w_mean:.0f} W)")
         if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
             parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
         if self.overhead_us_mean is not None:

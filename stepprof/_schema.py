@@ -93,6 +93,8 @@ def step_record(
     tflops_per_s: float | None | _Absent = ABSENT,
     mfu: float | None | _Absent = ABSENT,
     flops_counted: bool = False,
+    energy_j: float | None | _Absent = ABSENT,
+    energy_span_ms: float | None | _Absent = ABSENT,
     run_id: str | None = None,
     rank: int | None = None,
     local_rank: int | None = None,
@@ -105,7 +107,8 @@ def step_record(
     (under ``overhead_budget``: whether the step got its GPU figures), ``data_ms`` (a batch
     fetched through ``stepprof.iterate``), ``flops``,
     ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
-    as True), and ``run_id`` and the rank fields (a distributed run's), which the log
+    as True), ``energy_j`` and ``energy_span_ms`` (CUDA steps with energy sampling on; the
+    ``EnergyHook`` adds them), and ``run_id`` and the rank fields (a distributed run's), which the log
     writer adds.
     ``unavailable`` is kept by reference, so a caller may still add reasons to it.
     """
@@ -149,6 +152,10 @@ def step_record(
         record["mfu"] = mfu
     if flops_counted:
         record["flops_counted"] = True
+    if energy_j is not ABSENT:
+        record["energy_j"] = energy_j
+    if energy_span_ms is not ABSENT:
+        record["energy_span_ms"] = energy_span_ms
     if run_id is not None:
         record["run_id"] = run_id
     if rank is not None:
@@ -204,6 +211,9 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "boundary": s.boundary,
         "data_wait_ms_median": s.data_wait_ms_median,
         "input_wait_fraction": s.input_wait_fraction,
+        "energy_j_per_step": s.energy_j_per_step,
+        "power_w_mean": s.power_w_mean,
+        "samples_per_j": s.samples_per_j,
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
         "run_id": s.run_id,
     }

@@ -40,6 +40,7 @@ __all__ = [
     "check_count",
     "check_demo_options",
     "check_device",
+    "check_energy_every_s",
     "check_flops",
     "check_fraction",
     "check_frame_kind",
@@ -304,6 +305,25 @@ def check_flush_every_s(flush_every_s: Any) -> float:
             f"pass e.g. flush_every_s={FLUSH_EVERY_S} (the default)"
         )
     return float(flush_every_s)
+
+
+#: The default of ``energy_every_s``: how often the energy sampler reads NVML's counter.
+ENERGY_EVERY_S = 0.5
+
+
+def check_energy_every_s(energy_every_s: Any) -> float | None:
+    if energy_every_s is None:
+        return None
+    if (
+        isinstance(energy_every_s, bool)
+        or not isinstance(energy_every_s, (int, float))
+        or not (math.isfinite(energy_every_s) and 0.05 <= energy_every_s <= 3600)
+    ):
+        raise ConfigError(
+            f"'energy_every_s' must be a number of seconds from 0.05 to 3600, or None to turn energy "
+            f"sampling off (got {energy_every_s!r}); pass e.g. energy_every_s={ENERGY_EVERY_S} (the default)"
+        )
+    return float(energy_every_s)
 
 
 #: Where a step's device work is done (see docs/measurement.md).

@@ -84,8 +84,12 @@ def log(tmp_path):
 
 
 def make(log, gpu, **kw) -> stepprof.Profiler:
-    """A profiler on the fake device, harvesting inline at step exits (deterministic)."""
+    """A profiler on the fake device, harvesting inline at step exits (deterministic).
+
+    Energy sampling (a thread of its own) is off unless a test asks for it.
+    """
     kw.setdefault("collect_every_s", None)
+    kw.setdefault("energy_every_s", None)
     return _make_profiler(log, backend=gpu, clock=gpu.clock, **kw)
 
 

@@ -280,6 +280,14 @@ class FakeNvml:
         self.mig = False              # the device torch names is a MIG instance
         self.parent_in_mig = False    # torch's UUID names a whole GPU that is in MIG mode
         self.driver_reserved = 300 * MiB
+        # The energy counter: the device draws ``power_w`` (None: NotSupported, as on a GPU
+        # without the counter), integrated over the fake host clock; ``energy_threads``
+        # names the thread of each read.
+        self.power_w: float | None = None
+        self.power_limit_w: float | None = 700.0
+        self.energy_threads: list[str] = []
+        self._energy_mj = 0.0
+        self._energy_at = gpu.host_ns
         # The GPU as NVML knows it (torch's side may be changed to miss it).
         self.uuid, self.pci_bus_id = gpu.uuid, gpu.pci_bus_id
         if official:
@@ -346,6 +354,31 @@ class FakeNvml:
         pid = os.getpid() if self.pid_visible else 4_000_000 + os.getpid()
         procs = [SimpleNamespace(pid=pid, usedGpuMemory=mine)]
         return procs + [SimpleNamespace(pid=p, usedGpuMemory=GiB) for p in self.other_pids]
+
+    def set_power(self, watts: float | None) -> None:
+        """From the fake host clock's now on, the device draws ``watts``."""
+        self._energy_mj = self.energy_mj()
+        self._energy_at = self.gpu.host_ns
+        self.power_w = watts
+
+    def energy_mj(self) -> float:
+        """The counter's exact value now (the test's reference)."""
+        return self._energy_mj + (self.power_w or 0.0) * (self.gpu.host_ns - self._energy_at) / 1e6
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        import threading
+
+        self._call("nvmlDeviceGetTotalEnergyConsumption")
+        self.energy_threads.append(threading.current_thread().name)
+        if self.power_w is None:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return round(self.energy_mj())
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: str) -> int:
+        self._call("nvmlDeviceGetEnforcedPowerLimit")
+        if self.power_limit_w is None:
+            raise NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        return round(self.power_limit_w * 1e3)
 
 
 # -- the batch-size sweep ------------------------------------------------------------

@@ -79,8 +79,10 @@ def test_the_record_holds_every_field_in_the_documented_order(log, nvml):
         "allocated_bytes", "peak_allocated_bytes", "reserved_bytes", "fragmentation_bytes",
         "inactive_split_bytes", "nvml_process_bytes", "nvml_device_used_bytes",
         "mem_get_info_used_bytes", "total_bytes", "residual_bytes", "context_baseline_bytes",
-        "num_ooms", "num_alloc_retries", "basis", "explanation", "notes", "unavailable", "run_id",
+        "num_ooms", "num_alloc_retries", "basis", "explanation", "notes", "unavailable",
+        "power_limit_w", "other_processes", "run_id",
     ]
+    assert rec["power_limit_w"] == 700.0 and rec["other_processes"] == 0
     run_id = prof.summary.run_id
     assert rec == {"schema_version": stepprof.SCHEMA_VERSION, **report.to_record(), "run_id": run_id}
 

@@ -1,8 +1,10 @@
 """The one module that imports ``pynvml`` (the nvidia-ml-py distribution).
 
-NVML is what nvidia-smi reads.  stepprof asks it two things about the GPU that
-torch trains on: how much memory NVML attributes to *this process* (the figure
-nvidia-smi prints next to the PID), and how much the device has in use.
+NVML is what nvidia-smi reads.  stepprof asks it about the GPU that torch trains
+on: how much memory NVML attributes to *this process* (the figure nvidia-smi
+prints next to the PID), how much the device has in use, its enforced power
+limit and the other compute processes on it (:func:`read`), and its total
+energy counter (:func:`energy_counter`, read by the energy sampler's thread).
 
 - **Lazy.**  ``pynvml`` is imported and ``nvmlInit`` called at the first
   :func:`read`, behind a lock, never at import and never for a job without
@@ -16,7 +18,8 @@ nvidia-smi prints next to the PID), and how much the device has in use.
   turns an ``NVMLError`` into a plain sentence with NVML's code name
   (NotSupported, NoPermission, NotFound, ...).  Nothing here raises.
 - **Never per step.**  A process query costs tens of µs (see bench/memory_costs.py);
-  the recorder calls :func:`read` only when a memory record is due.
+  the recorder calls :func:`read` only when a memory record is due.  The energy
+  counter costs milliseconds: only the sampler thread reads it.
 - **One state.**  What NVML gave this process (the library, or why not, and the
   devices matched) is one object, :data:`NVML`; :func:`shutdown` resets it.
 """
@@ -27,11 +30,12 @@ import atexit
 import importlib.metadata
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-__all__ = ["NVML", "NvmlReading", "read", "shutdown", "status"]
+__all__ = ["NVML", "NvmlReading", "energy_counter", "read", "shutdown", "status"]
 
 
 @attrs.frozen
@@ -45,6 +49,12 @@ class NvmlReading:
     #: The NVML UUID of the matched device ("GPU-..." or "MIG-..."), or None.
     device_uuid: str | None = None
     notes: tuple[str, ...] = ()
+    #: The enforced power limit in W (nvmlDeviceGetEnforcedPowerLimit), or None with the reason.
+    power_limit_w: float | None = None
+    power_limit_reason: str | None = "NVML was not read"
+    #: Compute processes on the device other than this one, or None with the reason.
+    other_processes: int | None = None
+    other_processes_reason: str | None = "NVML was not read"
 
 
 # NVML's error constants -> (NVML's code name, plain words).  Codes not listed
@@ -292,16 +302,19 @@ def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
     package_note = NVML.package_note
     notes: list[str] = [package_note] if package_note else []
     if m is None:
-        return NvmlReading(None, None, why, why, notes=tuple(notes))
+        return NvmlReading(None, None, why, why, notes=tuple(notes), power_limit_reason=why,
+                           other_processes_reason=why)
     handle, is_mig, parent_mig, nvml_uuid, why = _device(m, uuid, pci)
     if handle is None:
-        return NvmlReading(None, None, why, why, notes=tuple(notes))
+        return NvmlReading(None, None, why, why, notes=tuple(notes), power_limit_reason=why,
+                           other_processes_reason=why)
     if parent_mig:
         why = (
             f"the GPU {nvml_uuid} is partitioned into MIG instances and torch's device matched the "
             f"whole GPU, not an instance: NVML's figures would not be this process's"
         )
-        return NvmlReading(None, None, why, why, device_uuid=nvml_uuid, notes=tuple(notes))
+        return NvmlReading(None, None, why, why, device_uuid=nvml_uuid, notes=tuple(notes),
+                           power_limit_reason=why, other_processes_reason=why)
     if is_mig:
         notes.append(
             f"this is a MIG instance ({nvml_uuid}): NVML's and cudaMemGetInfo's device figures "
@@ -316,10 +329,20 @@ def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
         if v1:
             notes.append("NVML's device figure is the v1 one, which also counts memory the driver reserves")
 
+    limit_mw, limit_why = _query(m, "nvmlDeviceGetEnforcedPowerLimit", handle)
+    power_limit_w = int(limit_mw) / 1e3 if limit_mw is not None else None
     procs, process_why = _processes(m, handle)
+    other_processes, others_why = None, process_why
     if procs is not None:
         mine = [p for p in procs if p.pid == pid]
         others = len(procs) - len(mine)
+        if mine:
+            other_processes, others_why = others, None
+        else:
+            others_why = (
+                f"NVML does not list this process (PID {pid}) among the GPU's {len(procs)} compute "
+                f"process(es), so which are others is unknown"
+            )
         if not mine:
             listed = f"lists {len(procs)} compute process(es)" if procs else "lists no compute process"
             process_why = (
@@ -343,8 +366,52 @@ def _read(uuid: str | None, pci: str | None, pid: int) -> NvmlReading:
     if process_why is not None and package_note:
         process_why += f"; {package_note}"
     return NvmlReading(
-        process, device_used, process_why, device_why, device_uuid=nvml_uuid, notes=tuple(notes)
+        process, device_used, process_why, device_why, device_uuid=nvml_uuid, notes=tuple(notes),
+        power_limit_w=power_limit_w, power_limit_reason=limit_why,
+        other_processes=other_processes, other_processes_reason=others_why,
     )
+
+
+#: Reads the energy counter: (millijoules since the driver loaded, None) or (None, why not).
+EnergyRead = Callable[[], tuple[int | None, str | None]]
+
+
+def energy_counter(uuid: str | None, pci: str | None) -> tuple[EnergyRead | None, str | None]:
+    """The device's total energy counter (``nvmlDeviceGetTotalEnergyConsumption``), or (None, why).
+
+    One read costs about 3.4 ms on an H200 (docs/FINDINGS): call it from a thread of its
+    own, never on a step.  The first read is made here, so a GPU or driver without the
+    counter (NotSupported) answers now.  Never raises; a later read that fails returns
+    (None, why).
+
+    Args:
+        uuid, pci: torch's identity of the device, as for :func:`read`.
+    """
+    try:
+        m, why = _load()
+        if m is None:
+            return None, why
+        handle, is_mig, parent_mig, nvml_uuid, why = _device(m, uuid, pci)
+        if handle is None:
+            return None, why
+        if is_mig or parent_mig:
+            return None, (
+                f"the GPU {nvml_uuid} is partitioned into MIG instances: its energy counter, if any, "
+                f"covers every instance, not this process's"
+            )
+
+        def read_mj() -> tuple[int | None, str | None]:
+            value, err = _query(m, "nvmlDeviceGetTotalEnergyConsumption", handle)
+            if value is None:
+                return None, err
+            return int(value), None
+
+        value, why = read_mj()
+        if value is None:
+            return None, why
+        return read_mj, None
+    except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        return None, f"stepprof's NVML energy reading failed: {type(e).__name__}: {e}"
 
 
 def status() -> dict[str, Any]:

@@ -272,6 +272,7 @@ class Collector:
         self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
         self._harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
         self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
+        self._hold_hooks = tuple(h for h in hooks if type(h).holds is not Hook.holds)
         self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
 
     # -- the thread ---------------------------------------------------------------
@@ -346,6 +347,8 @@ class Collector:
                 marks.extend(end for _, end in total.marks)
         for b, marks in waits.values():
             b.wait(marks)
+        for hook in self._hold_hooks:
+            hook.on_finish()
         self.harvest()
 
     def harvest(self) -> None:
@@ -377,6 +380,9 @@ class Collector:
                     for _, end in total.marks:
                         if not b.is_done(end):  # a phase on another stream, still running
                             return
+                for hook in self._hold_hooks:  # a figure not known yet (energy): a later harvest
+                    if hook.holds(s):
+                        return
                 pending.popleft()
                 record = self._build(s)
                 record["overhead_us"] += share_us

@@ -13,6 +13,9 @@ FLOPs once counted, memory records once none is due) retires from them.
 - ``ExchangeHook`` (:mod:`.exchange`): the cross-rank exchange of a distributed run;
   every step exit counts in it, including steps that recording dropped after an
   internal error.
+- ``EnergyHook`` (:mod:`.energy`): ``energy_j`` on the step records, from NVML's
+  energy counter sampled on a thread of its own; a step's record waits for a sample
+  after its span (:meth:`Hook.holds`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ class Hook:
     """The points where the recorder calls optional behaviour; each does nothing here.
 
     Training thread: :meth:`on_step_begin`, :meth:`on_step_end`, :meth:`on_fail`.
-    Collector: :meth:`on_harvest`, :meth:`on_record`, :meth:`after_record`.
-    Close: :meth:`on_close`.
+    Collector: :meth:`on_harvest`, :meth:`holds`, :meth:`on_record`, :meth:`after_record`.
+    Close: :meth:`on_finish`, :meth:`on_close`.
     """
 
     #: Off the step boundaries: no longer called at step entry and exit
@@ -68,6 +71,15 @@ class Hook:
 
     def on_harvest(self, write: Write) -> None:
         """At the start of each harvest."""
+
+    def holds(self, step: Step) -> bool:
+        """Whether the completed ``step`` (the oldest pending) must wait: its record, and every
+        later one, are written at a later harvest."""
+        return False
+
+    def on_finish(self) -> None:
+        """At close, once the pending steps' events have completed, before their last
+        harvest: from here on :meth:`holds` must say False."""
 
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
         """Amend a completed step's record before it is written (its marks are still held)."""

@@ -21,7 +21,7 @@ import torch
 from .. import _dist, _memory
 from .._device.select import check_compiled, memory_backend
 from .._memory import MemoryReport
-from .._options import FLUSH_EVERY_S, ProfilerOptions
+from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
 from .._batch import NO_BATCH, infer_batch_size
@@ -30,6 +30,7 @@ from .._syncs import NOT_WATCHED
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
 from .collector import Collector
+from .energy import ENERGY_OFF, EnergyHook
 from .exchange import ExchangeHook
 from .flops import FlopsHook
 from .hooks import Closing, Hook
@@ -108,6 +109,11 @@ class Profiler:
             sync count, and GPU time, peaks and phases are taken on one step in an interval
             chosen from the measured costs (those records say ``sampled``).  None (the
             default): every step in full.
+        energy_every_s: on CUDA, how often a background thread reads the GPU's energy counter
+            (NVML), in seconds; the step records then carry ``energy_j``, the energy of their
+            span (interpolated between samples: exact over a run of steps, an estimate for
+            one; docs/measurement.md).  A step's record waits for the sample after it, so the
+            log may lag by this much more.  None turns it off.
 
     Example:
         >>> import stepprof, torch
@@ -147,13 +153,14 @@ class Profiler:
         flush_every_s: float = FLUSH_EVERY_S,
         boundary: str = "auto",
         overhead_budget: float | None = None,
+        energy_every_s: float | None = ENERGY_EVERY_S,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
             log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
             on_sync=on_sync, memory_every=memory_every, phase_peaks_every=phase_peaks_every,
             flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
             log_ranks=log_ranks, group=group, flush_every_s=flush_every_s, boundary=boundary,
-            overhead_budget=overhead_budget,
+            overhead_budget=overhead_budget, energy_every_s=energy_every_s,
         )
         self._options = options
         check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
@@ -168,6 +175,7 @@ class Profiler:
         self.flush_every_s = options.flush_every_s
         self.boundary = options.boundary
         self.overhead_budget = options.overhead_budget
+        self.energy_every_s = options.energy_every_s
         ident = _dist.identify()
         group = check_group(options.group, ident, ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
@@ -215,7 +223,8 @@ class Profiler:
         )
         if exchange is not None and self._collector.budget is not None:
             self._collector.budget.shared = True  # the ranks agree on the interval
-        hooks: list[Hook] = [h for h in (self._flops, self._memory, exchange) if h is not None]
+        self._energy = EnergyHook(self.energy_every_s, clock) if self.energy_every_s is not None else None
+        hooks: list[Hook] = [h for h in (self._flops, self._memory, exchange, self._energy) if h is not None]
         self._hooks = hooks
         b.use(hooks)
         self._collector.use(hooks)
@@ -336,6 +345,7 @@ class Profiler:
             boundary=b.boundary if b is not None and b.has_device_timing else None,
             budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
+            energy_reason=ENERGY_OFF if self._energy is None else None,
         )
 
     def __enter__(self) -> Profiler:
@@ -414,6 +424,8 @@ class Profiler:
         self._collector.forget()
         self._boundaries.forget(_INHERITED.format(pid=os.getpid()))
         self._memory.forget()
+        if self._energy is not None:
+            self._energy.forget(_INHERITED.format(pid=os.getpid()))
         self._hooks = [h for h in self._hooks if h is not self._exchange]
         self._exchange = None
         self._close_lock = threading.RLock()

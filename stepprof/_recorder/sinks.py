@@ -120,6 +120,7 @@ class SummarySink:
         boundary: str | None = None,
         budget_unmet: str | None = None,
         syncs_outside: tuple[int | None, str | None] | None = None,
+        energy_reason: str | None = None,
     ) -> Summary:
         """The summary of the records added so far.
 
@@ -137,6 +138,8 @@ class SummarySink:
             budget_unmet: why ``overhead_budget`` could not be kept, or None.
             syncs_outside: (``syncs_outside_steps``, None), or (None, why): the backend's
                 count, which no step record carries.  None: no backend gave one.
+            energy_reason: why no step has energy, when no step record says (energy
+                sampling off).
         """
         agg = self.aggregate
         extra: dict[str, str] = {}
@@ -148,6 +151,8 @@ class SummarySink:
             extra["log"] = log_failed
         if budget_unmet:
             extra["overhead_budget"] = budget_unmet
+        if energy_reason is not None and not agg.energy_steps and agg.energy_reason is None and agg.timed_steps:
+            extra["energy_j_per_step"] = extra["power_w_mean"] = extra["samples_per_j"] = energy_reason
         fields = agg.summary_fields(extra_unavailable=extra)
         if agg.device is None:
             fields["device"] = device

@@ -26,6 +26,9 @@ _REASON_KEYS = {
     "TFLOP/s (median)": "tflops_per_s_median",
     "MFU (median)": "mfu_median",
     "stepprof µs/step (mean)": "overhead_us_mean",
+    "energy J/step (mean)": "energy_j_per_step",
+    "power W (mean)": "power_w_mean",
+    "samples/J": "samples_per_j",
     "peak allocated": "peak_allocated_bytes",
 }
 
@@ -155,6 +158,9 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         ("MFU (median)", _number(f.mfu_median, ".1%")),
         ("stepprof µs/step (mean)", _number(f.overhead_us_mean, ".0f")
          + (f" ({run.boundary} boundary)" if run.boundary else "")),
+        ("energy J/step (mean)", _number(f.energy_j_per_step, ".4g")),
+        ("power W (mean)", _number(f.power_w_mean, ".0f")),
+        ("samples/J", _number(f.samples_per_j, ",.4g")),
     ]
     if run.gpu_steps < run.measured_steps and run.gpu_steps:
         rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.measured_steps:,} measured steps (overhead_budget)"))

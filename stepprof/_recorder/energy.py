@@ -1,0 +1,270 @@
+"""Energy per step (``Profiler(energy_every_s=...)``): NVML's energy counter, sampled off the training thread.
+
+A sampler thread reads the GPU's total energy counter (``nvmlDeviceGetTotalEnergyConsumption``,
+about 3.4 ms a read) every ``energy_every_s`` and keeps (host time, millijoules) pairs, the
+host time being the middle of the read on the profiler's clock.  The collector gives each
+CUDA step of the training thread the energy of its span, the counter interpolated linearly
+in time between samples.
+
+A step's span runs from the previous step's end to its own end (the first step from its own
+start), so the steps tile the timeline: energy spent between two steps (data loading, say)
+goes to the step after.  The ends are on the device's timeline where the step has GPU time:
+the step's GPU work starts once the host recorded its start event and the stream finished
+the previous step (``max(t0, previous end)``) and lasts ``gpu_ms``; it ends no earlier than
+the host's ``t1`` and no later than when the collector saw its end event complete.  A step
+without GPU time (a light step under ``overhead_budget``) is shifted by the last known lag.
+Over consecutive steps the interpolation errors cancel: the sum of their ``energy_j`` is the
+counter's difference between the window's two ends.
+
+A step's record waits for a sample taken after its span (:meth:`EnergyHook.holds`), so the
+log lags by up to ``energy_every_s`` more; at close the sampler takes a last sample once the
+device is done, and nothing waits.  The training thread makes no call for any of this: the
+sampler starts when the collector first sees a CUDA step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .._device import nvml
+from .._device.backend import Backend
+from .hooks import Closing, Hook
+from .step import Step, elapsed_ms
+
+ON_HOST = "energy is read from a CUDA GPU's NVML counter; the CPU's is not measured"
+OTHER_THREAD = "steps of other threads overlap the training thread's: energy goes to the training thread's steps"
+NOT_YET = "no energy sample covers this step: it began before the sampler's first sample"
+ENERGY_OFF = "energy sampling is off (energy_every_s=None)"
+
+#: The readers' factory: the device's identity -> (read, None) or (None, why not).
+OpenCounter = Callable[[Backend], tuple[nvml.EnergyRead | None, str | None]]
+
+
+def open_counter(b: Backend) -> tuple[nvml.EnergyRead | None, str | None]:
+    """The NVML energy counter of the backend's GPU (called on the sampler thread)."""
+    uuid, pci = b.identity()
+    return nvml.energy_counter(uuid, pci)
+
+
+class Sampler:
+    """The thread that reads the energy counter every ``every_s``, and its samples.
+
+    Samples are (host ns, mJ) in two lists, oldest first; :meth:`trim` drops the ones no
+    later step needs.  A failed read stops the thread, and :attr:`reason` says why.
+    """
+
+    def __init__(self, b: Backend, every_s: float, clock: Callable[[], int], opener: OpenCounter) -> None:
+        self.times: list[int] = []
+        self.mj: list[int] = []
+        self.reason: str | None = None  # why no (more) samples come
+        self.lock = threading.Lock()
+        self._every_s = every_s
+        self._clock = clock
+        self._open = opener
+        self._backend = b
+        self._stop = threading.Event()
+        self._final = False
+        self.thread = threading.Thread(target=self._loop, name="stepprof-energy", daemon=True)
+        self.thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether more samples may come (the thread is up and no read has failed)."""
+        return self.reason is None and self.thread.is_alive()
+
+    def _loop(self) -> None:
+        try:
+            read, why = self._open(self._backend)
+        except Exception as e:  # noqa: BLE001 - no energy, never a broken run
+            read, why = None, f"opening NVML's energy counter failed: {type(e).__name__}: {e}"
+        if read is None:
+            self.reason = f"NVML's energy counter is unavailable: {why}"
+            return
+        while self._sample(read):
+            if self._stop.wait(self._every_s):
+                if self._final:
+                    self._sample(read)
+                return
+
+    def _sample(self, read: nvml.EnergyRead) -> bool:
+        t0 = self._clock()
+        try:
+            value, why = read()
+        except Exception as e:  # noqa: BLE001
+            value, why = None, f"{type(e).__name__}: {e}"
+        t = (t0 + self._clock()) // 2  # the read takes milliseconds: date it at its middle
+        if value is None:
+            self.reason = f"reading NVML's energy counter failed: {why}"
+            return False
+        with self.lock:
+            if self.mj and value < self.mj[-1]:
+                self.reason = "NVML's energy counter went backwards (the driver was reloaded?)"
+                return False
+            self.times.append(t)
+            self.mj.append(value)
+        return True
+
+    def latest(self) -> int | None:
+        """The host time of the latest sample, or None."""
+        with self.lock:
+            return self.times[-1] if self.times else None
+
+    def energy_j(self, a: int, e: int) -> float | None:
+        """The counter's increase from host time ``a`` to ``e``, interpolated; None if not covered."""
+        with self.lock:
+            ts, mj = self.times, self.mj
+            if not ts or a < ts[0] or e > ts[-1]:
+                return None
+            return (_at(ts, mj, e) - _at(ts, mj, a)) / 1e3
+
+    def trim(self, before: int) -> None:
+        """Drop samples no span from ``before`` on needs (keeps the last one at or before it)."""
+        with self.lock:
+            i = bisect.bisect_right(self.times, before) - 1
+            if i > 64:  # drop in batches: a list's head is costly to remove
+                del self.times[:i]
+                del self.mj[:i]
+
+    def stop(self, final: bool) -> None:
+        """Stop the thread (after a last sample if ``final``) and wait for it."""
+        self._final = final
+        self._stop.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def _at(ts: list[int], mj: list[int], t: int) -> float:
+    """The counter at host time ``t`` (within the samples), linear between the two around it."""
+    i = bisect.bisect_left(ts, t)
+    if ts[i] == t:
+        return float(mj[i])
+    t0, t1 = ts[i - 1], ts[i]
+    return mj[i - 1] + (mj[i] - mj[i - 1]) * (t - t0) / (t1 - t0)
+
+
+class EnergyHook(Hook):
+    """``energy_j`` and ``energy_span_ms`` on the step records (see the module's docstring).
+
+    Args:
+        every_s: ``energy_every_s``.
+        clock: the profiler's step clock (the samples are dated on it).
+        opener: opens the energy counter (tests replace it; default NVML's).
+    """
+
+    def __init__(self, every_s: float, clock: Callable[[], int], opener: OpenCounter = open_counter) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._opener = opener
+        self.sampler: Sampler | None = None
+        self._stopped: str | None = None  # why no sampler may start (a forked child)
+        self._prev_end: int | None = None  # the previous training-thread step's span end
+        self._lag = 0  # its end less its host t1
+        self._span: tuple[int, int, int, bool] | None = None  # (step, start, end, wait) of the step at hand
+        #: A step waits at most this long past its end for a sample (a stuck NVML call).
+        self._patience_ns = int((10 * every_s + 5) * 1e9)
+
+    # -- collector ------------------------------------------------------------------
+
+    def holds(self, step: Step) -> bool:
+        """Whether ``step``'s record waits for a sample after its span (its events have completed)."""
+        b = step.backend
+        if step.thread is not None or not b.has_device_timing:
+            return False
+        sampler = self.sampler
+        if sampler is None:
+            if self._stopped is not None:
+                return False
+            sampler = self.sampler = Sampler(b, self.every_s, self._clock, self._opener)
+        span = self._span
+        if span is None or span[0] != step.index:
+            span = self._span = self._span_of(step, b, sampler)
+        if not span[3]:
+            return False
+        latest = sampler.latest()
+        if (latest is not None and latest >= span[2]) or not sampler.running:
+            return False
+        return self._clock() - span[2] < self._patience_ns
+
+    def _span_of(self, s: Step, b: Backend, sampler: Sampler) -> tuple[int, int, int, bool]:
+        """(index, start, end, whether to wait for a sample) of a training-thread CUDA step."""
+        now = self._clock()
+        prev = self._prev_end
+        gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
+        if gpu_ms is not None:
+            start = s.t0 if prev is None else max(s.t0, prev)
+            end = max(start + round(gpu_ms * 1e6), s.t1)
+        else:
+            start = s.t0 + self._lag
+            end = s.t1 + self._lag
+        end = max(min(end, now), s.t1)  # its end event had completed by now
+        if prev is not None:
+            end = max(end, prev)
+            start = prev
+        first = sampler.times[0] if sampler.times else None
+        # Wait only for a step the samples can cover: once the sampler runs, from its first sample on.
+        wait = first is not None and start >= first
+        return s.index, start, end, wait
+
+    def on_record(self, step: Step, record: dict[str, Any]) -> None:
+        """Add ``energy_j`` and ``energy_span_ms`` (null with the reason where there is none)."""
+        unavailable = record["unavailable"]
+        energy = span_ms = None
+        why = None
+        b = step.backend
+        if not b.has_device_timing:
+            why = ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
+        elif step.thread is not None:
+            why = OTHER_THREAD
+        else:
+            sampler = self.sampler
+            span = self._span
+            if sampler is None or span is None or span[0] != step.index:
+                why = (f"no energy sample: {self._stopped} before the sampler started"
+                       if self._stopped else "the energy sampler did not start")
+            else:
+                _, start, end, _ = span
+                self._prev_end = end
+                self._lag = end - step.t1
+                span_ms = (end - start) / 1e6
+                energy = sampler.energy_j(start, end)
+                if energy is None:
+                    first = sampler.times[0] if sampler.times else None
+                    if sampler.reason is not None:
+                        why = sampler.reason
+                    elif first is None or start < first:
+                        why = NOT_YET
+                    else:
+                        why = ("no energy sample after the step's end: the sampler stopped, or none "
+                               "came within the wait")
+                sampler.trim(start)
+        record["energy_j"] = energy
+        record["energy_span_ms"] = span_ms
+        if energy is None:
+            unavailable["energy_j"] = why
+            if span_ms is None:
+                unavailable["energy_span_ms"] = why
+
+    # -- close and fork ---------------------------------------------------------------
+
+    def on_finish(self) -> None:
+        """At close, the pending steps' events complete: a last sample covers them all."""
+        self._stopped = self._stopped or "the profiler closed"
+        sampler = self.sampler
+        if sampler is not None:
+            sampler.stop(final=True)
+
+    def on_close(self, closing: Closing) -> None:
+        """Stop the sampler (if :meth:`on_finish` did not)."""
+        self._stopped = self._stopped or "the profiler closed"
+        sampler = self.sampler
+        if sampler is not None:
+            sampler.stop(final=False)
+
+    def forget(self, why: str) -> None:
+        """In a forked child: the sampler thread is the parent's (the child has none)."""
+        self.sampler = None
+        self._stopped = why
+

@@ -1,0 +1,98 @@
+"""Energy per step on a real GPU (an H200), alone on it: the steps' energy_j against NVML's
+counter read directly, and the figures' plausibility.
+
+The acceptance bound: over 200 compute-bound steps (bench/overhead.py's 4096-wide MLP),
+the sum of energy_j is within 5% of the counter's own difference.  The window's two ends are
+interpolated between samples 0.5 s apart, so the loop runs before and after it at the same
+load (warm-up, and 40 steps after), where the interpolation holds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+import pytest
+import torch
+
+import stepprof
+from stepprof._device import nvml as _nvml
+from stepprof._device.cuda import CudaBackend
+
+pytestmark = pytest.mark.cuda
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def _workload(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)
+    return importlib.import_module("overhead").make_workload(4096, 4096)
+
+
+def _counter():
+    """NVML's energy counter of torch's current device, read directly (mJ)."""
+    uuid, pci = CudaBackend(torch.cuda.current_device(), nvtx=False).identity()
+    read, why = _nvml.energy_counter(uuid, pci)
+    assert read is not None, why
+    return read
+
+
+def _step(prof, fwd, bwd, opt):
+    with prof.step(batch_size=4096):
+        fwd()
+        bwd()
+        opt()
+
+
+def test_200_steps_sum_to_the_counter_within_5_percent(tmp_path, monkeypatch):
+    fwd, bwd, opt = _workload(monkeypatch)
+    read = _counter()
+    log = str(tmp_path / "energy.jsonl")
+    with stepprof.Profiler(log, warmup=80) as prof:
+        for _ in range(80):  # NVML is already up (_counter): the sampler's first sample comes early
+            _step(prof, fwd, bwd, opt)
+        torch.cuda.synchronize()
+        e0, why = read()
+        assert e0 is not None, why
+        first = prof._boundaries.next_index
+        for _ in range(200):
+            _step(prof, fwd, bwd, opt)
+        torch.cuda.synchronize()
+        e1, why = read()
+        assert e1 is not None, why
+        for _ in range(40):  # the load goes on past the window's end, as before its start
+            _step(prof, fwd, bwd, opt)
+        sampler = prof._energy.sampler
+    assert sampler is not None and sampler.thread.name == "stepprof-energy"
+    assert threading.current_thread().name != "stepprof-energy"
+    recs = {r["step"]: r for r in stepprof.read(log, kind="step")}
+    window = [recs[i] for i in range(first, first + 200)]
+    assert all(r["energy_j"] is not None for r in window), window[0]["unavailable"]
+    total = sum(r["energy_j"] for r in window)
+    direct = (e1 - e0) / 1e3
+    print(f"200 steps: energy_j sum {total:.1f} J, NVML directly {direct:.1f} J ({total / direct - 1:+.2%})")
+    assert total == pytest.approx(direct, rel=0.05)
+
+
+def test_energy_is_positive_and_the_power_within_the_limit(tmp_path, monkeypatch):
+    fwd, bwd, opt = _workload(monkeypatch)
+    log = str(tmp_path / "energy.jsonl")
+    with stepprof.Profiler(log, warmup=10, energy_every_s=0.1) as prof:
+        for _ in range(150):
+            _step(prof, fwd, bwd, opt)
+    memory = [r for r in stepprof.read(log) if r["kind"] == "memory"]
+    limit = memory[-1]["power_limit_w"]
+    assert limit is not None and 100 <= limit <= 1500, memory[-1]["unavailable"]
+    measured = [r for r in stepprof.read(log, kind="step") if not r["warmup"] and r["energy_j"] is not None]
+    assert len(measured) >= 100
+    for r in measured:
+        assert r["energy_j"] > 0 and r["energy_span_ms"] > 0
+        watts = r["energy_j"] / (r["energy_span_ms"] / 1e3)
+        assert 30 <= watts <= 1.1 * limit, r
+    s = prof.summary
+    assert 30 <= s.power_w_mean <= 1.1 * limit
+    assert s.energy_j_per_step == pytest.approx(sum(r["energy_j"] for r in measured) / len(measured))
+    assert s.samples_per_j == pytest.approx(4096 * len(measured) / sum(r["energy_j"] for r in measured))
+    print(f"{s.energy_j_per_step:.3f} J/step, {s.power_w_mean:.0f} W (limit {limit:.0f} W), "
+          f"{s.samples_per_j:.0f} samples/J")
