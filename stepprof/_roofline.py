@@ -340,6 +340,7 @@ def roofline(
         "arithmetic_intensity": None,
         "ridge": None,
         "reason": why,
+        "caveat": None,
     }
     total_flops = sum(v for v in flops_by_dtype.values() if isinstance(v, (int, float)))
     if op_bytes:

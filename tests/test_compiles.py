@@ -272,9 +272,9 @@ def test_a_failing_callback_never_breaks_the_compile(log, monkeypatch):
     assert prof.summary.measured_steps == 1 and prof.summary.compile_steps is None  # ... the steps ran
 
 
-def test_recompile_reasons_are_capped_per_run(log, monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
-    prof = _run(log, list(range(2, 16)), warmup=0)
+def test_recompile_reasons_are_capped_per_run(log):
+    with torch._dynamo.config.patch(recompile_limit=64):
+        prof = _run(log, list(range(2, 16)), warmup=0)
     recs = _steps(log)
     reasons = [why for r in recs for why in r["recompile_reasons"]]
     assert len(reasons) == compiles.REASONS_PER_RUN

@@ -165,7 +165,7 @@ def _keep_after_clear(handler: Any) -> None:
 
 
 def _on_start(*args: Any) -> None:
-    """torch's compile-start callback (``CallbackArgs`` since torch 2.7; none before)."""
+    """torch's compile-start callback (a ``CallbackArgs`` in a recent torch, nothing in an older one)."""
     listeners = WATCH.listeners
     if not listeners:
         return  # gated: a callback that torch's list still holds after stepprof left
@@ -301,7 +301,11 @@ class CompileHook(Hook):
         first = self.from_index
         if first is None or step.index < first:
             return
-        tally = self._tallies.pop(step, None) or _Tally()
+        tally = self._tallies.pop(step, None)
+        if tally is None:  # the common case, written out
+            record.update(compiles=0, recompiles=0, compile_ms=0.0, graph_breaks=0, recompile_reasons=[],
+                          compiled=False)
+            return
         record["compiles"] = tally.compiles
         record["recompiles"] = tally.recompiles
         record["compile_ms"] = tally.ns / 1e6
@@ -331,7 +335,7 @@ class CompileHook(Hook):
         if len(reasons) < len(ids):
             unavailable["recompile_reasons"] = (
                 "torch's compilation metrics hold no reason for some recompiles (they keep the "
-                "last 64 compilations, and a recompile_reason only since torch 2.6)"
+                "last 64 compilations; an older torch has no recompile_reason)"
                 if len(reasons) < min(len(ids), room)
                 else f"only the run's first {REASONS_PER_RUN} recompile reasons are kept"
             )

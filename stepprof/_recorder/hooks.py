@@ -13,6 +13,8 @@ FLOPs once counted, memory records once none is due) retires from them.
 - ``ExchangeHook`` (:mod:`.exchange`): the cross-rank exchange of a distributed run;
   every step exit counts in it, including steps that recording dropped after an
   internal error.
+- ``CompileHook`` (:mod:`.compiles`): the torch.compile work inside each step, from
+  torch's compile callbacks; on the boundaries for the first step only.
 """
 
 from __future__ import annotations
