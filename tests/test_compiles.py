@@ -434,3 +434,38 @@ def test_reduce_overhead_replays_are_timed_by_the_events(tmp_path):
     ref = sorted(a.elapsed_time(b) for _, (a, b) in steady)
     g, e = quantile(gpu, 0.5), quantile(ref, 0.5)
     assert abs(g - e) / e < 0.02, (g, e)
+
+
+# -- the spike diagnosis looks elsewhere ----------------------------------------------
+
+
+def _spiky_log(tmp_path, name, **extra_at_spike):
+    recs = []
+    for i in range(40):
+        r = {"schema_version": 2, "kind": "step", "step": i, "name": "step", "warmup": False,
+             "wall_ms": 2.0, "error": None, "syncs": {"count": 1}, "data_wait_ms": 0.1}
+        if i == 30:
+            r.update(wall_ms=20.0, **extra_at_spike)
+        recs.append(r)
+    return fx.write(str(tmp_path / name), recs)
+
+
+def test_a_spike_with_a_data_wait_or_extra_syncs_is_named_as_such(tmp_path):
+    text = _report(_spiky_log(tmp_path, "wait.jsonl", data_wait_ms=17.0))
+    assert "evidence: waited for data: step 30 (17.0 of 20.0 ms)" in text and "host noise" not in text
+    text = _report(_spiky_log(tmp_path, "syncs.jsonl", syncs={"count": 4}))
+    assert "evidence: more syncs than the median 1: step 30 (4)" in text and "host noise" not in text
+    text = _report(_spiky_log(tmp_path, "noise.jsonl"))
+    assert "host noise" in text and "waited for data" not in text
+    assert "compil" not in text.lower()
+
+
+def test_recompile_reasons_are_capped_per_step(log):
+    f = _compiled()
+    with _make_profiler(log, collect_every_s=None):
+        with stepprof.profile_step():
+            for n in range(2, 7):  # one compile, four recompiles
+                f(torch.ones(n))
+    (r,) = _steps(log)
+    assert r["compiles"] == 5 and r["recompiles"] == 4 and len(r["recompile_reasons"]) == 3
+    assert "recompiled 4 times" in r["unavailable"]["recompile_reasons"]

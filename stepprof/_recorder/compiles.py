@@ -339,6 +339,11 @@ class CompileHook(Hook):
                 if len(reasons) < min(len(ids), room)
                 else f"only the run's first {REASONS_PER_RUN} recompile reasons are kept"
             )
+        elif len(tally.recompile_ids) > len(ids):
+            unavailable["recompile_reasons"] = (
+                f"only a step's first {REASONS_PER_STEP} recompile reasons are kept "
+                f"(this one recompiled {len(tally.recompile_ids)} times)"
+            )
         return reasons
 
     # -- close and fork ------------------------------------------------------------------
