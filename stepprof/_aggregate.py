@@ -16,6 +16,8 @@ What counts, in one place:
 - a *measured* step is past warm-up, without an error, with a numeric ``wall_ms``;
 - the step flagged ``flops_counted`` ran under ``FlopCounterMode`` (eagerly, with the
   counter's own cost): it counts as measured but is left out of every per-step figure;
+- so is a step flagged ``compiled`` (torch.compile compiled inside it): measured, left
+  out of the figures like a warm-up step, and counted in ``compile_steps``;
 - the one MFU is the median of the steps' ``mfu``;
 - energy (``energy_j``, over the timed steps that have it) is summed, not sketched:
   J per step is the mean, average W the sum of ``energy_j`` over the sum of
@@ -60,6 +62,13 @@ NOT_REQUESTED_FLOPS = "FLOPs were not requested: pass Profiler(flops='auto') or 
 NO_STEP_AFTER_THE_COUNT = "no measured step after the counted one"
 NO_ENERGY = ("no step record has energy_j: energy is sampled on CUDA only "
              "(Profiler(energy_every_s=...)), and logs of stepprof 0.1.0 lack it")
+ONLY_COMPILE_STEPS = (
+    "no measured step besides those left out of the figures: the steps that compiled "
+    "(their times include torch.compile's compilation)"
+)
+#: Recompile reasons kept per run (with their steps), and measured compile steps named.
+COMPILE_REASONS_KEPT = 10
+COMPILE_STEPS_NAMED = 32
 #: Why a figure that only the summary record carries is missing.
 NO_SUMMARY = "no summary record (the run did not close)"
 
@@ -202,7 +211,8 @@ class RunAggregate:
                  "sync_steps", "other_threads", "memory_records", "malformed", "sites_dropped",
                  "ranks_records", "overhead_sum_ns", "data_wait_sum_ns", "loop_sum_ns",
                  "data_sum_ns", "data_steps", "energy_steps", "energy_uj", "energy_span_us",
-                 "energy_samples", "energy_batched_uj")
+                 "energy_samples", "energy_batched_uj", "compile_steps", "compiles", "compile_us",
+                 "graph_breaks")
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
@@ -234,7 +244,8 @@ class RunAggregate:
         self.sync_mechanism: str | None = None
         self.other_threads = 0
         self.phases: dict[str, PhaseAggregate] = {}
-        self.spikes: list[tuple[float, int, int, int]] = []  # heap of (span, step, device allocs, retries)
+        # heap of (span, step, device allocs, retries, syncs, data wait ms); -1: not recorded
+        self.spikes: list[tuple[float, int, int, int, int, float]] = []
         self.memory_first: dict[str, Any] | None = None
         self.memory_last: dict[str, Any] | None = None
         self.memory_records = 0
@@ -261,6 +272,14 @@ class RunAggregate:
         self.ranks_named: dict[int, int] = {}
         self.ranks_last: dict[str, Any] | None = None
         self.ranks_last_named: dict[str, Any] | None = None
+        # torch.compile: whether any step record carries the compile fields, the measured
+        # steps that compiled, and over every step (warm-up included) the compiles, their
+        # time (µs, an int: sums alike however a log is split), graph breaks and reasons.
+        self.compile_seen = False
+        self.compile_steps = 0
+        self.compile_step_list: list[int] = []
+        self.compiles = self.compile_us = self.graph_breaks = 0
+        self.recompile_reasons: list[tuple[int, str]] = []
 
     # -- records in ---------------------------------------------------------------
 
@@ -315,6 +334,8 @@ class RunAggregate:
                 _count(table, name)
         if "tflops_per_s" in r and (get("mfu") is None or not self.flops_requested):
             self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
+        if "compiles" in r:
+            self._take_compiles(r, idx)
         if get("warmup") is True:
             self.warmup += 1
             return
@@ -332,6 +353,11 @@ class RunAggregate:
         if get("flops_counted") is True:
             self.flops_counted_step = idx if idx >= 0 else None
             return  # its times include FlopCounterMode's cost
+        if get("compiled") is True:
+            self.compile_steps += 1
+            if len(self.compile_step_list) < COMPILE_STEPS_NAMED:
+                self.compile_step_list.append(idx)
+            return  # its times include the compilation
         self.wall.buf.append(wall)
         gpu = get("gpu_ms")
         t = type(gpu)
@@ -388,16 +414,43 @@ class RunAggregate:
             if t is float or t is int:
                 self.mfu.buf.append(x)
         spikes = self.spikes
-        if len(spikes) < SPIKES_KEPT:
-            heapq.heappush(spikes, (span, idx, allocs, retries))
-        elif span > spikes[0][0]:
-            heapq.heapreplace(spikes, (span, idx, allocs, retries))
+        if len(spikes) < SPIKES_KEPT or span > spikes[0][0]:
+            n_syncs = syncs.get("count") if type(syncs) is dict else None
+            wait = get("data_wait_ms")
+            spike = (span, idx, allocs, retries, n_syncs if type(n_syncs) is int else -1,
+                     float(wait) if type(wait) is float or type(wait) is int else -1.0)
+            if len(spikes) < SPIKES_KEPT:
+                heapq.heappush(spikes, spike)
+            else:
+                heapq.heapreplace(spikes, spike)
         unavailable = get("unavailable")
         if unavailable and type(unavailable) is dict:
             self._take_reasons(unavailable)
         self.since_settle += 1
         if self.since_settle >= _SETTLE_EVERY:
             self.settle()
+
+    def _take_compiles(self, r: dict[str, Any], idx: int) -> None:
+        """A step record with the compile fields (warm-up or not): the run's compile totals."""
+        self.compile_seen = True
+        get = r.get
+        x = get("compiles")
+        if type(x) is int and x > 0:
+            self.compiles += x
+        x = get("compile_ms")
+        if (type(x) is float or type(x) is int) and x > 0:
+            self.compile_us += round(x * 1e3)
+        x = get("graph_breaks")
+        if type(x) is int and x > 0:
+            self.graph_breaks += x
+        reasons = get("recompile_reasons")
+        if reasons and type(reasons) is list:
+            kept = self.recompile_reasons
+            for why in reasons:
+                if len(kept) >= COMPILE_REASONS_KEPT:
+                    break
+                if type(why) is str:
+                    kept.append((idx, why[:500]))
 
     def _take_flops_state(self, r: dict[str, Any]) -> None:
         """A step of a run that asked for FLOPs: keep the latest reasons for null ones."""
@@ -622,6 +675,9 @@ class RunAggregate:
             if getattr(later, name) is not None:
                 setattr(self, name, getattr(later, name))
         self.flops_requested = self.flops_requested or later.flops_requested
+        self.compile_seen = self.compile_seen or later.compile_seen
+        self.compile_step_list = (self.compile_step_list + later.compile_step_list)[:COMPILE_STEPS_NAMED]
+        self.recompile_reasons = (self.recompile_reasons + later.recompile_reasons)[:COMPILE_REASONS_KEPT]
         if self.identity is None:
             self.identity = later.identity
         if self.run_id is None:
@@ -647,7 +703,7 @@ class RunAggregate:
 
     @property
     def timed_steps(self) -> int:
-        """Measured steps whose times count (all but the FLOPs-counted one)."""
+        """Measured steps whose times count (all but the FLOPs-counted one and those that compiled)."""
         return self.wall.count
 
     @property
@@ -704,7 +760,8 @@ class RunAggregate:
         }
         why: dict[str, str] = {}
         if self.timed_steps == 0:
-            none = NO_MEASURED_STEPS if self.measured == 0 else ONLY_THE_COUNTED_STEP
+            none = (NO_MEASURED_STEPS if self.measured == 0
+                    else ONLY_COMPILE_STEPS if self.compile_steps else ONLY_THE_COUNTED_STEP)
             why.update((name, none) for name, value in present.items() if value is None)
         else:
             for name, (field, fallback) in _STEP_REASONS.items():
@@ -801,6 +858,7 @@ class RunAggregate:
             "phases": self._phase_figures(),
             "ended_by": self._ended_by(),
             "run_id": self.run_id,
+            "compile_steps": self.compile_steps if self.compile_seen else None,
         }
 
     def boundary(self) -> str | None:

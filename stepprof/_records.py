@@ -70,7 +70,8 @@ class Summary:
     """What :meth:`stepprof.Profiler.close` returns and logs as ``kind: "summary"``.
 
     Figures are over the *measured* steps: past warm-up and without an error, all but
-    the one step whose FLOPs were counted (it ran under ``FlopCounterMode``).  A
+    the one step whose FLOPs were counted (it ran under ``FlopCounterMode``) and the
+    steps that compiled (``compile_steps``).  A
     figure that could not be measured is None, and ``unavailable`` says why.
     ``phases`` holds each phase's figures, by name, in the order they first finished.
     ``run_id`` is the profiler's id, which every record of its log carries.
@@ -129,6 +130,9 @@ class Summary:
     energy_j_per_step: float | None = None
     power_w_mean: float | None = None
     samples_per_j: float | None = None
+    #: Measured steps in which torch.compile compiled (left out of the figures, like warm-up
+    #: steps); None when no step of the run saw compilation.
+    compile_steps: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -164,6 +168,8 @@ class Summary:
             parts.append(f"input wait {self.input_wait_fraction:.0%} of the loop")
         if self.energy_j_per_step is not None and self.power_w_mean is not None:
             parts.append(f"{self.energy_j_per_step:.3g} J/step ({self.power_w_mean:.0f} W)")
+        if self.compile_steps:
+            parts.append(f"{self.compile_steps} steps that compiled left out")
         if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
             parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
         if self.overhead_us_mean is not None:

@@ -20,7 +20,9 @@
   step.  Without a calibration MFU is None with the reason.
 - **The roofline class** compares three lower bounds on the step's time, each
   from a calibrated figure: FLOPs at the matmul rate (compute), bytes at the copy
-  bandwidth (memory) and operations at the host's per-operation cost (host).
+  bandwidth (memory) and operations at the host's per-operation cost (host).  The
+  bytes and operations are the eager step's: for a compiled step (torch.compile
+  fuses kernels) those two are upper bounds, and the class says so (``compiled``).
 """
 
 from __future__ import annotations
@@ -304,6 +306,7 @@ def roofline(
     op_bytes: float | None,
     ops: int | None,
     calibration: dict[str, Any],
+    compiled: bool = False,
 ) -> dict[str, Any]:
     """The step's class and the three lower bounds on its time (ms) behind it.
 
@@ -312,6 +315,13 @@ def roofline(
     or compiled kernels, which move less); ``host_ms``: operations times the
     calibrated host cost of one small operation.  The class is the largest bound;
     ``explained`` is that bound over the measured step time.
+
+    ``compiled`` (the run compiled with torch.compile): the memory and host bounds count
+    the eager operations, so for the fused kernels they are upper bounds, not lower
+    ones.  Either names the class only if the compute bound explains less than half
+    the step and the bound does not exceed the step (else the fused kernels did less
+    than the count); when the compute bound explains half or more, the class is
+    compute-bound.  ``caveat`` then says which rule applied.
     """
     compute_ms, why = ideal_ms(flops_by_dtype, calibration)
     bw = calibration.get("copy_gbps")
@@ -330,6 +340,7 @@ def roofline(
         "arithmetic_intensity": None,
         "ridge": None,
         "reason": why,
+        "caveat": None,
     }
     total_flops = sum(v for v in flops_by_dtype.values() if isinstance(v, (int, float)))
     if op_bytes:
@@ -341,7 +352,35 @@ def roofline(
     # cannot name the class: the unknown one may be larger.  The reason says why.
     if known and compute_ms is not None:
         cls = max(known, key=lambda k: known[k])
+        if compiled:
+            cls, out["caveat"] = _compiled_class(cls, known, step_ms)
+            if cls is None:
+                out["reason"] = out["caveat"]
+                return out
         out["class"] = f"{cls}-bound"
         out["explained"] = known[cls] / step_ms if step_ms > 0 else None
         out["reason"] = None
     return out
+
+
+def _compiled_class(cls: str, known: dict[str, float], step_ms: float) -> tuple[str | None, str]:
+    """The class of a compiled step, whose memory and host bounds are upper bounds (see :func:`roofline`)."""
+    what = {"memory": "bytes", "host": "operations"}
+    if cls == "compute":
+        return cls, "the run compiled: the memory and host bounds count the eager operations (upper bounds)"
+    bound, compute = known[cls], known["compute"]
+    caveat = (
+        f"the run compiled: the {cls} bound ({bound:.2f} ms) counts the eager step's {what[cls]}, "
+        f"an upper bound for fused kernels"
+    )
+    if step_ms > 0 and compute >= 0.5 * step_ms:
+        return "compute", (
+            f"{caveat}; the compute bound alone explains {compute / step_ms:.0%} of the step, "
+            f"so the step is classed compute-bound"
+        )
+    if bound > step_ms:
+        return None, (
+            f"{caveat}, and it exceeds the measured {step_ms:.2f} ms step: the fused kernels did "
+            f"less than the eager count, so the class cannot be told"
+        )
+    return cls, f"{caveat}: the step is {cls}-bound at most to the extent shown"

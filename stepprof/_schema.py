@@ -95,6 +95,12 @@ def step_record(
     flops_counted: bool = False,
     energy_j: float | None | _Absent = ABSENT,
     energy_span_ms: float | None | _Absent = ABSENT,
+    compiles: int | _Absent = ABSENT,
+    recompiles: int | _Absent = ABSENT,
+    compile_ms: float | _Absent = ABSENT,
+    graph_breaks: int | None | _Absent = ABSENT,
+    recompile_reasons: list[str] | _Absent = ABSENT,
+    compiled: bool | _Absent = ABSENT,
     run_id: str | None = None,
     rank: int | None = None,
     local_rank: int | None = None,
@@ -108,7 +114,9 @@ def step_record(
     fetched through ``stepprof.iterate``), ``flops``,
     ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
     as True), ``energy_j`` and ``energy_span_ms`` (CUDA steps with energy sampling on; the
-    ``EnergyHook`` adds them), and ``run_id`` and the rank fields (a distributed run's), which the log
+    ``EnergyHook`` adds them), the compile fields ``compiles`` to ``compiled`` (once the process
+    has compiled: ``_recorder/compiles.CompileHook``), and ``run_id`` and the rank fields (a
+    distributed run's), which the log
     writer adds.
     ``unavailable`` is kept by reference, so a caller may still add reasons to it.
     """
@@ -156,6 +164,13 @@ def step_record(
         record["energy_j"] = energy_j
     if energy_span_ms is not ABSENT:
         record["energy_span_ms"] = energy_span_ms
+    if compiles is not ABSENT:
+        record["compiles"] = compiles
+        record["recompiles"] = recompiles
+        record["compile_ms"] = compile_ms
+        record["graph_breaks"] = graph_breaks
+        record["recompile_reasons"] = recompile_reasons
+        record["compiled"] = compiled
     if run_id is not None:
         record["run_id"] = run_id
     if rank is not None:
@@ -182,10 +197,11 @@ def summary_record(summary: Summary) -> dict[str, Any]:
     The percentile figures go under ``wall_ms_percentiles`` and ``gpu_ms_percentiles``,
     and so do their reasons in ``unavailable``; the attributes of ``stepprof.Summary``
     keep the names ``wall_ms`` and ``gpu_ms``.  ``phases`` holds each phase's
-    ``stepprof.PhaseFigures`` as an object of the same fields.
+    ``stepprof.PhaseFigures`` as an object of the same fields.  ``compile_steps`` is
+    written only when the run saw compilation (not None).
     """
     s = summary
-    return {
+    record = {
         "kind": "summary",
         "steps": s.steps,
         "warmup_steps": s.warmup_steps,
@@ -217,6 +233,9 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
         "run_id": s.run_id,
     }
+    if s.compile_steps is not None:
+        record["compile_steps"] = s.compile_steps
+    return record
 
 
 def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:

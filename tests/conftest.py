@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _forget_compiles() -> None:
+    """Clear torch._dynamo's counters: a profiler takes a process that compiled a graph
+    before its first step as one running compiled code (stepprof/_recorder/compiles.py)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None:
+        utils.counters.clear()
+
+
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch, request):
     """Reset stepprof's process-wide state (stepprof._registry); afterwards assert none was left behind.
@@ -53,6 +61,7 @@ def clean_state(monkeypatch, request):
     if "cuda" not in request.keywords:
         monkeypatch.setitem(sys.modules, "pynvml", None)
     _registry.reset()
+    _forget_compiles()
     filters = list(warnings.filters)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else None

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import stepprof
+from stepprof._recorder.compiles import CompileHook
 from stepprof._recorder.flops import FlopsHook
 from stepprof._recorder.memory_records import MemoryHook
 
@@ -19,10 +20,12 @@ def _hook_types(hooks):
 def test_without_flops_or_an_exchange_no_hook_runs_at_step_entry(log, gpu):
     prof = make(log, gpu, memory_every=0)
     assert prof._flops is None and prof._exchange is None
-    assert prof._boundaries._begin_hooks == ()
+    # The compile hook looks for torch._dynamo at the first step's entry, then retires.
+    assert _hook_types(prof._boundaries._begin_hooks) == [CompileHook]
     assert _hook_types(prof._boundaries._end_hooks) == [MemoryHook]
     with prof.step():
         pass
+    assert prof._boundaries._begin_hooks == ()
     # memory_every=0: the record after warm-up was the last periodic one; none is due again.
     assert prof._boundaries._end_hooks == ()
     prof.close()
@@ -43,7 +46,7 @@ def test_periodic_memory_records_keep_the_memory_hook_on_the_boundaries(log, gpu
 
 def test_the_flops_hook_leaves_the_boundaries_once_it_has_counted(log, gpu):
     prof = make(log, gpu, warmup=1, flops="auto")
-    assert _hook_types(prof._boundaries._begin_hooks) == [FlopsHook]
+    assert _hook_types(prof._boundaries._begin_hooks) == [FlopsHook, CompileHook]
     a = torch.ones(8, 16)
     for i in range(3):
         with prof.step():
@@ -61,9 +64,10 @@ def test_the_flops_hook_leaves_the_boundaries_once_it_has_counted(log, gpu):
 
 def test_given_flops_never_run_at_the_boundaries(log, gpu):
     prof = make(log, gpu, flops_per_step=1e9)
-    assert prof._flops.retired and prof._boundaries._begin_hooks == ()
+    assert prof._flops.retired and _hook_types(prof._boundaries._begin_hooks) == [CompileHook]
     with prof.step():
         gpu.launch(1.0)
+    assert prof._boundaries._begin_hooks == ()
     prof.close()
     (record,) = steps(log)
     assert record["flops"] == 1e9 and record["tflops_per_s"] is not None

@@ -113,9 +113,10 @@ def test_flops_auto_counts_one_step_on_the_cpu(log):
 
 def test_no_flops_requested_leaves_records_and_boundaries_alone(log):
     with stepprof.Profiler(log) as prof:
-        assert prof._flops is None and prof._boundaries._begin_hooks == ()
+        assert prof._flops is None
         with prof.step():
             pass
+        assert prof._boundaries._begin_hooks == ()  # the compile hook's look at the first step is done
     rec = next(stepprof.read(log, kind="step"))
     assert "flops" not in rec and "mfu" not in rec
     assert "not requested" in prof.summary.unavailable["mfu_median"]

@@ -237,6 +237,11 @@ class Boundaries:
         ctx = self._contexts.get(threading.get_ident())
         return ctx.step if ctx is not None else None
 
+    def step_of(self, tid: int | None) -> tuple[Step | None, bool]:
+        """Thread ``tid``'s open step (None: the training thread's), and whether it has stepped."""
+        ctx = self._main if tid is None else self._contexts.get(tid)
+        return (None, False) if ctx is None else (ctx.step, True)
+
     def open_steps(self) -> list[Step]:
         """Every thread's open step."""
         return list(self._open.values())

@@ -16,6 +16,8 @@ FLOPs once counted, memory records once none is due) retires from them.
 - ``EnergyHook`` (:mod:`.energy`): ``energy_j`` on the step records, from NVML's
   energy counter sampled on a thread of its own; a step's record waits for a sample
   after its span (:meth:`Hook.holds`).
+- ``CompileHook`` (:mod:`.compiles`): the torch.compile work inside each step, from
+  torch's compile callbacks; on the boundaries for the first step only.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Data flows one way: the boundaries (``_recorder.boundaries``) measure each step on the
 training thread and queue it; the collector (``_recorder.collector``) turns completed
 steps into records off that thread and hands them to the sinks (``_recorder.sinks``: the
-log and the summary).  FLOP counting, memory records and the cross-rank exchange are
-hooks (``_recorder.hooks``).  This module holds only the facade that wires them together;
+log and the summary).  FLOP counting, memory records, the cross-rank exchange and the
+compile counts are hooks (``_recorder.hooks``).  This module holds only the facade that wires them together;
 the settings are checked in :mod:`stepprof._options`, the scopes are in :mod:`stepprof._scopes`.
 """
 
@@ -31,6 +31,7 @@ from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check
 from .boundaries import Boundaries
 from .collector import Collector
 from .energy import ENERGY_OFF, EnergyHook
+from .compiles import CompileHook
 from .exchange import ExchangeHook
 from .flops import FlopsHook
 from .hooks import Closing, Hook
@@ -224,7 +225,10 @@ class Profiler:
         if exchange is not None and self._collector.budget is not None:
             self._collector.budget.shared = True  # the ranks agree on the interval
         self._energy = EnergyHook(self.energy_every_s, clock) if self.energy_every_s is not None else None
-        hooks: list[Hook] = [h for h in (self._flops, self._memory, exchange, self._energy) if h is not None]
+        self._compiles = CompileHook(b.step_of, lambda: b.next_index, b.retire)
+        hooks: list[Hook] = [
+            h for h in (self._flops, self._memory, exchange, self._energy, self._compiles) if h is not None
+        ]
         self._hooks = hooks
         b.use(hooks)
         self._collector.use(hooks)
@@ -426,6 +430,7 @@ class Profiler:
         self._memory.forget()
         if self._energy is not None:
             self._energy.forget(_INHERITED.format(pid=os.getpid()))
+        self._compiles.forget()
         self._hooks = [h for h in self._hooks if h is not self._exchange]
         self._exchange = None
         self._close_lock = threading.RLock()

@@ -17,6 +17,7 @@ from .diagnose import SPIKE_FACTOR, diagnose, spike_period
 from .model import (
     REPORT_VERSION,
     AllocatorCounts,
+    CompileFigures,
     DistributedView,
     LogReport,
     MemoryFigures,
@@ -101,7 +102,8 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
     figures = agg.figures()
     unavailable = {_REPORT_REASON_KEYS.get(k, k): v for k, v in agg.unavailable().items()}
     identity = agg.identity or {}
-    roof, roofline_reason = _roofline(agg.flops, figures.step_ms.median if figures.step_ms else None)
+    roof, roofline_reason = _roofline(agg.flops, figures.step_ms.median if figures.step_ms else None,
+                                      compiled=agg.compile_seen)
     run = RunReport(
         run=agg.index,
         run_id=agg.run_id,
@@ -143,6 +145,11 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
         ) if agg.ranks_records else None,
         diagnoses=(),
         not_diagnosed={},
+        compile=CompileFigures(
+            steps=agg.compile_steps, step_list=tuple(agg.compile_step_list), compiles=agg.compiles,
+            compile_ms=agg.compile_us / 1e3, graph_breaks=agg.graph_breaks,
+            recompile_reasons=tuple(agg.recompile_reasons),
+        ) if agg.compile_seen else None,
     )
     found, missing = diagnose(run, sweep, roofline_reason)
     return attrs.evolve(run, diagnoses=found, not_diagnosed=missing)
@@ -207,15 +214,27 @@ def _spikes(agg: RunAggregate, median: float | None) -> Spikes | None:
         threshold_ms=threshold,
         median_ms=median,
         count=n,
-        early=tuple(Spike(step=s[1], ms=s[0], device_allocs=s[2], alloc_retries=s[3]) for s in early),
-        late=tuple(Spike(step=s[1], ms=s[0], device_allocs=s[2], alloc_retries=s[3]) for s in late),
+        early=tuple(_spike(s) for s in early),
+        late=tuple(_spike(s) for s in late),
         period_steps=spike_period([s[1] for s in late]),
         max_ms=agg.span.max(),
     )
 
 
-def _roofline(flops: dict[str, Any] | None, step_ms: float | None) -> tuple[dict[str, Any] | None, str]:
-    """The roofline of the median step, and why there is none (or no class)."""
+def _spike(s: tuple[Any, ...]) -> Spike:
+    """A spike from the aggregate's heap entry (-1: not recorded)."""
+    return Spike(step=s[1], ms=s[0], device_allocs=s[2], alloc_retries=s[3],
+                 syncs=s[4] if s[4] >= 0 else None, data_wait_ms=s[5] if s[5] >= 0 else None)
+
+
+def _roofline(
+    flops: dict[str, Any] | None, step_ms: float | None, *, compiled: bool = False
+) -> tuple[dict[str, Any] | None, str]:
+    """The roofline of the median step, and why there is none (or no class).
+
+    ``compiled``: the run compiled (torch.compile), so the per-operation bounds are upper
+    bounds for its fused kernels (see :func:`stepprof._roofline.roofline`).
+    """
     if flops is None:
         return None, (
             "FLOPs are not in this log: run with Profiler(flops='auto') (or flops_per_step=N) "
@@ -247,6 +266,7 @@ def _roofline(flops: dict[str, Any] | None, step_ms: float | None) -> tuple[dict
             op_bytes=finite_number(flops.get("op_bytes")),
             ops=flops.get("ops") if type(flops.get("ops")) is int else None,
             calibration=calibration,
+            compiled=compiled,
         )
     except (TypeError, ValueError, ZeroDivisionError) as e:
         return None, f"the log's flops record is malformed ({e})"

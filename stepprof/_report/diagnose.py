@@ -65,6 +65,16 @@ _ROOFLINE_REMEDY = {
         "keep activations in bf16",
         "larger matmuls (bigger hidden sizes or batches) raise the intensity",
     ],
+    "memory-bound-compiled": [
+        "keep activations in bf16",
+        "larger matmuls (bigger hidden sizes or batches) raise the intensity",
+        "look for kernels inductor left unfused (TORCH_LOGS=output_code), and graph breaks between them",
+    ],
+    "host-bound-compiled": [
+        "a larger batch",
+        "CUDA graphs for the compiled step (mode='reduce-overhead'), if it does not use them yet",
+        "fewer graph breaks: each one returns to Python",
+    ],
     "host-bound": [
         "a larger batch",
         "torch.compile(mode='reduce-overhead') / CUDA graphs",
@@ -214,6 +224,10 @@ def host_bound(run: RunReport, sweep: dict[str, Any] | None) -> Diagnosis | str 
                 "torch.compile(model, mode='reduce-overhead'), which replays CUDA graphs",
                 "CUDA graphs (torch.cuda.graphs) for a static step",
                 "fuse small ops (torch.compile, fused optimizers: AdamW(fused=True))",
+            ) if run.compile is None else (
+                "a larger batch (more work per launch)",
+                "CUDA graphs for the compiled step (mode='reduce-overhead'), if it does not use them yet",
+                "fused optimizers (AdamW(fused=True)), and fewer graph breaks: each one returns to Python",
             ),
         )
     if busy is None:
@@ -370,20 +384,50 @@ def fragmentation(run: RunReport) -> Diagnosis | str | None:
 
 
 def spikes(run: RunReport) -> Diagnosis | None:
-    """Steps far above the median: right after warm-up, later, and whether they recur."""
+    """Steps that compiled, and steps far above the median: when, whether they recur, and why.
+
+    Compilation is named only in a run whose records carry the compile fields: its steps
+    that compiled, with the recompile reasons; its other spikes are "not compilation".  The
+    other spikes are then checked for a data wait, syncs and allocator growth, else host noise.
+    """
     sp: Spikes | None = run.spikes
-    if sp is None or not sp.count:
+    comp = run.compile
+    compiled = comp is not None and comp.steps > 0
+    if (sp is None or not sp.count) and not compiled:
         return None
-    evidence = [
+    evidence: list[str] = []
+    remedy: list[str] = []
+    if compiled:
+        assert comp is not None
+        named = ", ".join(str(s) for s in comp.step_list[:8]) + (", ..." if comp.steps > 8 else "")
+        evidence.append(
+            f"{comp.steps:,} measured step(s) compiled (torch.compile: {comp.compiles:,} compiles, "
+            f"{comp.compile_ms:,.0f} ms in the run, warm-up included): steps {named}; they are left "
+            f"out of the figures like warm-up steps"
+        )
+        for step, why in comp.recompile_reasons[:3]:
+            evidence.append(f"step {step} recompiled: {why}")
+        if comp.recompile_reasons:
+            remedy.append(
+                "stop the recompiles: the failed guard names what changed; for a size that varies, "
+                "torch._dynamo.mark_dynamic(tensor, dim) or pad to a few sizes"
+            )
+        else:
+            remedy.append("TORCH_LOGS=recompiles prints the reason of each recompile")
+    if sp is None or not sp.count:
+        return Diagnosis(kind="spikes", title="Spikes: steps that compiled", evidence=tuple(evidence),
+                         remedy=tuple(remedy))
+    evidence.append(
         f"{sp.count:,} step(s) took more than {SPIKE_FACTOR:g}x the median "
         f"{sp.median_ms:.2f} ms (slowest {sp.max_ms:.2f} ms)"
-    ]
-    remedy = []
+    )
+    if comp is not None:
+        evidence.append("not compilation: these steps compiled nothing")
     if sp.early:
         evidence.append("right after warm-up: steps " + ", ".join(f"{s.step} ({s.ms:.1f} ms)" for s in sp.early[:6]))
         remedy.append(
-            f"raise Profiler(warmup=...) past step {sp.early[-1].step}, so that "
-            f"compilation and autotuning stay out of the figures"
+            f"raise Profiler(warmup=...) past step {sp.early[-1].step}, so that start-up work "
+            f"(autotuning, caches, allocator growth) stays out of the figures"
         )
     if sp.late:
         evidence.append("later: steps " + ", ".join(f"{s.step} ({s.ms:.1f} ms)" for s in sp.late[:6]))
@@ -393,17 +437,41 @@ def spikes(run: RunReport) -> Diagnosis | None:
                 f"(evaluation, checkpointing, logging)"
             )
             remedy.append("move periodic work out of profile_step, or measure it as its own step name")
-        if any(s.device_allocs or s.alloc_retries for s in sp.late):
-            remedy.append(
-                "some spikes called cudaMalloc or retried an allocation: the allocator grew there; "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and steady shapes avoid it"
-            )
-        remedy.append(
-            "recompiles: run with TORCH_LOGS=recompiles; mark varying dims with "
-            "torch._dynamo.mark_dynamic or pad shapes to a few sizes"
-        )
+    _spike_causes(run, sp, evidence, remedy)
     return Diagnosis(kind="spikes", title="Spikes: steps far above the median", evidence=tuple(evidence),
                      remedy=tuple(remedy))
+
+
+def _spike_causes(run: RunReport, sp: Spikes, evidence: list[str], remedy: list[str]) -> None:
+    """What the spikes' own records show: extra syncs, allocator growth, else host noise.
+
+    A step's data wait is before its entry, outside its time, so it explains no spike.
+    """
+    spikes = [*sp.early, *sp.late]
+    found = False
+    syncs = run.figures.syncs_per_step
+    usual = syncs.median if syncs is not None else None
+    synced = [s for s in spikes if s.syncs is not None and usual is not None and s.syncs > usual]
+    if synced:
+        found = True
+        evidence.append(f"more syncs than the median {usual:g}: " + ", ".join(
+            f"step {s.step} ({s.syncs})" for s in synced[:6]))
+        remedy.append("a sync that only some steps make (logging, .item(), a check every N steps) "
+                      "waits for all the queued GPU work: see the top sync sites")
+    if any(s.device_allocs or s.alloc_retries for s in spikes):
+        found = True
+        evidence.append("called cudaMalloc or retried an allocation: steps " + ", ".join(
+            str(s.step) for s in spikes if s.device_allocs or s.alloc_retries))
+        remedy.append(
+            "the allocator grew there: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and steady "
+            "shapes avoid it"
+        )
+    if not found:
+        evidence.append(
+            "their records show no extra sync or allocator growth: host noise (Python's "
+            "garbage collector, other processes, the OS)"
+        )
+        remedy.append("gc.freeze() after start-up (or gc.collect() at chosen steps); keep other work off the cores")
 
 
 def spike_period(steps: list[int]) -> int | None:
@@ -439,10 +507,15 @@ def roofline_class(run: RunReport, roofline_reason: str) -> Diagnosis | str:
             f"{roof['ridge']:.0f} (operation bytes count each op's inputs and outputs: an upper "
             f"bound for fused kernels)"
         )
+    caveat = roof.get("caveat")
+    if caveat:
+        evidence.append(caveat)
     if roof["explained"] is not None and roof["explained"] < 0.5:
         evidence.append(
             f"the largest bound explains only {roof['explained']:.0%} of the step: the rest is "
             f"idle time (syncs, data waits, small kernels below their bound)"
         )
+    compiled = run.compile is not None or roof.get("caveat") is not None
+    remedy = _ROOFLINE_REMEDY.get(f"{cls}-compiled" if compiled else cls, _ROOFLINE_REMEDY.get(cls, []))
     return Diagnosis(kind="roofline", title=f"Roofline: {cls}" if cls else "Roofline", evidence=tuple(evidence),
-                     remedy=tuple(_ROOFLINE_REMEDY.get(cls or "", [])))
+                     remedy=tuple(remedy))

@@ -15,6 +15,7 @@ from .._aggregate import RunFigures
 __all__ = [
     "REPORT_VERSION",
     "AllocatorCounts",
+    "CompileFigures",
     "Diagnosis",
     "DistributedView",
     "LogReport",
@@ -121,12 +122,34 @@ class PhaseRow:
 
 @attrs.frozen
 class Spike:
-    """A step at least :data:`~stepprof._report.diagnose.SPIKE_FACTOR` times the median."""
+    """A step at least :data:`~stepprof._report.diagnose.SPIKE_FACTOR` times the median.
+
+    ``syncs`` and ``data_wait_ms`` are None when its record has none.
+    """
 
     step: int
     ms: float
     device_allocs: int
     alloc_retries: int
+    syncs: int | None = None
+    data_wait_ms: float | None = None
+
+
+@attrs.frozen
+class CompileFigures:
+    """torch.compile in a run whose step records carry the compile fields.
+
+    ``steps``: measured steps that compiled (left out of the figures), the first of them
+    in ``step_list``; ``compiles``, ``compile_ms`` and ``graph_breaks`` over every step,
+    warm-up included; ``recompile_reasons``: the first ones, as (step, reason).
+    """
+
+    steps: int
+    step_list: tuple[int, ...]
+    compiles: int
+    compile_ms: float
+    graph_breaks: int
+    recompile_reasons: tuple[tuple[int, str], ...]
 
 
 @attrs.frozen
@@ -195,6 +218,8 @@ class RunReport:
     ranks: RankExchanges | None
     diagnoses: tuple[Diagnosis, ...]
     not_diagnosed: dict[str, str]
+    #: torch.compile figures; None when no step record of the run carries them.
+    compile: CompileFigures | None = None
 
 
 @attrs.frozen

@@ -162,6 +162,10 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         ("power W (mean)", _number(f.power_w_mean, ".0f")),
         ("samples/J", _number(f.samples_per_j, ",.4g")),
     ]
+    c = run.compile
+    if c is not None:
+        rows.append(("compiled steps", f"{c.steps:,} measured, left out of the figures ({c.compiles:,} "
+                     f"compiles, {c.compile_ms:,.0f} ms, {c.graph_breaks:,} graph breaks over all steps)"))
     if run.gpu_steps < run.measured_steps and run.gpu_steps:
         rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.measured_steps:,} measured steps (overhead_budget)"))
     m = run.memory
