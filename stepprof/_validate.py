@@ -413,7 +413,7 @@ def check_name(name: Any, argument: str = "name") -> str | None:
 
 
 def check_batch_size(batch_size: Any) -> int | None:
-    fix = "pass the number of samples in the step, e.g. batch_size=len(batch), or None"
+    fix = "pass the number of samples in the step, e.g. batch_size=x.shape[0], or batch=... to infer it, or None"
     if batch_size is None:
         return None
     if isinstance(batch_size, bool):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -89,6 +90,9 @@ def test_stepprof_adds_no_sync(tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert syncs == [], f"stepprof synchronised: {syncs}"
+    # A step's record waits for the first energy sample after it (energy_every_s=0.5): give the
+    # sampler its period, then write what has completed, without closing.
+    time.sleep(1.2)
     prof._drain()
     written = len(list(stepprof.read(log)))
     assert written >= 40, "records were not harvested lazily during the run"
