@@ -36,6 +36,7 @@ def environment() -> dict[str, Any]:
                 continue
             calibration, why = load_calibration(facts["name"])
             facts["index"] = i
+            facts.update(_power(i))
             facts["calibration"] = (
                 {
                     "path": calibration_path(facts["name"]),
@@ -91,6 +92,25 @@ def environment() -> dict[str, Any]:
             for k in ("STEPPROF_LOG", "STEPPROF_WARMUP", "STEPPROF_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
         },
     }
+
+
+def _power(index: int) -> dict[str, Any]:
+    """NVML's enforced power limit of device ``index`` and the other processes on it (a None
+    figure has its reason)."""
+    from ._device import nvml
+
+    try:
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        bus, dev, domain = (getattr(props, k, None) for k in ("pci_bus_id", "pci_device_id", "pci_domain_id"))
+        pci = f"{domain:08X}:{bus:02X}:{dev:02X}.0" if None not in (bus, dev, domain) else None
+        r = nvml.read(str(uuid) if uuid is not None else None, pci)
+    except Exception as e:  # noqa: BLE001 - report, never crash
+        why = f"{type(e).__name__}: {e}"
+        return {"power_limit_w": None, "power_limit_reason": why, "other_processes": None,
+                "other_processes_reason": why}
+    return {"power_limit_w": r.power_limit_w, "power_limit_reason": r.power_limit_reason,
+            "other_processes": r.other_processes, "other_processes_reason": r.other_processes_reason}
 
 
 def _boundary(cuda_reason: str | None) -> dict[str, Any]:
@@ -149,6 +169,15 @@ def render_env(env: dict[str, Any]) -> str:
                 f"{g['total_memory_bytes'] / 2**30:.0f} GiB, {g['multiprocessors']} SMs)",
             )
         )
+        if "power_limit_w" in g:
+            limit = g["power_limit_w"]
+            others = g["other_processes"]
+            rows.append((
+                "  power limit, others",
+                (f"{limit:.0f} W" if limit is not None else f"n/a ({g['power_limit_reason']})")
+                + ", " + (f"{others} other process(es) on it" if others is not None
+                          else f"other processes n/a ({g['other_processes_reason']})"),
+            ))
         c = g["calibration"]
         if c.get("path"):
             t = c.get("matmul_tflops") or {}

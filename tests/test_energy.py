@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import stepprof
 from stepprof._recorder.energy import NOT_YET, ON_HOST, EnergyHook
@@ -316,3 +317,17 @@ def test_a_counter_read_that_has_not_moved_is_not_a_sample():
     for _ in range(6):
         assert s._sample(read)
     assert s.mj == [1000, 1600, 2200]
+
+
+def test_stepprof_env_states_the_power_limit_and_other_processes(monkeypatch, nvml, gpu):
+    from types import SimpleNamespace
+
+    from stepprof import _env
+
+    props = SimpleNamespace(uuid=gpu.uuid, pci_bus_id=0x65, pci_device_id=0, pci_domain_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    got = _env._power(0)
+    assert got["power_limit_w"] == nvml.power_limit_w and got["power_limit_reason"] is None
+    assert got["other_processes"] == 0
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: 1 / 0)
+    assert _env._power(0)["power_limit_reason"].startswith("ZeroDivisionError")
