@@ -103,11 +103,6 @@ class Sampler:
             if self.mj and value < self.mj[-1]:
                 self.reason = "NVML's energy counter went backwards (the driver was reloaded?)"
                 return False
-            if self.mj and value == self.mj[-1] and not self._final:
-                # The driver has not refreshed the counter since the last read (a GPU draws tens
-                # of watts even idle, so a refreshed counter always grows): a sample now would
-                # make a flat stretch that gives the steps in it no energy.  Skip it.
-                return True
             self.times.append(t)
             self.mj.append(value)
         return True
