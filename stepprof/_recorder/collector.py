@@ -400,7 +400,7 @@ class Collector:
                 if budget is not None:
                     budget.choose()
 
-    def _not_sampled(self, _: int | None) -> str:
+    def _not_sampled(self) -> str:
         """Why a light step has no GPU figures (the interval it was chosen under)."""
         budget = self.budget
         assert budget is not None
@@ -415,7 +415,7 @@ class Collector:
         record = build_step_record(
             s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
             phase_peaks_why=self._phase_peaks_why,
-            not_sampled=self._not_sampled(s.sampled) if s.sampled == 0 else None,
+            not_sampled=self._not_sampled() if s.sampled == 0 else None,
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
