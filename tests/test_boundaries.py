@@ -285,3 +285,20 @@ def test_an_exception_that_cannot_be_printed_is_still_a_recorded_step_error(log,
     assert "Unprintable" in first["error"]["message"]
     assert second["error"] is None
     assert s.error_steps == 1 and s.measured_steps == 1 and "stepprof" not in s.unavailable
+
+
+def test_nvtx_ranges_pair_up_when_a_phase_closes_with_a_phase_left_open_inside(log, gpu):
+    prof = make(log, gpu)
+    with prof.step():
+        outer = prof.measure("outer")
+        outer.__enter__()
+        prof.measure("inner").__enter__()  # left open: outer's exit closes it too
+        gpu.host(1.0)
+        outer.__exit__(None, None, None)
+        with prof.measure("after"):
+            gpu.host(1.0)
+    prof.close()
+    pushes = [r for r in gpu.ranges if r.startswith("+")]
+    assert len(pushes) == gpu.ranges.count("-") == 4  # the step, outer, inner, after
+    (r,) = steps(log)
+    assert set(r["phases"]) == {"outer", "outer/inner", "after"}

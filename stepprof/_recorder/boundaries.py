@@ -602,9 +602,10 @@ class Boundaries:
             total.count += 1
             total.syncs += top.syncs
             stack.pop()
+            if top is not ph or not last:  # ph's own range popped in the call when it was last
+                b.range_pop()
             if top is ph:
                 break
-            b.range_pop()
         step.overhead_ns += self._clock() - t_in
 
     def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None) -> None:
