@@ -27,6 +27,7 @@ from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_op
 from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._syncs import NOT_WATCHED
+from .._errors import UsageError
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
 from .collector import Collector
@@ -233,6 +234,8 @@ class Profiler:
         b.use(hooks)
         self._collector.use(hooks)
         self._close_lock = threading.RLock()  # one close(): a concurrent one waits for it
+        # begin_step/begin_phase's tokens, per thread: [(name, token), ...], the step's first.
+        self._begun: dict[int, list[tuple[str | None, Any]]] = {}
         track_open(self)
 
     # -- public -------------------------------------------------------------
@@ -258,6 +261,66 @@ class Profiler:
         """
         return StepScope(self, check_name(name), check_batch_size(batch_size),
                          *check_budget(max_syncs, on_sync), batch=batch)
+
+    # -- the same without context managers: for code that only has hooks ------------------
+
+    def begin_step(self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH) -> None:
+        """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
+
+        For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`.
+        """
+        begun = self._begun.get(threading.get_ident())
+        if begun:
+            raise UsageError(
+                "begin_step() was called while the step begun before is still open on this thread; "
+                "call prof.end_step() first"
+            )
+        scope = StepScope(self, check_name(name), check_batch_size(batch_size), batch=batch)
+        token = self._enter(scope._name, scope._batch_size, step=True, batch_reason=scope._batch_reason)
+        self._begun[threading.get_ident()] = [(scope._name, token)]
+
+    def end_step(self, error: BaseException | None = None) -> None:
+        """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
+
+        Args:
+            error: the exception the step raised, recorded as its ``error``; None when it
+                completed.
+        """
+        if error is not None and not isinstance(error, BaseException):
+            raise UsageError(
+                f"end_step(error=...) takes the exception the step raised, or None (got {error!r}); "
+                f"pass e.g. end_step(error=exc) in an except block"
+            )
+        begun = self._begun.pop(threading.get_ident(), None)
+        if not begun:
+            raise UsageError("end_step() without begin_step() on this thread; call prof.begin_step() first")
+        self._exit(begun[0][1], error)  # the step's exit closes the phases left open in it
+
+    def begin_phase(self, name: str) -> None:
+        """Open a phase of the step begun on this thread, as ``with prof.measure(name)`` would."""
+        begun = self._begun.get(threading.get_ident())
+        checked = check_name(name)
+        if checked is None:
+            raise UsageError("begin_phase() needs a name: prof.begin_phase('forward')")
+        if not begun:
+            raise UsageError(
+                f"begin_phase({checked!r}) outside a step: call prof.begin_step() first"
+            )
+        begun.append((checked, self._enter(checked, None, step=False)))
+
+    def end_phase(self, name: str | None = None) -> None:
+        """Close the innermost phase :meth:`begin_phase` opened on this thread (``name``, if
+        given, must be its name)."""
+        begun = self._begun.get(threading.get_ident())
+        if not begun or len(begun) == 1:
+            raise UsageError("end_phase() without begin_phase() in the step begun on this thread")
+        open_name = begun[-1][0]
+        if name is not None and name != open_name:
+            raise UsageError(
+                f"end_phase({name!r}), but the innermost open phase is {open_name!r}; "
+                f"end {open_name!r} first"
+            )
+        self._exit(begun.pop()[1], None)
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
@@ -434,6 +497,7 @@ class Profiler:
         self._hooks = [h for h in self._hooks if h is not self._exchange]
         self._exchange = None
         self._close_lock = threading.RLock()
+        self._begun = {}
         self._log.forget()
 
 
