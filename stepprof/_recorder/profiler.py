@@ -275,9 +275,11 @@ class Profiler:
                 "begin_step() was called while the step begun before is still open on this thread; "
                 "call prof.end_step() first"
             )
-        scope = StepScope(self, check_name(name), check_batch_size(batch_size), batch=batch)
-        token = self._enter(scope._name, scope._batch_size, step=True, batch_reason=scope._batch_reason)
-        self._begun[threading.get_ident()] = [(scope._name, token)]
+        name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
+        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
+            batch_size, reason = infer_batch_size(batch)
+        token = self._enter(name, batch_size, step=True, batch_reason=reason)
+        self._begun[threading.get_ident()] = [(name, token)]
 
     def end_step(self, error: BaseException | None = None) -> None:
         """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
