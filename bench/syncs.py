@@ -67,6 +67,11 @@ def interleave(variants: dict, rounds: int, k: int, base: str, profs: dict) -> d
         for v in order:
             wall_us, _ = timed_round(variants[v], k, torch.cuda.synchronize, profs[v]._drain)
             per[v].append(wall_us)
+    return _figures(per, base)
+
+
+def _figures(per: dict, base: str) -> dict:
+    """Each variant's per-step µs, its ratio to ``base`` round by round, and the added µs."""
     out = {}
     for v, xs in per.items():
         ratios = [x / b for x, b in zip(xs, per[base])]
@@ -102,16 +107,7 @@ def interleave_sessions(variants: dict, rounds: int, k: int, base: str) -> tuple
             last[v] = p.close()
             if r:
                 per[v].append(wall_us)
-    out = {}
-    for v, xs in per.items():
-        ratios = [x / b for x, b in zip(xs, per[base])]
-        out[v] = {
-            "us": quantiles(xs),
-            "ratio": {**quantiles(ratios), "median_ci95": median_ci(ratios)},
-            "added_us": quantiles([x - b for x, b in zip(xs, per[base])]),
-            "rounds_us": xs,
-        }
-    return out, last
+    return _figures(per, base), last
 
 
 def alloc_pair_us(n: int = 20000) -> float:

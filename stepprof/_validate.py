@@ -294,12 +294,18 @@ def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | No
 FLUSH_EVERY_S = 1.0
 
 
+def _in_range(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is a real number (not a bool), finite, from ``low`` to ``high``."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and low <= value <= high
+    )
+
+
 def check_flush_every_s(flush_every_s: Any) -> float:
-    if (
-        isinstance(flush_every_s, bool)
-        or not isinstance(flush_every_s, (int, float))
-        or not (math.isfinite(flush_every_s) and 0.001 <= flush_every_s <= 3600)
-    ):
+    if not _in_range(flush_every_s, 0.001, 3600):
         raise ConfigError(
             f"'flush_every_s' must be a number of seconds from 0.001 to 3600 (got {flush_every_s!r}); "
             f"pass e.g. flush_every_s={FLUSH_EVERY_S} (the default)"
@@ -314,11 +320,7 @@ ENERGY_EVERY_S = 0.5
 def check_energy_every_s(energy_every_s: Any) -> float | None:
     if energy_every_s is None:
         return None
-    if (
-        isinstance(energy_every_s, bool)
-        or not isinstance(energy_every_s, (int, float))
-        or not (math.isfinite(energy_every_s) and 0.05 <= energy_every_s <= 3600)
-    ):
+    if not _in_range(energy_every_s, 0.05, 3600):
         raise ConfigError(
             f"'energy_every_s' must be a number of seconds from 0.05 to 3600, or None to turn energy "
             f"sampling off (got {energy_every_s!r}); pass e.g. energy_every_s={ENERGY_EVERY_S} (the default)"
@@ -342,11 +344,7 @@ def check_boundary(boundary: Any) -> str:
 def check_overhead_budget(overhead_budget: Any) -> float | None:
     if overhead_budget is None:
         return None
-    if (
-        isinstance(overhead_budget, bool)
-        or not isinstance(overhead_budget, (int, float))
-        or not (math.isfinite(overhead_budget) and 0.0001 <= overhead_budget <= 0.5)
-    ):
+    if not _in_range(overhead_budget, 0.0001, 0.5):
         raise ConfigError(
             f"'overhead_budget' must be a fraction of step time from 0.0001 to 0.5, or None for "
             f"every step in full (got {overhead_budget!r}); pass e.g. overhead_budget=0.01 for 1%"

@@ -51,6 +51,23 @@ def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, A
     return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT
 
 
+def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> float | None:
+    """The step's ``batch_size`` over ``span_ms``, or None with the reason (and ``batch_size``'s,
+    when it was not inferred)."""
+    if s.batch_size is None:
+        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
+        if s.batch_reason is not None:
+            unavailable["batch_size"] = s.batch_reason
+        return None
+    if span_ms <= 0:
+        unavailable["samples_per_s"] = "step took no measurable time"
+        return None
+    rate = per_s(s.batch_size, span_ms)
+    if rate is None:
+        unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
+    return rate
+
+
 def build_step_record(
     s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None
 ) -> dict[str, Any]:
@@ -112,19 +129,7 @@ def build_step_record(
     gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
     if gpu_busy is None and gpu_ms is not None:
         unavailable["gpu_busy"] = "wall time was zero"
-    samples_per_s = None
-    if s.batch_size is None:
-        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
-        if s.batch_reason is not None:
-            unavailable["batch_size"] = s.batch_reason
-    else:
-        span_ms = max(wall_ms, gpu_ms or 0.0)
-        if span_ms > 0:
-            samples_per_s = per_s(s.batch_size, span_ms)
-            if samples_per_s is None:
-                unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
-        else:
-            unavailable["samples_per_s"] = "step took no measurable time"
+    samples_per_s = _samples_per_s(s, max(wall_ms, gpu_ms or 0.0), unavailable)
     if s.syncs is None:
         unavailable["syncs"] = s.syncs_reason or "not counted"
         if phases:
@@ -175,17 +180,7 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     unavailable = dict.fromkeys(
         ("gpu_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "phases", "allocator"), why
     )
-    samples_per_s = None
-    if s.batch_size is None:
-        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
-        if s.batch_reason is not None:
-            unavailable["batch_size"] = s.batch_reason
-    elif wall_ms > 0:
-        samples_per_s = per_s(s.batch_size, wall_ms)
-        if samples_per_s is None:
-            unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
-    else:
-        unavailable["samples_per_s"] = "step took no measurable time"
+    samples_per_s = _samples_per_s(s, wall_ms, unavailable)
     if s.syncs is None:
         unavailable["syncs"] = s.syncs_reason or "not counted"
     on_host = not b.has_device_memory
@@ -194,7 +189,8 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     data_wait_ms, data_ms = _data_figures(s, unavailable)
     return step_record(
         step=s.index, name=s.name, warmup=s.warmup, device=b.device, start_unix_s=start_unix_s,
-        wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms, gpu_ms=None, gpu_busy=None, peak_allocated_bytes=None, reserved_bytes=None,
+        wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms, gpu_ms=None, gpu_busy=None,
+        peak_allocated_bytes=None, reserved_bytes=None,
         batch_size=s.batch_size, samples_per_s=samples_per_s, phases={}, overhead_us=s.overhead_ns / 1e3,
         error=s.error, syncs=s.syncs, allocator=None, unavailable=unavailable,
         host_rss_bytes=None if on_host else ABSENT,
