@@ -37,7 +37,7 @@ def _compiled():
     return torch.compile(lambda x: _fn(x), backend="eager", dynamic=False)
 
 
-def _run(log, shapes, *, warmup=1, before=None, between=None, **kw):
+def _run(log, shapes, *, warmup=1, before=None, between=None, inside=None, **kw):
     f = _compiled()
     if before is not None:
         before(f)
@@ -47,6 +47,8 @@ def _run(log, shapes, *, warmup=1, before=None, between=None, **kw):
                 between(i, f)
             with prof.step():
                 f(torch.ones(n))
+                if inside is not None:
+                    inside(i, f)
     return prof
 
 
@@ -127,9 +129,9 @@ def test_an_eager_run_never_mentions_it(log, capsys):
 def test_a_spike_in_a_compiled_run_that_compiled_nothing_says_not_compilation(log):
     def spike(i, f):
         if i == 25:
-            time.sleep(0.05)
+            time.sleep(0.05)  # inside step 25: its own time spikes
 
-    _run(log, [4] * 30, between=spike)
+    _run(log, [4] * 30, inside=spike)
     recs = _steps(log)
     assert recs[0]["compiled"] and not any(r["compiled"] for r in recs[1:])
     text = _report(log)
