@@ -39,6 +39,7 @@ from .hooks import Closing, Hook
 from .memory_records import MemoryHook
 from .seams import REAL, Seams
 from .sinks import LogSink, SummarySink
+from .watch import Watcher, WatchHook
 
 __all__ = ["Profiler"]
 
@@ -331,6 +332,17 @@ class Profiler:
     def iterate(self, iterable: Any) -> Iterated:
         """Like :func:`stepprof.iterate`, but recording into this profiler."""
         return iterate_over(iterable, self)
+
+    def _watch(self, watcher: Watcher) -> None:
+        """Call ``watcher(record)`` with each finished step record, on the collector thread
+        (the framework callbacks' windowed figures: :mod:`stepprof.integrations`)."""
+        with self._collector.lock:
+            hook = next((h for h in self._hooks if isinstance(h, WatchHook)), None)
+            if hook is None:
+                hook = WatchHook()
+                self._hooks.append(hook)  # the last record hook: it sees the finished record
+                self._collector.use(self._hooks)
+            hook.add(watcher)
 
     def _note_batch(self, data_ns: int, item: Any) -> None:
         """:func:`stepprof.iterate` fetched ``item`` in ``data_ns``: for this thread's next step."""

@@ -1,0 +1,81 @@
+"""The figures a framework callback logs: medians over the steps finished since it last logged.
+
+Step records reach a :class:`Window` on the profiler's collector thread
+(``Profiler._watch``); the callback drains it at each of the framework's logging steps.
+Records arrive once their CUDA events have completed, so a window holds the steps
+finished by then, which lag the training loop by a step or two: never a wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+from .._stats import median
+
+#: The prefix of every logged name (``stepprof/gpu_ms``).
+PREFIX = "stepprof/"
+#: Records a window keeps between two drains (the oldest go first).
+WINDOW_CAP = 4096
+#: Per-step figures logged as their median over the window.
+_MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "syncs", "energy_j")
+#: Per-phase figures logged as their median (``stepprof/phases/forward/gpu_ms``).
+_PHASE_MEDIANS = ("gpu_ms", "wall_ms")
+
+
+class Window:
+    """Step records since the last :meth:`drain`, kept light and bounded."""
+
+    def __init__(self, cap: int = WINDOW_CAP) -> None:
+        self._records: deque[dict[str, Any]] = deque(maxlen=cap)
+        self._lock = threading.Lock()
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        """Take one finished step record (the collector thread)."""
+        if record.get("kind") != "step" or record.get("warmup") or record.get("error") is not None:
+            return
+        if record.get("compiled") or record.get("flops_counted"):
+            return  # left out of the run's figures too (their times hold compilation, counting)
+        kept = {k: record.get(k) for k in (*_MEDIANS, "peak_allocated_bytes", "step")}
+        phases = record.get("phases")
+        if phases:
+            kept["phases"] = {n: {k: p.get(k) for k in _PHASE_MEDIANS} for n, p in phases.items()}
+        with self._lock:
+            self._records.append(kept)
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The records since the last drain, oldest first; the window is then empty."""
+        with self._lock:
+            records = list(self._records)
+            self._records.clear()
+        return records
+
+
+def figures(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The logged names and values of a drained window: each per-step figure's median over the
+    steps that have it, the highest ``peak_allocated_bytes``, each phase's median times, and
+    ``stepprof/steps`` (how many steps the window held).  A figure no step had is left out."""
+    out: dict[str, float] = {}
+    if not records:
+        return out
+    out[PREFIX + "steps"] = float(len(records))
+    for key in _MEDIANS:
+        values = [float(v) for r in records if isinstance(v := r.get(key), (int, float))]
+        if values:
+            out[PREFIX + key] = median(values)
+    peaks = [r["peak_allocated_bytes"] for r in records if isinstance(r.get("peak_allocated_bytes"), int)]
+    if peaks:
+        out[PREFIX + "peak_allocated_bytes"] = float(max(peaks))
+    names: dict[str, None] = {}
+    for r in records:
+        names.update(dict.fromkeys(r.get("phases") or ()))
+    for name in names:
+        for key in _PHASE_MEDIANS:
+            values = [
+                float(v) for r in records
+                if isinstance(v := ((r.get("phases") or {}).get(name) or {}).get(key), (int, float))
+            ]
+            if values:
+                out[f"{PREFIX}phases/{name}/{key}"] = median(values)
+    return out
