@@ -39,6 +39,7 @@ from .hooks import Closing, Hook
 from .memory_records import MemoryHook
 from .seams import REAL, Seams
 from .sinks import LogSink, SummarySink
+from .step import Step
 from .watch import Watcher, WatchHook
 
 __all__ = ["Profiler"]
@@ -324,6 +325,14 @@ class Profiler:
                 f"end {open_name!r} first"
             )
         self._exit(begun.pop()[1], None)
+
+    def _set_batch_size(self, batch_size: int | None, reason: str | None = None) -> None:
+        """Set the batch size of the step :meth:`begin_step` opened on this thread (a framework
+        callback learns it only at the step's end: the micro-batches of gradient accumulation);
+        ``reason``: why it is None."""
+        begun = self._begun.get(threading.get_ident())
+        if begun and isinstance(step := begun[0][1], Step):
+            step.batch_size, step.batch_reason = batch_size, reason
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
