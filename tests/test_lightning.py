@@ -88,8 +88,9 @@ class Data(pl.LightningDataModule):
 
 def trainer(tmp_path, callbacks=(), *, logger=False, **kw) -> pl.Trainer:
     kw.setdefault("max_steps", STEPS)
+    kw.setdefault("devices", 1)
     return pl.Trainer(
-        accelerator="cpu", devices=1, logger=logger, log_every_n_steps=5, enable_progress_bar=False,
+        accelerator="cpu", logger=logger, log_every_n_steps=5, enable_progress_bar=False,
         enable_checkpointing=False, enable_model_summary=False, callbacks=list(callbacks),
         default_root_dir=str(tmp_path), **kw,
     )
@@ -324,3 +325,20 @@ def test_the_optimizers_of_each_configure_optimizers_form(conf, n):
     }
     got = sl._optimizers_of(forms[conf])
     assert len(got) == n and all(isinstance(o, torch.optim.Optimizer) for o in got)
+
+
+def test_under_ddp_each_rank_writes_its_log_and_rank_zero_logs_the_figures(tmp_path):
+    """Two CPU processes (gloo, ddp_spawn): stepprof's distributed support, through Lightning."""
+    cb = sl.StepprofCallback(str(tmp_path / "run.jsonl"), ranks_every=5)
+    t = trainer(tmp_path, [cb], logger=CSVLogger(str(tmp_path), name="csv"), max_steps=10,
+                devices=2, strategy="ddp_spawn")
+    t.fit(Tiny())
+    for rank in (0, 1):
+        recs = records(tmp_path / f"run.rank{rank}.jsonl")
+        steps = [r for r in recs if r["kind"] == "step"]
+        assert len(steps) == 10 and all(r["rank"] == rank and r["world_size"] == 2 for r in steps)
+        assert recs[-1]["kind"] == "summary"
+    assert any(r["kind"] == "ranks" for r in records(tmp_path / "run.rank0.jsonl"))
+    (path,) = glob.glob(str(tmp_path / "csv" / "**" / "metrics.csv"), recursive=True)
+    with open(path) as f:
+        assert any(r.get("stepprof/wall_ms") for r in csv.DictReader(f))
