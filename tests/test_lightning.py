@@ -342,3 +342,21 @@ def test_under_ddp_each_rank_writes_its_log_and_rank_zero_logs_the_figures(tmp_p
     (path,) = glob.glob(str(tmp_path / "csv" / "**" / "metrics.csv"), recursive=True)
     with open(path) as f:
         assert any(r.get("stepprof/wall_ms") for r in csv.DictReader(f))
+
+
+def test_the_finders_bench_runs_on_the_cpu(tmp_path, monkeypatch):
+    """bench/finders_lightning.py --quick: the script itself (its figures mean nothing on the CPU)."""
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    monkeypatch.syspath_prepend(bench)
+    import importlib
+
+    mod = importlib.import_module("finders_lightning")
+    out = tmp_path / "finders.json"
+    monkeypatch.setattr(sys, "argv", ["finders_lightning.py", "--quick", "--max-batch", "8", "--repeats", "1",
+                                      "--time-s", "0.01", "--out", str(out)])
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with warnings.catch_warnings():
+        assert mod.main() == 0
+    got = json.loads(out.read_text())
+    assert [f["finder"] for f in got["finders"]] == ["lightning-power", "lightning-binsearch", "stepprof"]
+    assert all(f["picked"] and f["wall_s"] > 0 and f["samples_per_s"] for f in got["finders"])
