@@ -230,7 +230,7 @@ def test_import_stepprof_imports_no_framework():
         "bad = [m for m in ('lightning', 'pytorch_lightning', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
 
 
 # -- the sweep ----------------------------------------------------------------------------------
