@@ -487,19 +487,24 @@ def export_chrome(paths: Sequence[str], out: str) -> Exported:
 # -- TensorBoard -----------------------------------------------------------------------
 
 
-def _summary_writer() -> Any:
+def _tensorboard() -> tuple[Any, Any]:
+    """torch's event-file writer and TensorBoard's Summary proto (what ``SummaryWriter.add_scalar`` uses)."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.writer import FileWriter
+        from tensorboard.compat.proto.summary_pb2 import Summary
     except ImportError as e:
         raise MissingExtraError(
             "stepprof export --tensorboard needs tensorboard, which is not installed. "
             "Install it with: pip install 'stepprof[tensorboard]'"
         ) from e
-    return SummaryWriter
+    return FileWriter, Summary
 
 
 def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     """Write the steps of the logs at ``paths`` as TensorBoard scalars under ``out_dir``.
+
+    Each step is one event holding all its scalars (what ``SummaryWriter.add_scalar`` writes,
+    one value per call), by step index, at the step's ``start_unix_s``.
 
     Raises:
         ConfigError: a log is missing or has no step records, or ``out_dir`` already holds
@@ -514,15 +519,18 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
             f"'--tensorboard' {out_dir!r} already holds TensorBoard event files, which would show "
             f"every curve twice; pass a new directory or remove them"
         )
-    SummaryWriter = _summary_writer()
+    FileWriter, Summary = _tensorboard()
     paths, per_log, runs, skipped = _read(paths)
     writers: dict[int, Any] = {}
     try:
         for run, r in _steps(paths, per_log):
             w = writers.get(id(run))
             if w is None:
-                w = writers[id(run)] = SummaryWriter(log_dir=os.path.join(out_dir, run.subdir))
-            _scalars(w, r)
+                # A deep queue: with the default (10), each write waits on the writer's thread.
+                w = writers[id(run)] = FileWriter(os.path.join(out_dir, run.subdir), max_queue=8192, flush_secs=30)
+            values = [Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(r)]
+            if values:
+                w.add_summary(Summary(value=values), global_step=r["step"], walltime=float(r["start_unix_s"]))
             if run.written == run.steps:
                 writers.pop(id(run)).close()
     finally:
@@ -531,15 +539,15 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     return _summary(runs, skipped, out_dir)
 
 
-def _scalars(w: Any, r: dict[str, Any]) -> None:
-    step, walltime = r["step"], float(r["start_unix_s"])
+def _scalars(r: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """A step record's scalars: (tag, value), nulls left out."""
     for name in TB_FIGURES:
         v = _num(r.get(name))
         if v is not None:
-            w.add_scalar(f"stepprof/{name}", v, global_step=step, walltime=walltime)
+            yield f"stepprof/{name}", v
     syncs = r.get("syncs")
     if type(syncs) is dict and _num(syncs.get("count")) is not None:
-        w.add_scalar("stepprof/syncs", float(syncs["count"]), global_step=step, walltime=walltime)
+        yield "stepprof/syncs", float(syncs["count"])
     phases = r.get("phases")
     if type(phases) is dict:
         for key, fig in phases.items():
@@ -548,4 +556,4 @@ def _scalars(w: Any, r: dict[str, Any]) -> None:
             for name in TB_PHASE_FIGURES:
                 v = _num(fig.get(name))
                 if v is not None:
-                    w.add_scalar(f"stepprof/phases/{key}/{name}", v, global_step=step, walltime=walltime)
+                    yield f"stepprof/phases/{key}/{name}", v

@@ -497,7 +497,9 @@ def test_tensorboard_refuses_a_directory_with_event_files(log, gpu, tmp_path):
 
 def test_tensorboard_missing_names_the_extra(log, gpu, tmp_path, monkeypatch):
     run_training(log, gpu)
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    for name in [*sys.modules, "tensorboard", "torch.utils.tensorboard"]:  # as if not installed
+        if name.startswith(("tensorboard", "torch.utils.tensorboard")):
+            monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingExtraError, match=r"pip install 'stepprof\[tensorboard\]'"):
         _export.export_tensorboard([log], str(tmp_path / "tb"))
 
