@@ -339,6 +339,38 @@ def test_old_logs_without_start_ms_export_with_phases_back_to_back(tmp_path):
     assert_properly_nested(trace)  # the fixture's steps overlap in time: a second lane takes them
 
 
+def test_old_nested_phases_are_laid_out_inside_their_parent(tmp_path):
+    r = fx.step_record(0, warmup=False, wall=10.0, gpu=None)
+    r["phases"] = {"backward/allreduce": {"wall_ms": 1.0, "count": 1}, "forward": {"wall_ms": 3.0, "count": 1},
+                   "backward": {"wall_ms": 5.0, "count": 1}}
+    log = fx.write(str(tmp_path / "old.jsonl"), [r])
+    out = str(tmp_path / "t.json")
+    _export.export_chrome([log], out)
+    trace = load(out)
+    at = {e["name"]: (ns(e["ts"]), ns(e["ts"]) + ns(e["dur"])) for e in slices(trace) if e["cat"] == "phase"}
+    assert at == {"forward": (0, 3_000_000), "backward": (3_000_000, 8_000_000),
+                  "backward/allreduce": (3_000_000, 4_000_000)}
+    assert_properly_nested(trace)
+
+
+def test_another_threads_steps_get_tracks_of_their_own(tmp_path):
+    recs = [fx.step_record(i, warmup=False, wall=10.0, gpu=9.0) for i in range(2)]
+    for r in recs:
+        r["start_unix_s"] = 1796012940.0
+    recs[1]["thread"] = "eval"  # overlaps step 0 in time, on another thread
+    log = fx.write(str(tmp_path / "threads.jsonl"), recs)
+    out = str(tmp_path / "t.json")
+    _export.export_chrome([log], out)
+    trace = load(out)
+    names = thread_names(trace)
+    host = {e["args"]["step"]: names[(1, e["tid"])] for e in slices(trace) if e["cat"] == "step" and "wall_ms" in e["args"]}
+    gpu = {e["args"]["step"]: names[(1, e["tid"])] for e in slices(trace) if e["cat"] == "step" and "placement" in e["args"]}
+    assert host == {0: "host", 1: "host: eval"}
+    assert gpu == {0: "GPU cuda:0", 1: "GPU cuda:0: eval"}
+    assert not [n for n in names.values() if "lane" in n]
+    assert_properly_nested(trace)
+
+
 def test_warmup_and_failed_steps_are_flagged(log, gpu, tmp_path):
     with make(log, gpu, warmup=1) as prof:
         for i in range(3):
