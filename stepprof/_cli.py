@@ -1,4 +1,4 @@
-"""Command line: ``stepprof demo | report | plot | env | calibrate | build``."""
+"""Command line: ``stepprof demo | report | plot | export | env | calibrate | build``."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         "--run", type=int, default=0, help="which run of a log with several (1-based; default: last)"
     )
     plot.add_argument("--sweep", action="store_true", help="draw the log's sweep, not its steps")
+    export = sub.add_parser(
+        "export",
+        help="write one or more logs' steps as a Chrome/Perfetto trace or as TensorBoard scalars",
+    )
+    to = export.add_mutually_exclusive_group(required=True)
+    to.add_argument("--chrome", metavar="PATH", help="trace-event JSON to write (opens in ui.perfetto.dev)")
+    to.add_argument("--tensorboard", metavar="DIR", help="directory to write TensorBoard event files to")
+    export.add_argument("logs", nargs="+", metavar="LOG", help="stepprof JSON-lines log(s), such as a run's per-rank logs")
     env = sub.add_parser("env", help="GPU, driver, CUDA, torch, allocator, NVML, calibration, sync detection")
     env.add_argument("--json", action="store_true", help="print as one JSON object")
     cal = sub.add_parser(
@@ -123,6 +131,25 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import _export as export
+    from ._units import format_count
+
+    if args.chrome is not None:
+        done = export.export_chrome(args.logs, args.chrome)
+        where = f"{done.path}: open it in https://ui.perfetto.dev"
+    else:
+        done = export.export_tensorboard(args.logs, args.tensorboard)
+        where = f"{done.path}: open it with `tensorboard --logdir {done.path}`"
+    of = [f"{done.ranks} ranks" if done.ranks > 1 else "", f"{done.runs} runs" if done.runs > max(1, done.ranks) else ""]
+    print(f"stepprof: wrote {format_count(done.steps)} step{'s' * (done.steps != 1)}"
+          + (f" ({', '.join(x for x in of if x)})" if any(of) else "") + f" to {where}")
+    if done.skipped:
+        print(f"stepprof: skipped {format_count(done.skipped)} step record(s) without a usable "
+              f"step, start_unix_s or wall_ms", file=sys.stderr)
+    return 0
+
+
 def _env(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._env import environment, render_env
 
@@ -204,4 +231,4 @@ def _print(text: str) -> None:
     print(text, end="")
 
 
-_COMMANDS = {"demo": _demo, "report": _report, "plot": _plot, "env": _env, "calibrate": _calibrate, "build": _build}
+_COMMANDS = {"demo": _demo, "report": _report, "plot": _plot, "export": _export, "env": _env, "calibrate": _calibrate, "build": _build}

@@ -594,7 +594,7 @@ class Boundaries:
             top = stack[-1]
             total = step.phases.get(top.key)
             if total is None:
-                total = step.phases[top.key] = PhaseTotals()
+                total = step.phases[top.key] = PhaseTotals(top.t0)  # its first run: keys run one after another
             total.wall_ns += t_in - top.t0
             total.marks.append((top.mark, end))
             if top.peak > total.peak:

@@ -107,6 +107,7 @@ def build_step_record(
             "peak_allocated_bytes": total.peak if total.peak >= 0 else None,
             "count": total.count,
             "syncs": total.syncs if s.syncs is not None else None,
+            "start_ms": (total.t0 - s.t0) / 1e6,
         }
         if pg is None:
             unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT

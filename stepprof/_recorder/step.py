@@ -27,11 +27,12 @@ class OpenPhase:
 
 
 class PhaseTotals:
-    """A phase name's totals within one step (it may run several times)."""
+    """A phase name's totals within one step (it may run several times), and its first run's start."""
 
-    __slots__ = ("wall_ns", "marks", "peak", "count", "syncs")
+    __slots__ = ("t0", "wall_ns", "marks", "peak", "count", "syncs")
 
-    def __init__(self) -> None:
+    def __init__(self, t0: int) -> None:
+        self.t0 = t0  # the step clock at the first run's entry (its OpenPhase.t0: no clock read of its own)
         self.wall_ns = 0
         self.marks: list[tuple[Any, Any]] = []
         self.peak = -1

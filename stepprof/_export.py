@@ -1,0 +1,559 @@
+"""``stepprof export``: the steps of one or more logs as a Chrome/Perfetto trace or as TensorBoard scalars.
+
+docs/export.md describes both outputs.  Each log is read twice, streaming: the first pass
+finds its runs (grouped as ``stepprof report`` groups them, :class:`~stepprof._report.read.RunGrouper`),
+their ranks and the earliest step; the second writes.  So a long log never sits in memory,
+and the trace's time origin and the TensorBoard directory layout are known before the first
+event is written.  torch is imported only for ``--tensorboard``.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import orjson
+
+from ._errors import ConfigError, MissingExtraError
+from ._log import ScanStats, scan
+from ._report.read import RunGrouper
+
+__all__ = ["Exported", "export_chrome", "export_tensorboard"]
+
+_RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops"))
+
+#: The step figures written as TensorBoard scalars, under ``stepprof/<figure>``.
+TB_FIGURES = (
+    "gpu_ms", "wall_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes",
+    "samples_per_s", "data_wait_ms", "overhead_us", "energy_j", "tflops_per_s", "mfu",
+)
+#: Each phase's figures, under ``stepprof/phases/<name>/<figure>``.
+TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")
+
+# Short notes in the events' args; the trace's otherData and docs/export.md explain them.
+_GPU_ALIGNED = "starts at the host start (aligned); length exact"
+_GPU_TILED = "tiles the step's GPU span from its start (offset exact); the step's start is aligned"
+_SUMMED = "{n} runs: starts at the first, lasts their summed wall time"
+_APPROXIMATE = "approximate: the log has no start_ms (older stepprof); laid out back to back"
+
+
+@attrs.frozen
+class Exported:
+    """What an export wrote: where, how many steps, of how many ranks and runs."""
+
+    path: str
+    steps: int
+    ranks: int  # distinct ranks among the runs (0: no run carries one)
+    runs: int
+    skipped: int  # step records without a usable index, start time or wall time
+
+
+# -- reading --------------------------------------------------------------------------
+
+
+def _num(x: Any) -> float | None:
+    """A finite number as a float, anything else (null, a str, a bool, NaN) as None."""
+    if type(x) is int or type(x) is float:
+        v = float(x)
+        return v if math.isfinite(v) else None
+    return None
+
+
+def _ns(ms: float) -> int:
+    """Milliseconds (as the log writes them, from integer nanoseconds) back to nanoseconds."""
+    return round(ms * 1e6)
+
+
+class _Run:
+    """One run of one log: a profiler's steps (one rank's, in a distributed run)."""
+
+    __slots__ = ("log", "run_id", "rank", "device", "steps", "first_s", "label", "pid", "subdir", "written")
+
+    def __init__(self, log: str, run_id: str | None) -> None:
+        self.log = log
+        self.run_id = run_id
+        self.rank: int | None = None
+        self.device: str | None = None
+        self.steps = 0  # usable step records
+        self.first_s = math.inf  # the earliest start_unix_s
+        self.label = ""
+        self.pid = 0
+        self.subdir = ""
+        self.written = 0
+
+
+def _nonneg(x: Any) -> float | None:
+    """A finite number >= 0 as a float, else None."""
+    v = _num(x)
+    return v if v is not None and v >= 0 else None
+
+
+def _usable(r: dict[str, Any]) -> bool:
+    """Whether a step record can be placed: an int index, a start time and a wall time."""
+    return type(r.get("step")) is int and _num(r.get("start_unix_s")) is not None and (
+        _nonneg(r.get("wall_ms")) is not None
+    )
+
+
+def _walk(path: str, new_run: Callable[[str | None], _Run]) -> Iterator[tuple[_Run, dict[str, Any]]]:
+    """The step records of ``path`` with their runs (every run record goes through the grouper)."""
+    run_of = RunGrouper(new_run).run_of
+    for r in scan(path, ScanStats()):
+        kind = r.get("kind")
+        if kind in _RUN_KINDS:
+            run = run_of(kind, r)
+            if kind == "step":
+                yield run, r
+
+
+def _check_logs(paths: Sequence[str]) -> list[str]:
+    if not paths:
+        raise ConfigError("'LOG' is missing: pass the path of at least one stepprof JSON-lines log")
+    out = []
+    for p in paths:
+        p = os.fspath(p)
+        if not os.path.exists(p):
+            raise ConfigError(f"'LOG' {p!r} does not exist; pass the path of a stepprof JSON-lines log")
+        if not os.path.isfile(p):
+            raise ConfigError(f"'LOG' {p!r} is not a file; pass the path of a stepprof JSON-lines log")
+        out.append(p)
+    return out
+
+
+def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
+    """First pass: each log's runs, in order of their first record, and the unusable steps."""
+    per_log: list[list[_Run]] = []
+    skipped = 0
+    for path in paths:
+        runs: list[_Run] = []
+
+        def new_run(run_id: str | None, runs: list[_Run] = runs, path: str = path) -> _Run:
+            runs.append(_Run(path, run_id))
+            return runs[-1]
+
+        seen = 0
+        for run, r in _walk(path, new_run):
+            seen += 1
+            if not _usable(r):
+                skipped += 1
+                continue
+            run.steps += 1
+            start = float(r["start_unix_s"])
+            if start < run.first_s:
+                run.first_s = start
+            rank = r.get("rank")
+            if run.rank is None and type(rank) is int:
+                run.rank = rank
+            device = r.get("device")
+            if type(device) is str and (run.device is None or (
+                    device.startswith("cuda") and not run.device.startswith("cuda"))):
+                run.device = device  # the first, or the first CUDA device after the host
+        if not any(run.steps for run in runs):
+            why = f" ({seen:,} without a usable index, start_unix_s or wall_ms)" if seen else ""
+            raise ConfigError(f"'LOG' {path!r} has no step records to export{why}; pass a log that "
+                              f"stepprof.Profiler wrote steps to")
+        per_log.append(runs)
+    return per_log, skipped
+
+
+def _label_runs(per_log: list[list[_Run]]) -> list[_Run]:
+    """Give each run with steps its process label, pid and TensorBoard subdirectory."""
+    runs = [run for runs in per_log for run in runs if run.steps]
+    multi_rank = len({run.rank for run in runs if run.rank is not None}) > 1
+
+    def grouped(key: Callable[[_Run], str]) -> dict[str, list[_Run]]:
+        groups: dict[str, list[_Run]] = {}
+        for run in runs:
+            groups.setdefault(key(run), []).append(run)
+        return groups
+
+    def names(members: list[_Run]) -> list[str]:
+        taken: set[str] = set()
+        out = []
+        for k, run in enumerate(members, 1):
+            name = run.run_id if run.run_id is not None and run.run_id not in taken else f"run{k}"
+            taken.add(name)
+            out.append(name)
+        return out
+
+    for base, members in grouped(lambda r: f"rank {r.rank}" if r.rank is not None
+                                 else os.path.basename(r.log)).items():
+        for run, name in zip(members, names(members), strict=True):
+            run.label = base if len(members) == 1 else f"{base} · run {name}"
+    for part, members in grouped(lambda r: (f"rank{r.rank}" if r.rank is not None else
+                                            os.path.splitext(os.path.basename(r.log))[0])
+                                 if multi_rank else "").items():
+        for run, name in zip(members, names(members), strict=True):
+            parts = [part] + ([name] if len(members) > 1 else [])
+            run.subdir = os.path.join(*[x for x in parts if x]) if any(parts) else ""
+    order = sorted(runs, key=lambda r: (r.rank if r.rank is not None else math.inf, r.first_s))
+    for pid, run in enumerate(order, 1):
+        run.pid = pid
+    return runs
+
+
+def _read(paths: Sequence[str]) -> tuple[list[str], list[list[_Run]], list[_Run], int]:
+    paths = _check_logs(paths)
+    per_log, skipped = _survey(paths)
+    return paths, per_log, _label_runs(per_log), skipped
+
+
+def _steps(paths: Sequence[str], per_log: list[list[_Run]]) -> Iterator[tuple[_Run, dict[str, Any]]]:
+    """Second pass: the usable step records with their runs.  The grouping is deterministic,
+    so the runs come in the first pass's order; steps appended to a log since (a run still
+    writing) are left out, so the export is the first pass's snapshot."""
+    for path, runs in zip(paths, per_log, strict=True):
+        made = iter(runs)
+
+        def new_run(run_id: str | None, made: Iterator[_Run] = made, path: str = path) -> _Run:
+            return next(made, None) or _Run(path, run_id)  # a run begun since: not exported
+
+        for run, r in _walk(path, new_run):
+            if run.written < run.steps and _usable(r):
+                run.written += 1
+                yield run, r
+
+
+def _summary(runs: list[_Run], skipped: int, out: str) -> Exported:
+    ranks = {run.rank for run in runs if run.rank is not None}
+    return Exported(path=out, steps=sum(run.steps for run in runs), ranks=len(ranks), runs=len(runs),
+                    skipped=skipped)
+
+
+# -- Chrome trace ----------------------------------------------------------------------
+
+
+class _Lanes:
+    """The lanes of one drawn track.  A slice goes on the first lane where it nests properly
+    (inside the open slice, after the closed ones): trace viewers require it on one thread,
+    and a GPU span that outlasts the next step's start, or a repeated phase's summed slice,
+    would break it."""
+
+    __slots__ = ("lanes",)
+
+    def __init__(self) -> None:
+        self.lanes: list[tuple[list[tuple[int, int]], list[int]]] = []  # (open slices, [closed until])
+
+    def place(self, s: int, e: int) -> int:
+        for i, (stack, closed) in enumerate(self.lanes):
+            while stack and stack[-1][1] <= s:
+                closed[0] = max(closed[0], stack.pop()[1])
+            if s >= closed[0] and (not stack or (stack[-1][0] <= s and e <= stack[-1][1])):
+                stack.append((s, e))
+                return i
+        self.lanes.append(([(s, e)], [-(2**62)]))
+        return len(self.lanes) - 1
+
+
+class _Trace:
+    """The trace-event stream: events buffered and written in batches, thread ids per lane."""
+
+    def __init__(self, f: Any, t0_s: float) -> None:
+        self._f = f
+        self._buf: list[bytes] = []
+        self._first = True
+        self.t0_s = t0_s
+        self._lanes: dict[tuple[int, str | None, str], _Lanes] = {}
+        self._tids: dict[tuple[int, str | None, str, int], int] = {}
+        self._threads: dict[tuple[int, str | None], int] = {}  # (pid, thread) -> its order in the process
+        self._next_tid: dict[int, int] = {}
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self._buf.append(orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
+        if len(self._buf) >= 4096:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buf:
+            sep = b",\n"
+            self._f.write((b"" if self._first else sep) + sep.join(self._buf))
+            self._first = False
+            self._buf = []
+
+    def tid(self, pid: int, thread: str | None, track: str, lane: int, name: str) -> int:
+        key = (pid, thread, track, lane)
+        tid = self._tids.get(key)
+        if tid is None:
+            tid = self._tids[key] = self._next_tid.get(pid, 0) + 1
+            self._next_tid[pid] = tid
+            order = self._threads.setdefault((pid, thread), len([k for k in self._threads if k[0] == pid]))
+            label = name if lane == 0 else f"{name} (lane {lane + 1})"
+            self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+            # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and
+            # their GPU tracks; each group in order of appearance.
+            kind, _, repeated = track.partition(":")
+            sort = order * 40_000 + (2 if kind == "gpu" else 0) * 10_000 + (10_000 if repeated else 0) + tid
+            self.emit({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+        return tid
+
+    def slice(self, pid: int, thread: str | None, track: str, name: str, track_name: str,
+              s: int, e: int, *, cat: str, args: dict[str, Any]) -> int:
+        """Draw [s, e) ns on a lane of ``track`` of the thread; return its tid."""
+        lanes = self._lanes.get((pid, thread, track))
+        if lanes is None:
+            lanes = self._lanes[(pid, thread, track)] = _Lanes()
+        lane = lanes.place(s, e)
+        tid = self.tid(pid, thread, track, lane, track_name)
+        self.emit({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
+                   "pid": pid, "tid": tid, "args": args})
+        return tid
+
+
+def _clean(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool]]:
+    """The phases as (key, figures, host start ns from the step's start, wall ns, approximate),
+    ordered by start (longest first at one start)."""
+    if type(phases) is not dict:
+        return []
+    valid = [(k, f) for k, f in phases.items()
+             if type(k) is str and type(f) is dict and _nonneg(f.get("wall_ms")) is not None]
+    out: list[tuple[str, dict[str, Any], int, int, bool]] = []
+    if all(_nonneg(f.get("start_ms")) is not None for _, f in valid):
+        out = [(k, f, _ns(f["start_ms"]), _ns(f["wall_ms"]), False) for k, f in valid]
+    else:  # an older log: back to back from the start of the step or the enclosing phase
+        starts: dict[str, int] = {"": 0}
+        cursor: dict[str, int] = {}
+        for k, f in sorted(valid, key=lambda kf: kf[0].count("/")):
+            parent = k.rpartition("/")[0]
+            start = cursor.get(parent, starts.get(parent, 0))
+            wall = _ns(f["wall_ms"])
+            starts[k] = start
+            cursor[parent] = start + wall
+            out.append((k, f, start, wall, True))
+    out.sort(key=lambda p: (p[2], -p[3]))
+    return out
+
+
+def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
+    pid = run.pid
+    thread = r.get("thread") if type(r.get("thread")) is str else None
+    host_name = "host" if thread is None else f"host: {thread}"
+    s = round((float(r["start_unix_s"]) - tr.t0_s) * 1e9)
+    e = s + _ns(float(r["wall_ms"]))
+    index = r["step"]
+    warmup = r.get("warmup") is True
+    error = r.get("error") if type(r.get("error")) is dict else None
+    cat = "step" + (",warmup" if warmup else "") + (",error" if error else "")
+    name = r.get("name") if type(r.get("name")) is str else "step"
+    args = _clean({
+        "step": index, "warmup": warmup, "error": error, "batch_size": r.get("batch_size"),
+        "wall_ms": r.get("wall_ms"), "gpu_ms": r.get("gpu_ms"), "gpu_busy": r.get("gpu_busy"),
+        "samples_per_s": r.get("samples_per_s"), "data_wait_ms": r.get("data_wait_ms"),
+        "overhead_us": r.get("overhead_us"), "sampled": r.get("sampled"), "compiled": r.get("compiled"),
+        "run_id": r.get("run_id"),
+    })
+    host_tid = tr.slice(pid, thread, "host", name, host_name, s, e, cat=cat, args=args)
+    device = r.get("device") if type(r.get("device")) is str else run.device
+    gpu_name = f"GPU {device or ''}".rstrip() + ("" if thread is None else f": {thread}")
+    gpu_ms = _nonneg(r.get("gpu_ms"))
+    if gpu_ms is not None:
+        gpu_end = s + _ns(gpu_ms)
+        tr.slice(pid, thread, "gpu", name, gpu_name, s, gpu_end, cat=cat,
+                 args={"step": index, "gpu_ms": gpu_ms, "placement": _GPU_ALIGNED})
+    phases = _phase_layout(r.get("phases"))
+    top = [p for p in phases if "/" not in p[0]]
+    tile = gpu_ms is not None and bool(top) and all(
+        p[1].get("count") == 1 and _nonneg(p[1].get("gpu_ms")) is not None for p in top)
+    tiled: dict[str, tuple[int, int]] = {}
+    if tile:
+        cum = 0.0
+        gpu_end = s + _ns(gpu_ms)  # type: ignore[arg-type]
+        for key, fig, *_ in top:
+            a = s + _ns(cum)
+            cum += float(fig["gpu_ms"])
+            # The last top-level end event precedes the step's: an excess is the events' rounding.
+            tiled[key] = (a, min(s + _ns(cum), gpu_end))
+    for key, fig, start, wall, approx in phases:
+        count = fig.get("count")
+        label = key if type(count) is not int or count <= 1 else f"{key} ×{count}"
+        pargs = _clean({
+            "step": index, "wall_ms": fig.get("wall_ms"), "gpu_ms": fig.get("gpu_ms"),
+            "peak_allocated_bytes": fig.get("peak_allocated_bytes"), "count": count,
+            "syncs": fig.get("syncs"), "start_ms": fig.get("start_ms"),
+            "summed": _SUMMED.format(n=count) if type(count) is int and count > 1 else None,
+            "start": _APPROXIMATE if approx else None,
+        })
+        pcat = "phase" + (",warmup" if warmup else "")
+        # A phase that ran several times is drawn on a track of its own: its summed slice would
+        # seem to contain, or to be contained in, the phases its runs alternated with.
+        track = "" if type(count) is not int or count <= 1 else f":{key}"
+        tr.slice(pid, thread, "host" + track, label, host_name + (f" · {key} (repeated)" if track else ""),
+                 s + start, s + start + wall, cat=pcat, args=pargs)
+        pg = _nonneg(fig.get("gpu_ms"))
+        if pg is None:
+            continue
+        if key in tiled:
+            a, b = tiled[key]
+            placement = _GPU_TILED
+        else:
+            a, b = s + start, s + start + _ns(pg)
+            placement = _GPU_ALIGNED
+        tr.slice(pid, thread, "gpu" + track, label, gpu_name + (f" · {key} (repeated)" if track else ""), a, b, cat=pcat,
+                 args=_clean({"step": index, "gpu_ms": pg, "count": count, "placement": placement}))
+    _sync_events(tr, pid, host_tid, s, index, r.get("syncs"), phases)
+    _memory_event(tr, pid, s, r)
+
+
+def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
+                 phases: list[tuple[str, dict[str, Any], int, int, bool]]) -> None:
+    """One instant per sync site: at the start of the phase that holds all of the step's syncs
+    (the deepest that ran once and counted them all), else at the step's start."""
+    if type(syncs) is not dict or type(syncs.get("sites")) is not list or not syncs["sites"]:
+        return
+    total = syncs.get("count")
+    at, where = s, "at the step's start (sync sites carry no time)"
+    holders = [p for p in phases if type(total) is int and total > 0 and p[1].get("syncs") == total
+               and p[1].get("count") == 1]
+    if holders:
+        key, _, start, _, _ = max(holders, key=lambda p: p[0].count("/"))
+        at = s + start
+        where = f"at the start of phase {key!r}, which holds all of the step's syncs (sites carry no time)"
+    for site in syncs["sites"]:
+        if type(site) is not dict:
+            continue
+        kind = site.get("kind") if type(site.get("kind")) is str else "sync"
+        tr.emit({"name": f"sync: {kind}", "cat": "sync", "ph": "i", "s": "t", "ts": at / 1e3,
+                 "pid": pid, "tid": tid,
+                 "args": _clean({"step": index, "where": site.get("where"), "code": site.get("code"),
+                                 "count": site.get("count"), "waits": site.get("waits"), "placed": where})})
+
+
+def _memory_event(tr: _Trace, pid: int, s: int, r: dict[str, Any]) -> None:
+    args = {k: r[k] for k in ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
+            if _num(r.get(k)) is not None}
+    if args:
+        tr.emit({"name": "memory", "ph": "C", "ts": s / 1e3, "pid": pid, "tid": 0, "args": args})
+
+
+def export_chrome(paths: Sequence[str], out: str) -> Exported:
+    """Write the steps of the logs at ``paths`` to a Chrome trace-event file at ``out``.
+
+    Raises:
+        ConfigError: a log is missing or has no step records.
+        OSError: ``out`` cannot be written.
+    """
+    from . import __version__
+
+    paths, per_log, runs, skipped = _read(paths)
+    t0 = min(run.first_s for run in runs)
+    out = os.fspath(out)
+    other = {
+        "generator": f"stepprof {__version__} export",
+        "logs": paths,
+        "time_origin_unix_s": t0,
+        "ts": "µs since the earliest step's start (time_origin_unix_s), from each step's start_unix_s",
+        "host": "steps and phases at their host times (time.perf_counter_ns); a phase that ran k times "
+                "is one slice 'name ×k' from its first start, of the summed length",
+        "gpu": "GPU slices have the exact CUDA-event lengths; a step's GPU slice starts at its host start "
+               "(CUDA events give spans, not clock times); top-level phases that each ran once tile it",
+        "syncs": "instants at the start of the step (or of the one phase that holds them): sites carry no time",
+        "memory": "counters set at each step's start to that step's figures",
+    }
+    directory = os.path.dirname(os.path.abspath(out))
+    fd, tmp = tempfile.mkstemp(prefix=".stepprof-export-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b'{"displayTimeUnit": "ms", "otherData": ' + orjson.dumps(other) + b', "traceEvents": [\n')
+            tr = _Trace(f, t0)
+            for run in sorted(runs, key=lambda r: r.pid):
+                tr.emit({"name": "process_name", "ph": "M", "pid": run.pid, "tid": 0, "args": {"name": run.label}})
+                tr.emit({"name": "process_sort_index", "ph": "M", "pid": run.pid, "tid": 0,
+                         "args": {"sort_index": run.pid}})
+                tr.emit({"name": "process_labels", "ph": "M", "pid": run.pid, "tid": 0, "args": {"labels": ", ".join(
+                    x for x in (f"run_id {run.run_id}" if run.run_id else None, os.path.basename(run.log)) if x)}})
+            for run, r in _steps(paths, per_log):
+                _step_events(tr, run, r)
+            tr.flush()
+            f.write(b"\n]}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return _summary(runs, skipped, out)
+
+
+# -- TensorBoard -----------------------------------------------------------------------
+
+
+def _tensorboard() -> tuple[Any, Any]:
+    """torch's event-file writer and TensorBoard's Summary proto (what ``SummaryWriter.add_scalar`` uses)."""
+    try:
+        from torch.utils.tensorboard.writer import FileWriter
+        from tensorboard.compat.proto.summary_pb2 import Summary
+    except ImportError as e:
+        raise MissingExtraError(
+            "stepprof export --tensorboard needs tensorboard, which is not installed. "
+            "Install it with: pip install 'stepprof[tensorboard]'"
+        ) from e
+    return FileWriter, Summary
+
+
+def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
+    """Write the steps of the logs at ``paths`` as TensorBoard scalars under ``out_dir``.
+
+    Each step is one event holding all its scalars (what ``SummaryWriter.add_scalar`` writes,
+    one value per call), by step index, at the step's ``start_unix_s``.
+
+    Raises:
+        ConfigError: a log is missing or has no step records, or ``out_dir`` already holds
+            event files.
+        MissingExtraError: tensorboard is not installed.
+    """
+    out_dir = os.fspath(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"'--tensorboard' {out_dir!r} is a file; pass a directory (new or empty)")
+    if glob.glob(os.path.join(glob.escape(out_dir), "**", "*tfevents*"), recursive=True):
+        raise ConfigError(
+            f"'--tensorboard' {out_dir!r} already holds TensorBoard event files, which would show "
+            f"every curve twice; pass a new directory or remove them"
+        )
+    FileWriter, Summary = _tensorboard()
+    paths, per_log, runs, skipped = _read(paths)
+    writers: dict[int, Any] = {}
+    try:
+        for run, r in _steps(paths, per_log):
+            w = writers.get(id(run))
+            if w is None:
+                # A deep queue: with the default (10), each write waits on the writer's thread.
+                w = writers[id(run)] = FileWriter(os.path.join(out_dir, run.subdir), max_queue=8192, flush_secs=30)
+            values = [Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(r)]
+            if values:
+                w.add_summary(Summary(value=values), global_step=r["step"], walltime=float(r["start_unix_s"]))
+            if run.written == run.steps:
+                writers.pop(id(run)).close()
+    finally:
+        for w in writers.values():
+            w.close()
+    return _summary(runs, skipped, out_dir)
+
+
+def _scalars(r: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    """A step record's scalars: (tag, value), nulls left out."""
+    for name in TB_FIGURES:
+        v = _num(r.get(name))
+        if v is not None:
+            yield f"stepprof/{name}", v
+    syncs = r.get("syncs")
+    if type(syncs) is dict and _num(syncs.get("count")) is not None:
+        yield "stepprof/syncs", float(syncs["count"])
+    phases = r.get("phases")
+    if type(phases) is dict:
+        for key, fig in phases.items():
+            if type(key) is not str or type(fig) is not dict:
+                continue
+            for name in TB_PHASE_FIGURES:
+                v = _num(fig.get(name))
+                if v is not None:
+                    yield f"stepprof/phases/{key}/{name}", v
