@@ -1,0 +1,100 @@
+"""What a newcomer meets in the first hour: the demo's output, --version, help() and dir()."""
+
+from __future__ import annotations
+
+import os
+import pydoc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import stepprof
+from stepprof._cli import main
+
+
+def _demo(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "default"}  # every warning shows, DeprecationWarning too
+    return subprocess.run(
+        [sys.executable, "-m", "stepprof", "demo", *args],  # the log: stepprof-demo.jsonl in the cwd
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+    )
+
+
+def test_the_demo_labels_its_figures_and_ends_with_the_next_commands(tmp_path):
+    """On the CPU: no warning from torch or numpy (nothing on stderr at all), medians labelled,
+    one short line per missing figure group, the next commands last, no line over 120 characters."""
+    done = _demo(tmp_path, "--steps", "12", "--warmup", "2")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 120, max(lines, key=len)
+    assert "10 measured steps (2 warm-up) on cpu; medians over the measured steps:" in lines
+    assert any(line.strip().startswith("wall time per step") and " ms (p10 " in line for line in lines)
+    for group in ("GPU time", "GPU memory", "sync points", "energy"):
+        assert sum(line.startswith(f"{group}: n/a on CPU") for line in lines) == 1
+    assert "unavailable here" not in done.stdout and "CUDA is not available" not in done.stdout
+    log = "stepprof-demo.jsonl"
+    assert lines[-4] == "next:"
+    assert lines[-3].split()[:3] == ["stepprof", "report", log]
+    assert lines[-2].split()[:3] == ["stepprof", "plot", log] and lines[-2].endswith("to stepprof-demo.png")
+    assert len(list(stepprof.read(tmp_path / log, kind="step"))) == 12
+
+
+def test_the_demo_warns_when_every_step_is_warm_up(tmp_path):
+    done = _demo(tmp_path, "--steps", "3", "--warmup", "5")
+    assert done.returncode == 0, done.stderr
+    assert "warning: --warmup 5 >= --steps 3" in done.stdout and "use a --warmup below 3" in done.stdout
+    assert "0 measured steps" in done.stdout and "no figures" in done.stdout
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"stepprof {stepprof.__version__}\n"
+
+
+def test_dir_lists_no_private_name():
+    names = dir(stepprof)
+    assert not [n for n in names if n.startswith("_") and n != "__version__"]
+    assert "_LAZY" not in names and "_TYPE_CHECKING" not in names and "_api" not in names
+
+
+@pytest.mark.parametrize("name", stepprof.__all__)
+def test_help_shows_a_docstring_and_no_private_class(name):
+    """help() on every public name shows its docstring; the functions that are objects (so that
+    `with stepprof.profile_step:` gets a hint) read as functions, with no private class or
+    sentinel in their title or signature."""
+    obj = getattr(stepprof, name)
+    text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
+    if name != "SCHEMA_VERSION":  # a constant: an int, documented in docs/schema.md
+        assert obj.__doc__ and obj.__doc__.strip().splitlines()[0] in text
+    assert "Function" not in text.splitlines()[0] and "object at 0x" not in text
+    if callable(obj) and not isinstance(obj, type):
+        assert text.splitlines()[0].startswith(f"Python Library Documentation: function {name} in module")
+        for private in ("StepScope", "MeasureScope", "Iterated", "_PublicFunction"):
+            assert private not in text
+
+
+def test_the_summary_line_keeps_a_small_tflops_figure(tmp_path):
+    """A CPU's TFLOP/s is well below 0.1: the summary line gives its digits, not "0.0"."""
+    model = torch.nn.Linear(16, 16)
+    with stepprof.Profiler(None, flops="auto", device="cpu") as prof:
+        for _ in range(4):
+            with prof.step(batch_size=4):
+                model(torch.randn(4, 16)).sum().backward()
+    t = prof.summary.tflops_per_s_median
+    assert t is not None and 0 < t < 0.05
+    assert "0.0 TFLOP/s" not in str(prof.summary) and f"{t:.3g} TFLOP/s" in str(prof.summary)
+
+
+def test_a_cpu_record_gives_reserved_bytes_its_own_reason(tmp_path):
+    """reserved_bytes is not a peak: its reason says what it is, not that no peak counter exists."""
+    log = str(tmp_path / "cpu.jsonl")
+    with stepprof.Profiler(log, device="cpu") as prof:
+        with prof.step():
+            pass
+    (rec,) = stepprof.read(log, kind="step")
+    assert "peak" not in rec["unavailable"]["reserved_bytes"]
+    assert "reserved by CUDA's caching allocator" in rec["unavailable"]["reserved_bytes"]
