@@ -98,3 +98,75 @@ def test_a_cpu_record_gives_reserved_bytes_its_own_reason(tmp_path):
     (rec,) = stepprof.read(log, kind="step")
     assert "peak" not in rec["unavailable"]["reserved_bytes"]
     assert "reserved by CUDA's caching allocator" in rec["unavailable"]["reserved_bytes"]
+
+
+def _two_names(log: str) -> None:
+    """Steps of two names, interleaved: a slow train_step and a fast eval_step."""
+    import time
+
+    with stepprof.Profiler(log, warmup=0, device="cpu") as prof:
+        for _ in range(6):
+            with prof.step("train_step", batch_size=8):
+                time.sleep(0.004)
+                with prof.measure("forward"):
+                    pass
+            with prof.step("eval_step", batch_size=2):
+                pass
+
+
+def test_the_report_gives_each_step_name_its_own_figures(tmp_path, capsys):
+    """A run whose steps have two names: one entry per name (in --json and the text), each with
+    only its steps' figures, never one median over both."""
+    import orjson
+
+    log = str(tmp_path / "names.jsonl")
+    _two_names(log)
+    assert main(["report", "--json", log]) == 0
+    runs = orjson.loads(capsys.readouterr().out)["logs"][0]["runs"]
+    by_name = {r["step_name"]: r for r in runs}
+    assert set(by_name) == {"train_step", "eval_step"} and {r["run_id"] for r in runs} == {runs[0]["run_id"]}
+    train, ev = by_name["train_step"], by_name["eval_step"]
+    assert train["steps"] == ev["steps"] == 6
+    assert train["figures"]["wall_ms"]["median"] > 3.5 > ev["figures"]["wall_ms"]["median"]
+    assert train["batch_size"] == 8 and ev["batch_size"] == 2
+    assert [p["name"] for p in train["phases"]] == ["forward"] and ev["phases"] == []
+    assert main(["report", log]) == 0
+    text = capsys.readouterr().out
+    assert "steps named 'train_step'" in text and "steps named 'eval_step'" in text and "-- run" not in text
+
+
+def test_a_run_with_several_names_splits_alike_when_read_in_parallel(tmp_path):
+    """The parallel read merges byte ranges' aggregates: the name groups merge too."""
+    from stepprof._report.build import report_log
+
+    log = str(tmp_path / "names.jsonl")
+    _two_names(log)
+    serial = report_log(log, workers=1)
+    parallel = report_log(log, workers=3)  # three byte ranges, merged
+
+    def key(report):
+        return [(r.step_name, r.steps, r.measured_steps, r.figures.wall_ms) for r in report.runs]
+
+    assert key(serial) == key(parallel) and len(serial.runs) == 2
+
+
+def test_phase_syncs_are_na_when_the_steps_counted_none(tmp_path, capsys):
+    """A step without a sync count (syncs null, with its reason) whose phases say 0: the phase
+    table says n/a like the step line, not 0.00."""
+    import orjson
+
+    log = tmp_path / "syncs.jsonl"
+    why = "CUDA is not available: there is no device for the host to wait on"
+    recs = [
+        {"schema_version": 2, "kind": "step", "step": i, "name": "step", "warmup": False, "device": "cpu",
+         "wall_ms": 1.0, "syncs": None, "unavailable": {"syncs": why, "phases.syncs": why},
+         "phases": {"forward": {"wall_ms": 0.5, "gpu_ms": None, "peak_allocated_bytes": None, "count": 1,
+                                "syncs": 0}}}
+        for i in range(4)
+    ]
+    log.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    assert main(["report", str(log)]) == 0
+    text = capsys.readouterr().out
+    assert f"syncs/step                n/a  ({why})" in text
+    (row,) = [line for line in text.splitlines() if line.strip().startswith("forward")]
+    assert row.split()[-1] == "n/a" and "0.00" not in row
