@@ -170,3 +170,21 @@ def test_phase_syncs_are_na_when_the_steps_counted_none(tmp_path, capsys):
     assert f"syncs/step                n/a  ({why})" in text
     (row,) = [line for line in text.splitlines() if line.strip().startswith("forward")]
     assert row.split()[-1] == "n/a" and "0.00" not in row
+
+
+def test_a_cpu_sweep_says_what_its_curve_shows(tmp_path):
+    """On the CPU there is no allocator: a slower large batch is not "thrash", and a batch that
+    ran is not "max_fit" when no memory limit was searched."""
+    import time
+
+    def train_step(x):
+        time.sleep(0.001 if len(x) <= 4 else 0.0005 * len(x) ** 2)  # samples/s falls past 4
+
+    result = stepprof.sweep(train_step, lambda n: torch.zeros(n, 2), max_batch=32, device="cpu",
+                            progress=False, min_time_s=0, steps=2)
+    text = str(result)
+    assert result.thrash_zone is not None and result.first_oom is None
+    table = [line for line in text.splitlines() if not line.startswith("recommended")]
+    assert "thrash" not in "\n".join(table) and "max_fit" not in text
+    assert f"slower from {result.thrash_zone.start}" in text and "largest ran" in text
+    assert "no memory thrash" in result.reason
