@@ -188,3 +188,42 @@ def test_a_cpu_sweep_says_what_its_curve_shows(tmp_path):
     assert "thrash" not in "\n".join(table) and "max_fit" not in text
     assert f"slower from {result.thrash_zone.start}" in text and "largest ran" in text
     assert "no memory thrash" in result.reason
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def test_the_readme_is_short_and_its_first_code_block_runs_as_written(tmp_path):
+    """Under 150 lines; its first code block is Python that runs on the CPU as written and writes
+    the log it names; the two set-up commands are there verbatim, the test one as .ci/run runs it."""
+    with open(README) as f:
+        text = f.read()
+    assert len(text.splitlines()) < 150
+    first = text.split("```")[1]
+    lang, code = first.split("\n", 1)
+    assert lang == "python"
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert "measured steps" in done.stdout
+    kinds = [r["kind"] for r in stepprof.read(tmp_path / "run.jsonl")]
+    assert kinds.count("step") == 20 and kinds[-1] == "summary"
+    demo = ('python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e . && '
+            '.venv/bin/python -m stepprof demo')
+    test = ('python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[dev]" && '
+            '.venv/bin/python -m pytest -q')
+    assert demo in text.splitlines() and test in text.splitlines()
+    with open(os.path.join(os.path.dirname(README), ".ci", "run")) as f:
+        assert test in f.read().splitlines()
+    assert "find-links" not in text
+
+
+def test_the_readme_names_every_public_name_and_links_every_example():
+    with open(README) as f:
+        text = f.read()
+    assert not [n for n in stepprof.__all__ if f"`{n}" not in text and f"{n}(" not in text]
+    examples = os.path.join(os.path.dirname(README), "examples")
+    assert not [e for e in os.listdir(examples) if e.endswith(".py") and f"(examples/{e})" not in text]
+    docs = os.path.join(os.path.dirname(README), "docs")
+    assert not [d for d in os.listdir(docs) if d.endswith(".md") and f"(docs/{d})" not in text]
