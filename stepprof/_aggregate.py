@@ -29,6 +29,7 @@ the step path is written out with type tests rather than generic helpers.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from typing import Any
@@ -49,6 +50,10 @@ __all__ = [
 
 #: Sync sites, phase names, batch sizes and reasons kept per run.
 TABLE_CAP = 256
+#: Step names given their own figures per run; the steps of further names are grouped together.
+NAMES_SPLIT = 16
+#: The group of the steps without a name, and of the names past :data:`NAMES_SPLIT`.
+NO_NAME, OTHER_NAMES = "(no name)", "(other names)"
 #: Slowest steps kept per run (for the spikes diagnosis).
 SPIKES_KEPT = 32
 #: Steps between two folds of the sketches' buffers.
@@ -221,6 +226,11 @@ class RunAggregate:
         self.steps = self.warmup = self.errors = self.measured = self.malformed = 0
         self.devices: dict[str, int] = {}
         self.names: dict[str, int] = {}
+        #: The first step's name group; once a step of another name comes, ``by_name`` holds
+        #: an aggregate of each name's steps (step records only), so that the report gives
+        #: each name its own figures.  None while the run has one name.
+        self.key: str | None = None
+        self.by_name: dict[str, RunAggregate] | None = None
         self.batch_sizes: dict[int, int] = {}
         self.first_step: int | None = None
         self.last_step = -1
@@ -308,6 +318,10 @@ class RunAggregate:
         # Numbers are taken as orjson gives them: int or float (JSON has no NaN or
         # infinity); anything else (a str, a bool, null) is treated as missing.
         get = r.get
+        name = get("name")
+        key = name if type(name) is str else NO_NAME
+        if key != self.key or self.by_name is not None:
+            self._by_name(key, r)  # before this step counts here: a copy of the run so far is a group
         self.steps += 1
         idx = get("step")
         if type(idx) is int:
@@ -325,7 +339,6 @@ class RunAggregate:
                 table[device] += 1
             else:
                 _count(table, device)
-        name = get("name")
         if type(name) is str:
             table = self.names
             if name in table:
@@ -401,7 +414,8 @@ class RunAggregate:
             self._add_syncs(syncs)
         phases = get("phases")
         if phases and type(phases) is dict:
-            self._add_phases(phases)
+            # A phase's syncs count only in a step that counted its own (a log may hold 0s there).
+            self._add_phases(phases, type(syncs) is dict and type(syncs.get("count")) is int)
         if "energy_j" in r:
             self._add_energy(r, batch)
         if "tflops_per_s" in r:
@@ -429,6 +443,38 @@ class RunAggregate:
         self.since_settle += 1
         if self.since_settle >= _SETTLE_EVERY:
             self.settle()
+
+    def _by_name(self, key: str, r: dict[str, Any]) -> None:
+        """A step record whose name differs from the first step's, or of a run already split."""
+        if self.key is None:  # the run's first step
+            self.key = key
+            return
+        if self.key == OTHER_NAMES:  # the group of the names past NAMES_SPLIT: not split again
+            return
+        groups = self.by_name
+        if groups is None:  # the second name: the steps so far are all of the first one
+            groups = self.by_name = {self.key: self._steps_copy()}
+        if key not in groups and len(groups) >= NAMES_SPLIT:
+            key = OTHER_NAMES
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = RunAggregate(self.index)
+            group.key = key
+            group.run_id = self.run_id
+        group.add_step(r)
+
+    def _steps_copy(self) -> RunAggregate:
+        """A copy of this run as one name group: its step figures, without the run's other records."""
+        state = self.__getstate__()
+        state.update(by_name=None, memory_first=None, memory_last=None, memory_records=0, flops=None,
+                     summary=None, ranks_records=0, ranks_named={}, ranks_last=None, ranks_last_named=None)
+        group = RunAggregate.__new__(RunAggregate)
+        group.__setstate__(copy.deepcopy(state))
+        return group
+
+    def name_groups(self) -> dict[str, RunAggregate]:
+        """Each step name's aggregate, when the run's steps have several names; else empty."""
+        return dict(self.by_name) if self.by_name is not None else {}
 
     def _take_compiles(self, r: dict[str, Any], idx: int) -> None:
         """A step record with the compile fields (warm-up or not): the run's compile totals."""
@@ -559,7 +605,7 @@ class RunAggregate:
             entry[0] += n
             entry[2] += 1
 
-    def _add_phases(self, phases: dict[str, Any]) -> None:
+    def _add_phases(self, phases: dict[str, Any], syncs_counted: bool) -> None:
         table = self.phases
         for name, ph in phases.items():
             agg = table.get(name)
@@ -584,7 +630,7 @@ class RunAggregate:
             if (t is int or t is float) and (agg.peak is None or x > agg.peak):
                 agg.peak = x
             x = get("syncs")
-            if type(x) is int:
+            if type(x) is int and syncs_counted:
                 agg.syncs += x
                 agg.sync_steps += 1
             x = get("count")
@@ -624,6 +670,22 @@ class RunAggregate:
 
     def merge(self, later: RunAggregate) -> None:
         """Fold in ``later``: the same run, continued in a later stretch of the log."""
+        split = self.by_name is not None or later.by_name is not None or (
+            self.key is not None and later.key is not None and self.key != later.key
+        )
+        if split:
+            groups = self._groups()
+            for key, group in later._groups().items():
+                if key in groups:
+                    groups[key].merge(group)
+                elif len(groups) < NAMES_SPLIT:
+                    groups[key] = group
+                elif OTHER_NAMES in groups:
+                    groups[OTHER_NAMES].merge(group)
+                else:
+                    group.key = OTHER_NAMES
+                    groups[OTHER_NAMES] = group
+        self.key = self.key if self.key is not None else later.key
         for name in self._COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(later, name))
         _add_counts(self.devices, later.devices)
@@ -688,6 +750,14 @@ class RunAggregate:
         for key, why in later.step_reasons.items():
             if key not in self.step_reasons and len(self.step_reasons) < TABLE_CAP:
                 self.step_reasons[key] = why
+        if split:
+            self.by_name = groups
+
+    def _groups(self) -> dict[str, RunAggregate]:
+        """The run's name groups (itself copied as one group while it has one name)."""
+        if self.by_name is not None:
+            return self.by_name
+        return {self.key: self._steps_copy()} if self.key is not None else {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

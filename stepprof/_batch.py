@@ -15,8 +15,15 @@ import torch
 
 __all__ = ["NO_BATCH", "infer_batch_size"]
 
+class _NoBatch:
+    """The default of ``batch=``: no batch was passed (None may be a batch)."""
+
+    def __repr__(self) -> str:  # how help() shows the default
+        return "<no batch>"
+
+
 #: No batch was passed (None may be a batch).
-NO_BATCH: Any = object()
+NO_BATCH: Any = _NoBatch()
 
 #: How deep into nested containers the search goes, and how many tensors it looks at.
 _DEPTH = 3

@@ -11,6 +11,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stepprof", description="Honest numbers about a PyTorch training step."
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"stepprof {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small embedded model under stepprof and print the summary")
     demo.add_argument("--steps", type=int, default=60, help="steps to train (default 60)")
@@ -24,9 +27,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("logs", nargs="+", metavar="LOG", help="stepprof JSON-lines log(s)")
     report.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    plot = sub.add_parser("plot", help="draw a step log (times and memory per step) or a sweep log to a PNG")
-    plot.add_argument("log", metavar="LOG")
-    plot.add_argument("-o", "--output", required=True, help="PNG to write")
+    plot = sub.add_parser("plot", help="draw step logs (times and memory per step) or sweep logs to PNGs")
+    plot.add_argument("logs", nargs="+", metavar="LOG", help="stepprof JSON-lines log(s); one PNG each")
+    plot.add_argument(
+        "-o", "--output", default=None, help="PNG to write (one LOG only; default: beside each log, its .jsonl replaced by .png)"
+    )
     plot.add_argument(
         "--run", type=int, default=0, help="which run of a log with several (1-based; default: last)"
     )
@@ -119,15 +124,22 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._errors import ConfigError
-    from ._plot import plot_log
+    from ._plot import default_png, plot_log
     from ._validate import check_plot_run
 
     try:
         check_plot_run(args.run)
+        if args.output is not None and len(args.logs) > 1:
+            raise ConfigError(
+                f"'-o' {args.output!r} names one PNG for {len(args.logs)} logs; leave -o out to write "
+                f"each log's plot beside it (LOG.png)"
+            )
     except ConfigError as e:
         parser.error(str(e))
-    out = plot_log(args.log, args.output, run=args.run - 1 if args.run else -1, sweep=args.sweep)
-    print(f"stepprof: wrote {out}")
+    for log in args.logs:
+        out = args.output if args.output is not None else default_png(log)
+        out = plot_log(log, out, run=args.run - 1 if args.run else -1, sweep=args.sweep)
+        print(f"stepprof: wrote {out}")
     return 0
 
 

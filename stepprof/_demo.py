@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from typing import Any
 
 import torch
 
-from ._log import read
+from ._plot import default_png
 from ._recorder.profiler import Profiler
 from ._records import Summary
+from ._units import format_bytes
 
 
 def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.jsonl",
@@ -36,6 +38,9 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
         batches.append((x.to(dev), (x @ teacher).argmax(1).to(dev)))
 
     out(f"stepprof demo: {steps} steps of a {width}-wide MLP, batch {batch}, on {dev} -> {log}")
+    if warmup >= steps:
+        out(f"warning: --warmup {warmup} >= --steps {steps}: every step is warm-up, so no step is measured; "
+            f"use a --warmup below {steps}")
     first_loss = last_loss = None
     t0 = time.perf_counter()
     # Measure the device the model trains on: with device=None the profiler would read the
@@ -59,14 +64,67 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
     summary = prof.close()
     elapsed = time.perf_counter() - t0
     out(f"loss {float(first_loss):.3f} -> {float(last_loss):.3f} in {elapsed:.1f} s")
-    out(str(summary))
-    last = [r for r in read(log, kind="step")][-1]
-    phases = ", ".join(
-        f"{k} {v['wall_ms']:.2f} ms" + (f" / gpu {v['gpu_ms']:.2f} ms" if v["gpu_ms"] is not None else "")
-        for k, v in last["phases"].items()
-    )
-    out(f"last step ({last['step']}): {phases}")
-    if last["unavailable"]:
-        out("unavailable here: " + "; ".join(f"{k}: {v}" for k, v in sorted(last["unavailable"].items())))
-    out(f"records: stepprof.read({log!r})  |  pandas.read_json({log!r}, lines=True)")
+    for line in summary_lines(summary, on_cpu=dev.type == "cpu"):
+        out(line)
+    out("next:")
+    out(f"  stepprof report {shlex.quote(log)}    figures and diagnoses, with evidence and remedies")
+    out(f"  stepprof plot {shlex.quote(log)}      times and memory per step, to {default_png(log)}")
+    out(f"  stepprof.read({log!r})    the records as dicts, in Python")
     return summary
+
+
+#: The figure groups that may be missing, and the ``unavailable`` keys of each.
+_GROUPS = {
+    "GPU time": ("gpu_ms", "gpu_busy_median", "phases.gpu_ms"),
+    "GPU memory": ("peak_allocated_bytes_max", "phases.peak_allocated_bytes_max"),
+    "sync points": ("syncs_per_step_median", "phases.syncs_per_step"),
+    "energy": ("energy_j_per_step",),
+}
+#: Lines no longer than this (the reasons are cut to fit).
+WIDTH = 100
+
+
+def summary_lines(summary: Summary, *, on_cpu: bool) -> list[str]:
+    """The run's figures, labelled (medians over the measured steps), and one line per missing group."""
+    s = summary
+    lines = [f"{s.measured_steps} measured steps ({s.warmup_steps} warm-up) on {s.device}"
+             + ("; medians over the measured steps:" if s.measured_steps else "")]
+    if s.wall_ms is not None:
+        lines.append(f"  wall time per step      {s.wall_ms.median:.2f} ms (p10 {s.wall_ms.p10:.2f}, "
+                     f"p90 {s.wall_ms.p90:.2f})")
+    if s.gpu_ms is not None:
+        lines.append(f"  GPU time per step       {s.gpu_ms.median:.2f} ms (p10 {s.gpu_ms.p10:.2f}, "
+                     f"p90 {s.gpu_ms.p90:.2f})")
+    if s.gpu_busy_median is not None:
+        lines.append(f"  GPU busy                {s.gpu_busy_median:.0%} of the wall time")
+    if s.samples_per_s_median is not None:
+        lines.append(f"  throughput              {s.samples_per_s_median:,.0f} samples/s")
+    phases = ", ".join(
+        f"{name} {f.gpu_ms_median if f.gpu_ms_median is not None else f.wall_ms_median:.2f} ms"
+        for name, f in s.phases.items() if (f.gpu_ms_median if f.gpu_ms_median is not None else f.wall_ms_median)
+        is not None
+    )
+    if phases:
+        which = "GPU" if any(f.gpu_ms_median is not None for f in s.phases.values()) else "wall"
+        lines.append(f"  phases ({which} time)      {phases}")
+    if s.peak_allocated_bytes_max is not None:
+        lines.append(f"  peak allocated (max)    {format_bytes(s.peak_allocated_bytes_max)}")
+    if s.syncs_per_step_median is not None:
+        lines.append(f"  syncs per step          {s.syncs_per_step_median:g}")
+    if s.overhead_us_mean is not None:
+        lines.append(f"  stepprof's own cost     {s.overhead_us_mean:.0f} µs/step (mean, "
+                     f"{s.boundary or 'host'} boundary)")
+    if s.measured_steps == 0:
+        lines.append(f"  no figures: {s.unavailable.get('wall_ms', 'no measured steps')}"[:WIDTH])
+    for group, keys in _GROUPS.items():
+        why = next((s.unavailable[k] for k in keys if k in s.unavailable), None)
+        if why is None or s.measured_steps == 0:
+            continue
+        text = "n/a on CPU" if on_cpu else f"n/a: {why}"
+        if on_cpu and group == "GPU memory":
+            text += " (the step records hold the process's RSS, host_rss_bytes)"
+        line = f"{group}: {text}"
+        lines.append(line if len(line) <= WIDTH else line[: WIDTH - 1] + "…")
+    if s.boundary == "python":
+        lines.append("the Python boundary ran: `stepprof build` compiles the C++ one (less stepprof time per step)")
+    return lines

@@ -16,7 +16,7 @@ from ._report.read import RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
 
-__all__ = ["plot_log"]
+__all__ = ["default_png", "plot_log"]
 
 _GIB = 2**30
 _MAX_POINTS = 4000  # beyond this many steps, each plotted point is a bin: median line, min-max band
@@ -122,13 +122,19 @@ def _binned(xs: array, ys: array) -> tuple[list[float], list[float], list[float]
     return bx, med, lo, hi
 
 
+def default_png(log: str) -> str:
+    """Where ``stepprof plot LOG`` writes without ``-o``: beside the log, ``.jsonl`` replaced by ``.png``."""
+    root, ext = os.path.splitext(log)
+    return (root if ext.lower() in (".jsonl", ".json", ".ndjson") else log) + ".png"
+
+
 def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
     """Draw the log at ``path`` to a PNG at ``out``; return ``out``.
 
     A log with steps draws its run ``run`` (default the last); ``sweep=True``, or a
     log with only sweep records, draws the last sweep's curve.
     """
-    Figure, Canvas, Fmt = _matplotlib()
+    _, Canvas, _ = _matplotlib()
     ext = os.path.splitext(os.fspath(out))[1].lstrip(".").lower()
     if ext and ext not in Canvas.get_supported_filetypes():
         raise ConfigError(
@@ -148,15 +154,23 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
         return _plot_sweep(path, sweep_records, out)
     if not -len(runs) <= run < len(runs):
         raise ConfigError(f"'--run' must be between 1 and {len(runs)} for {path!r} (got {run + 1})")
-    s = runs[run]
+    fig = steps_figure(path, runs[run], run, len(runs))
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if ext else "png")
+    return out
+
+
+def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
+    """The figure of one run's steps: times on top, memory (or the host's RSS) below."""
     has_gpu = any(g == g for g in s.gpu)
     has_mem = any(p == p for p in s.peak)
+    Figure, Canvas, Fmt = _matplotlib()
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     title = f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}"
-    if len(runs) > 1:
-        title += f" (run {run % len(runs) + 1} of {len(runs)})"
+    if n_runs > 1:
+        title += f" (run {run % n_runs + 1} of {n_runs})"
     fig.suptitle(title, fontsize=13)
     binned = len(s.step) > _MAX_POINTS
     for series, color, label in (
@@ -276,7 +290,8 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
             x, [v / _GIB for v in med], "-", color="tab:brown", lw=1.4, label="host RSS (GiB, whole process)"
         )
         mem.set_ylabel("GiB")
-        mem.set_ylim(bottom=0)
+        # Room above the highest point: a flat line at the data maximum would sit on the frame.
+        mem.set_ylim(0, max(v for v in s.rss if v == v) / _GIB * 1.15)
     else:
         mem.text(0.5, 0.5, "no memory figures in this log", transform=mem.transAxes, ha="center", va="center")
         mem.set_yticks([])
@@ -284,9 +299,7 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
         mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
     mem.set_xlabel("step")
     mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
-    # Without an extension matplotlib would add ".png" to the name: write the path as given.
-    fig.savefig(out, format=None if ext else "png")
-    return out
+    return fig
 
 
 def _plot_sweep(path: str, records: list[dict[str, Any]], out: str) -> str:

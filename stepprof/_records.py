@@ -21,7 +21,17 @@ __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 @attrs.frozen
 class Percentiles:
-    """Median and spread of one figure over the measured steps."""
+    """Median and spread of one figure over the measured steps (``Summary.wall_ms``, ``gpu_ms``).
+
+    Attributes:
+        median: the 50th percentile.
+        p10, p90: the 10th and 90th percentiles, linearly interpolated between steps.
+
+    Example:
+        >>> from stepprof import Percentiles
+        >>> print(Percentiles.of([1.0, 2.0, 3.0, 4.0]))
+        2.500 [p10 1.300, p90 3.700]
+    """
 
     median: float
     p10: float
@@ -29,6 +39,7 @@ class Percentiles:
 
     @classmethod
     def of(cls, xs: Sequence[float]) -> Percentiles | None:
+        """The percentiles of ``xs``, or None when it is empty."""
         if not xs:
             return None
         s = sorted(xs)
@@ -161,7 +172,8 @@ class Summary:
         if self.syncs_outside_steps:
             parts.append(f"{self.syncs_outside_steps} syncs outside steps")
         if self.tflops_per_s_median is not None:
-            parts.append(f"{self.tflops_per_s_median:.1f} TFLOP/s")
+            t = self.tflops_per_s_median  # a CPU's is well below 0.1: keep its digits
+            parts.append(f"{t:.1f} TFLOP/s" if t >= 10 else f"{t:.3g} TFLOP/s")
         if self.mfu_median is not None:
             parts.append(f"MFU {self.mfu_median:.0%}")
         if self.input_wait_fraction is not None and self.input_wait_fraction >= 0.05:

@@ -317,6 +317,11 @@ class _PublicFunction:
         self.__module__ = "stepprof"
         self.__doc__ = call.__doc__
         self.__wrapped__ = call
+        # help() titles an object that is not a function with its class's name: make that
+        # read "function profile_step", as for a function, not the name of a private class.
+        type(self).__name__ = f"function {name}"
+        # Its return type is a private class; the docstring says what it returns.
+        self.__signature__ = inspect.signature(call).replace(return_annotation=inspect.Signature.empty)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         # Being a descriptor makes it a routine to pydoc (help() documents a function, not

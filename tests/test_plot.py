@@ -72,3 +72,45 @@ def test_plot_to_a_format_matplotlib_cannot_write_is_a_clear_error(capsys, h200_
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "-o" in err and repr(out_path) in err and ".png" in err
     assert not os.path.exists(out_path)
+
+
+def _cpu_log(path: str, steps: int = 6) -> str:
+    model = torch.nn.Linear(16, 4)
+    with stepprof.Profiler(path, warmup=1, device="cpu") as prof:
+        for _ in range(steps):
+            with prof.step(batch_size=8):
+                model(torch.randn(8, 16)).sum().backward()
+    return path
+
+
+def test_the_host_rss_line_lies_inside_the_axes(tmp_path):
+    """On the CPU the memory panel draws the host's RSS, a nearly flat line: the y-limits leave
+    room above it, so that it does not sit on the top frame."""
+    pytest.importorskip("matplotlib")
+    from stepprof._plot import _read, steps_figure
+
+    log = _cpu_log(str(tmp_path / "cpu.jsonl"))
+    runs, _, _ = _read(log)
+    fig = steps_figure(log, runs[-1], -1, len(runs))
+    mem = fig.axes[1]
+    (line,) = [ln for ln in mem.get_lines() if "RSS" in ln.get_label()]
+    bottom, top = mem.get_ylim()
+    ys = [y for y in line.get_ydata() if y == y]
+    assert ys and bottom <= 0 < min(ys)
+    assert max(ys) <= 0.9 * top  # a visible margin under the frame
+
+
+def test_plot_takes_several_logs_and_writes_each_beside_it(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    a = _cpu_log(str(tmp_path / "a.jsonl"))
+    b = _cpu_log(str(tmp_path / "b.rank0"))
+    rc, out, err = cli(capsys, "plot", a, b)
+    assert rc == 0, err
+    assert out.splitlines() == [f"stepprof: wrote {tmp_path / 'a.png'}", f"stepprof: wrote {b}.png"]
+    for png in (tmp_path / "a.png", f"{b}.png"):
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as exit_:
+        cli(capsys, "plot", a, b, "-o", str(tmp_path / "one.png"))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'-o'" in err and "2 logs" in err and "LOG.png" in err

@@ -171,6 +171,8 @@ class HostBackend(BoundaryOps):
         self.memory_reason = (
             f"{reason}; torch's CPU allocator keeps no peak counter (see host_rss_bytes)"
         )
+        #: reserved_bytes is not a peak: its own reason.
+        self.reserved_reason = f"{reason}: memory reserved by CUDA's caching allocator (see host_rss_bytes)"
         self.sync_mechanism: str | None = None
         self.sync_reason = f"{reason}: there is no device for the host to wait on"
 

@@ -68,9 +68,10 @@ def report_log(path: str, workers: int | None = None) -> LogReport:
     versions = segment.versions
     newer = sorted(v for v in versions if type(v) is int and v > SCHEMA_VERSION)
     runs = tuple(
-        run_report(run, last_result)
+        report
         for run in segment.runs
         if run.steps or run.memory_records or run.flops or run.ranks_records
+        for report in _run_reports(run, last_result)
     )
     return LogReport(
         path=os.fspath(path),
@@ -90,6 +91,27 @@ def _sweep_report(sweep: LoggedSweep) -> SweepReport:
     return SweepReport(
         points=tuple(attrs.asdict(p) for p in sweep.points), result=sweep.result_record, table=sweep.table
     )
+
+
+def _run_reports(agg: RunAggregate, sweep: dict[str, Any] | None) -> list[RunReport]:
+    """The run's report; one per step name when its steps have several names.
+
+    Each name's report has that name's step figures; the run's other records (memory,
+    the summary, ranks) are the run's, and its FLOPs go to the name whose step was counted.
+    """
+    groups = agg.name_groups()
+    if not groups:
+        return [run_report(agg, sweep)]
+    reports = []
+    for name, group in groups.items():
+        group.memory_first, group.memory_last = agg.memory_first, agg.memory_last
+        group.memory_records, group.summary, group.identity = agg.memory_records, agg.summary, agg.identity
+        group.ranks_records, group.ranks_named = agg.ranks_records, agg.ranks_named
+        group.ranks_last, group.ranks_last_named = agg.ranks_last, agg.ranks_last_named
+        if group.flops_counted_step is not None or (agg.flops_counted_step is None and len(groups) == 1):
+            group.flops = agg.flops
+        reports.append(attrs.evolve(run_report(group, sweep), step_name=name))
+    return reports
 
 
 def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
@@ -320,6 +342,10 @@ def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:
     for log in logs:
         for run in log.runs:
             if run.rank is not None:
+                seen = last.get(run.rank)
+                if (seen is not None and seen[1].run == run.run and seen[1].run_id == run.run_id
+                        and seen[1].measured_steps >= run.measured_steps):
+                    continue  # a run with several step names: its name with the most steps
                 last[run.rank] = (log.path, run)
     if not last:
         return None

@@ -220,6 +220,10 @@ class RunReport:
     not_diagnosed: dict[str, str]
     #: torch.compile figures; None when no step record of the run carries them.
     compile: CompileFigures | None = None
+    #: When the run's steps have several names, each name has its own entry (the same
+    #: ``run`` and ``run_id``) with only its steps' figures: this is its name.  None when
+    #: the run has one name.
+    step_name: str | None = None
 
 
 @attrs.frozen

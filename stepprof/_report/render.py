@@ -76,7 +76,7 @@ def render(report: Report) -> str:
         if not log.runs and not log.sweeps:
             out.append("   no step, memory or sweep records")
         for run in log.runs:
-            _render_run(run, out, len(log.runs) > 1)
+            _render_run(run, out, len({(r.run, r.run_id) for r in log.runs}) > 1)
         for i, sweep in enumerate(log.sweeps):
             out.append("")
             out.append(f"-- sweep {i + 1}" if len(log.sweeps) > 1 else "-- sweep")
@@ -133,11 +133,14 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
     head = f"-- run {run.run + 1}" if several else "--"
     if run.run_id is not None:  # a log's id may be any str: a long one is cut
         head += f" [{run.run_id if len(run.run_id) <= _ID_SHOWN else run.run_id[:_ID_SHOWN] + '…'}]"
-    names = ", ".join(run.names[:5]) or "none"
     out.append("")
+    if run.step_name is not None:  # one of a run's step names: its steps only
+        named = f"steps named {run.step_name!r}"
+    else:
+        named = "names: " + (", ".join(run.names[:5]) or "none")
     out.append(
         f"{head} {run.device or 'no device'}: {run.steps:,} steps ({run.warmup_steps:,} warm-up, "
-        f"{run.error_steps:,} failed, {run.measured_steps:,} measured); names: {names}"
+        f"{run.error_steps:,} failed, {run.measured_steps:,} measured); {named}"
         + (f"; batch {run.batch_size:,}" if run.batch_size else "")
     )
     if not run.summary_found and run.steps:

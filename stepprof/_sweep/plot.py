@@ -48,16 +48,19 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     sizes = [p.batch_size for p in result.points]
     lo, hi = (min(sizes), max(sizes)) if sizes else (1, 2)
     zone = result.thrash_zone
+    zone_name = "slower (CPU: the cores' limit)" if result.on_host else "thrash zone"
+    bracketed = result.stopped == "boundary" or result.first_oom is not None
+    fit_name = "max_fit" if bracketed else "largest ran"
     axes = [a for a in (ax, mem) if a is not None]
     for a in axes:
         a.set_xscale("log", base=2)
         a.grid(True, which="major", alpha=0.3)
         if zone is not None:
             a.axvspan(zone.start / 1.08, zone[-1] * 1.08, color="tab:orange", alpha=0.25,
-                      label=f"thrash zone {zone.start:,}-{zone[-1]:,}" if a is ax else None)
+                      label=f"{zone_name} {zone.start:,}-{zone[-1]:,}" if a is ax else None)
         if result.max_fit is not None:
             a.axvline(result.max_fit, color="tab:gray", ls="--", lw=1.2,
-                      label=f"max_fit {result.max_fit:,}" if a is ax else None)
+                      label=f"{fit_name} {result.max_fit:,}" if a is ax else None)
         if result.first_oom is not None:
             a.axvline(result.first_oom, color="tab:red", ls=":", lw=1.2,
                       label=f"first OOM {result.first_oom:,}" if a is ax else None)
@@ -74,7 +77,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     if zone is not None:
         hot = [p for p in ran if p.batch_size in zone]
         ax.plot([p.batch_size for p in hot], [p.samples_per_s for p in hot], "o", color="tab:orange",
-                ms=8, ls="none", label="in the thrash zone")
+                ms=8, ls="none", label="slower" if result.on_host else "in the thrash zone")
     errs = [p for p in ran if p.step_ms_p10 and p.step_ms_p90]
     if errs:  # p10-p90 of the step time, as a rate
         ax.vlines([p.batch_size for p in errs], [p.batch_size / p.step_ms_p90 * 1e3 for p in errs],

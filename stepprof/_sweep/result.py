@@ -116,6 +116,11 @@ class SweepResult:
     notes: tuple[str, ...] = ()
     unavailable: dict[str, str] = attrs.field(factory=dict)
 
+    @property
+    def on_host(self) -> bool:
+        """The sweep ran on the CPU: no allocator limit, so its slower batches are no thrash."""
+        return self.device == "cpu"
+
     def point(self, batch_size: int) -> SweepPoint | None:
         """The point measured at ``batch_size``, or None if it was not tried."""
         for p in self.points:
@@ -154,6 +159,10 @@ class SweepResult:
             ),
         ]
         zone = self.thrash_zone
+        host = self.on_host
+        zone_mark = "slower" if host else "thrash"
+        # max_fit is the largest batch that fits only when the search bracketed the boundary.
+        fit_mark = "max_fit" if self.stopped == "boundary" or self.first_oom is not None else "largest ran"
         for p in self.points:
             marks = []
             if p.batch_size == self.recommended:
@@ -161,9 +170,9 @@ class SweepResult:
             if p.batch_size == self.knee and self.knee != self.recommended:
                 marks.append("knee")
             if p.batch_size == self.max_fit:
-                marks.append("max_fit")
+                marks.append(fit_mark)
             if zone is not None and p.batch_size in zone:
-                marks.append("thrash")
+                marks.append(zone_mark)
             if p.oom:
                 marks.append("OOM" + (f", {format_bytes(p.leaked_bytes)} not freed" if p.leaked_bytes else ""))
             sps = "-" if p.samples_per_s is None else f"{p.samples_per_s:,.0f}"
@@ -178,11 +187,18 @@ class SweepResult:
                 f"{p.batch_size:>9,} {sps:>12} {ms:>10} {spread:>17} {peak:>11} {retries:>7}  "
                 + ", ".join(marks)
             )
-        lines.append(
-            f"knee {format_count(self.knee)} | max_fit {format_count(self.max_fit)} | "
-            f"first_oom {format_count(self.first_oom)} | predicted_max {format_count(self.predicted_max)} | "
-            f"thrash zone {_range_str(zone)}"
-        )
+        if host:  # no allocator: no memory boundary, no prediction, no thrash
+            lines.append(
+                f"knee {format_count(self.knee)} | {fit_mark} {format_count(self.max_fit)} | "
+                f"slower from {format_count(zone.start if zone is not None else None)} "
+                f"(CPU: no memory limit searched)"
+            )
+        else:
+            lines.append(
+                f"knee {format_count(self.knee)} | {fit_mark} {format_count(self.max_fit)} | "
+                f"first_oom {format_count(self.first_oom)} | predicted_max {format_count(self.predicted_max)} | "
+                f"thrash zone {_range_str(zone)}"
+            )
         lines.append(f"recommended {format_count(self.recommended)}: {self.reason}")
         lines.extend(f"note: {n}" for n in self.notes)
         # A result read back from a log may hold anything: each value stays on its line, escaped.

@@ -126,8 +126,12 @@ def explain_recommendation(
     stopped: str,
     knee_within: float,
     max_batch: int | None,
+    on_host: bool = False,
 ) -> str:
-    """One paragraph on why ``recommended`` was chosen (or why none was)."""
+    """One paragraph on why ``recommended`` was chosen (or why none was).
+
+    ``on_host``: the sweep ran on the CPU, where a slower batch is no allocator thrash.
+    """
     ran = ran_points(points)
     if not ran:
         if stopped == "time_budget":
@@ -138,6 +142,14 @@ def explain_recommendation(
         retried = [p.batch_size for p in ran if p.alloc_retries and p.batch_size in zone]
         why = "the allocator retried (cudaFree and cudaMalloc) every step" if retried else "samples/s fell"
         zone_text = f" Batches from {zone.start:,} up are in the thrash zone: {why}."
+        if on_host:
+            zone_text = (
+                f" Batches from {zone.start:,} up ran slower (samples/s fell more than 5% below the best): "
+                f"on the CPU that is no memory thrash but the cores' limit (the thread pool shares them "
+                f"with other processes; larger batches outgrow the caches)."
+            )
+    if recommended is None and on_host:
+        return f"Every batch that ran was slower than a smaller one, so none is recommended.{zone_text}"
     if recommended is None:
         return (
             f"Every batch that ran is in the thrash zone, so none is recommended; try smaller "
@@ -168,4 +180,6 @@ def explain_recommendation(
         text += "."
     if max_fit is not None and stopped == "boundary":
         text += f" The largest batch that fits is {max_fit:,}."
+    elif on_host and stopped == "plateau":
+        text += " The CPU has no memory limit to search: the sweep stopped where samples/s stopped growing."
     return text + zone_text

@@ -533,7 +533,7 @@ class BatchSearch:
             )
         reason = explain_recommendation(
             points, zone, recommended, max_fit=max_fit, first_oom=first_oom, stopped=self.stopped,
-            knee_within=self.knee_within, max_batch=self.max_batch,
+            knee_within=self.knee_within, max_batch=self.max_batch, on_host=backend.device == "cpu",
         )
         return SweepResult(
             points=points, knee=knee, max_fit=max_fit, first_oom=first_oom, predicted_max=predicted,
