@@ -34,6 +34,7 @@ SINGLE = {
     "sync_hunt.py": {"step", "summary"},
     "memory.py": {"step", "summary", "memory"},
     "compile.py": {"step", "summary"},
+    "lightning_callback.py": {"step", "summary"},
 }
 
 
