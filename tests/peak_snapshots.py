@@ -14,6 +14,7 @@ allocation gets a fresh segment of exactly its rounded size, so block sizes are 
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 from stepprof._peak import round_block
@@ -24,9 +25,13 @@ def frame(name: str, filename: str, line: int) -> dict[str, Any]:
 
 
 class FakeAllocator:
-    def __init__(self, device: int = 0, t_us: float = 1_000_000.0) -> None:
+    def __init__(self, device: int = 0, t_us: float | None = 1_000_000.0, gpu: Any = None) -> None:
+        """``t_us`` None: the trace's clock is the host's epoch clock (as torch's is); ``gpu``: a
+        ``tests.fakes.FakeGpu`` whose allocator counters follow these allocations."""
         self.device = device
-        self.t_us = t_us
+        self.real_clock = t_us is None
+        self.t_us = time.time_ns() / 1000 if t_us is None else t_us
+        self.gpu = gpu
         self.segments: dict[int, dict[str, Any]] = {}
         self.trace: list[dict[str, Any]] = []
         self.recording = False
@@ -35,7 +40,7 @@ class FakeAllocator:
         self.peak = 0
 
     def tick(self, us: float = 10.0) -> float:
-        self.t_us += us
+        self.t_us = time.time_ns() / 1000 if self.real_clock else self.t_us + us
         return self.t_us
 
     def _record(self, action: str, addr: int, size: int, frames: list[dict[str, Any]] | None = None) -> None:
@@ -59,6 +64,16 @@ class FakeAllocator:
         self._record("alloc", addr, requested, frames)
         self.allocated += size
         self.peak = max(self.peak, self.allocated)
+        if self.gpu is not None:
+            self.gpu.alloc(size)
+        return addr
+
+    def alloc_tensor(self, t: Any, frames: list[dict[str, Any]] | None = None) -> int:
+        """Record a (CPU) tensor's storage as an allocation at its real address."""
+        s = t.untyped_storage()
+        self._next_addr = s.data_ptr()
+        addr = self.alloc(s.nbytes(), frames)
+        self._next_addr = max(self._next_addr, 0x7F0000000000)
         return addr
 
     def free(self, addr: int) -> None:
@@ -67,6 +82,8 @@ class FakeAllocator:
         block["state"] = "inactive"
         self.segments[addr]["allocated_size"] = 0
         self.allocated -= block["size"]
+        if self.gpu is not None:
+            self.gpu.free(block["size"])
         self._record("free_completed", addr, block["requested_size"])
 
     def snapshot(self) -> dict[str, Any]:
