@@ -211,3 +211,42 @@ def test_configure_takes_the_same_names(tmp_path):
     finally:
         prof.close()
 
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.net = nn.Linear(3, 2)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+        self.calls = 0
+
+    def train_step(self, batch):
+        self.calls += 1
+        self.net(batch).sum().backward()
+        self.opt.step()
+
+
+def test_explain_peak_one_off_on_the_cpu_returns_the_reason():
+    t = Trainer()
+    exp = stepprof.explain_peak(t.train_step, torch.ones(4, 3), warmup=1)
+    assert t.calls == 2
+    assert isinstance(exp, stepprof.PeakExplanation)
+    assert exp.step == 1 and exp.bytes_by_category is None
+    assert "no CUDA allocator to explain" in exp.unavailable["bytes_by_category"]
+    assert "not explained (no CUDA allocator" in str(exp)
+
+
+def test_explain_peak_finds_the_model_and_optimizer_on_self():
+    from stepprof._api import _owned
+
+    t = Trainer()
+    assert _owned(t.train_step, nn.Module) is t.net
+    assert _owned(t.train_step, torch.optim.Optimizer) is t.opt
+    assert _owned(t.net, nn.Module) is t.net
+    assert _owned(lambda b: b, nn.Module) is None
+
+
+def test_explain_peak_checks_its_arguments():
+    with pytest.raises(stepprof.UsageError, match="'train_step' must be callable"):
+        stepprof.explain_peak(None, 1)
+    with pytest.raises(stepprof.ConfigError, match="'warmup'"):
+        stepprof.explain_peak(lambda b: b, 1, warmup=-1)
