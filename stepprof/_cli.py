@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         "--run", type=int, default=0, help="which run of a log with several (1-based; default: last)"
     )
     plot.add_argument("--sweep", action="store_true", help="draw the log's sweep, not its steps")
+    plot.add_argument("--peak", action="store_true", help="draw the log's explained peak (explain_peak)")
     env = sub.add_parser("env", help="GPU, driver, CUDA, torch, allocator, NVML, calibration, sync detection")
     env.add_argument("--json", action="store_true", help="print as one JSON object")
     cal = sub.add_parser(
@@ -118,7 +119,12 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_plot_run(args.run)
     except ConfigError as e:
         parser.error(str(e))
-    out = plot_log(args.log, args.output, run=args.run - 1 if args.run else -1, sweep=args.sweep)
+    if args.peak:
+        from ._peak_plot import plot_peak
+
+        out = plot_peak(args.log, args.output)
+    else:
+        out = plot_log(args.log, args.output, run=args.run - 1 if args.run else -1, sweep=args.sweep)
     print(f"stepprof: wrote {out}")
     return 0
 

@@ -103,7 +103,8 @@ class Block(nn.Module):
 
 
 def test_transformer_block_names_attention_first(tmp_path):
-    """B·H·T² scores and probabilities (512 MiB each) dwarf the MLP's activations (64 MiB)."""
+    """B·H·T² attention probabilities (512 MiB, saved for backward) and their gradients dwarf
+    the MLP's tensors (64 MiB of activations, 8 MiB of gradients)."""
     torch.manual_seed(0)
     b, t, d, heads = 8, 1024, 512, 16
     model = Block(d, heads).cuda()
@@ -128,8 +129,7 @@ def test_transformer_block_names_attention_first(tmp_path):
     mlp = sum(n for name, n in by_module.items() if name.startswith("mlp"))
     assert attn > 4 * mlp, _show(rec)
     cats = rec["bytes_by_category"]
-    assert max(cats, key=cats.get) == "activations", _show(rec)
-    assert cats["activations"] >= 2 * 512 * MiB, _show(rec)  # the scores' softmax output and probs @ v's probs
+    assert cats["activations"] >= 512 * MiB, _show(rec)  # the softmax's output, saved until attention's backward
     assert abs(sum(cats.values()) - rec["peak_allocated_bytes"]) <= 0.01 * rec["peak_allocated_bytes"], _show(rec)
     print(_show(rec))
 

@@ -250,3 +250,44 @@ def test_explain_peak_checks_its_arguments():
         stepprof.explain_peak(None, 1)
     with pytest.raises(stepprof.ConfigError, match="'warmup'"):
         stepprof.explain_peak(lambda b: b, 1, warmup=-1)
+
+
+def _explained_log(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        history.alloc_tensor(p)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(32, 64))
+    prof.close()
+
+
+def test_report_prints_the_peak(log, gpu, history, capsys):
+    from .report_helpers import cli
+
+    _explained_log(log, gpu, history)
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.strip().startswith("peak ") and "in step" in x)
+    assert "in step 0 in optimizer" in line and "optimizer state" in line and "parameters" in line
+    assert "optimizer state" in out and "explaining cost" in out
+    rc, out, _ = cli(capsys, "report", "--json", log)
+    import json
+
+    assert json.loads(out)["logs"][0]["runs"][0]["peak"]["kind"] == "peak"
+
+
+def test_plot_peak_writes_a_png(log, gpu, history, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from .report_helpers import cli
+
+    _explained_log(log, gpu, history)
+    png = str(tmp_path / "peak.png")
+    rc, out, _ = cli(capsys, "plot", "--peak", log, "-o", png)
+    assert rc == 0 and open(png, "rb").read(4) == b"\x89PNG"
+    plain = str(tmp_path / "plain.jsonl")
+    with stepprof.Profiler(plain, device="cpu", energy_every_s=None) as prof:
+        with prof.step():
+            pass
+    rc, _, err = cli(capsys, "plot", "--peak", plain, "-o", png)
+    assert rc == 2 and "has no explained peak" in err and "explain_peak=True" in err
