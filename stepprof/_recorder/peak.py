@@ -299,6 +299,7 @@ class PeakHook(Hook):
             self._watch_phases(None)
             ex.remove()
             ex.observe("end")
+            end_before = _now_us()
             end = step.backend.end_history()
         except Exception as e:  # noqa: BLE001 - a null record, never a broken step
             if raised_by_user(e):
@@ -310,7 +311,8 @@ class PeakHook(Hook):
         if end is not None:
             if exc is not None:
                 ex.notes.append(f"the step raised {type(exc).__name__}: its peak is up to the exception")
-            self._pending = {"end": end, "explaining": ex, "peak": step.peak if step.peak >= 0 else None}
+            self._pending = {"end": end, "explaining": ex, "peak": step.peak if step.peak >= 0 else None,
+                             "end_before": end_before}
         self._cost_ns += time.perf_counter_ns() - t0
 
     def on_fail(self, step_open: bool, why: str) -> None:
@@ -352,7 +354,7 @@ class PeakHook(Hook):
         assert start is not None
         ex: Explaining = pending["explaining"]
         try:
-            offset = _offset_us(start, pending["end"], ex.index)
+            offset = _offset_us(start, pending["end"], ex.index, pending["end_before"])
             if offset is None:
                 offset = 0.0
                 ex.notes.append("the history has no marker of its start, so host times are taken as the "
@@ -393,19 +395,21 @@ _NO_MODEL = {
 }
 
 
-def _offset_us(start: HistoryStart, end: dict[str, Any], index: int) -> float | None:
-    """Trace clock minus host clock, from the start snapshot's marker in the history.
+def _offset_us(start: HistoryStart, end: dict[str, Any], index: int, end_before_us: float) -> float | None:
+    """Trace clock minus host clock, from the snapshots' markers in the history.
 
-    torch records the marker as its ``_snapshot()`` begins (before it builds the Python
-    dicts and symbolises stacks, the slow part), so it is compared with the host's clock
-    just before the call.
+    torch records a snapshot's marker as its ``_snapshot()`` begins (before it builds the
+    Python dicts and symbolises stacks, the slow part), so each marker is compared with the
+    host's clock just before its call.  A delay between the two (the thread descheduled)
+    only adds to the difference, so the smaller of the two estimates is taken.
     """
     traces = end.get("device_traces") or []
     trace = traces[index] if index < len(traces) else []
-    marker = next((e for e in trace if e.get("action") == "snapshot"), None)
-    if marker is None or "time_us" not in marker:
+    markers = [e for e in trace if e.get("action") == "snapshot" and "time_us" in e]
+    if not markers:
         return None
-    return marker["time_us"] - start.host_before_us
+    first = markers[0]["time_us"] - start.host_before_us
+    return first if len(markers) < 2 else min(first, markers[-1]["time_us"] - end_before_us)
 
 
 def _to_trace(offset: float) -> Callable[[float], float]:
