@@ -19,8 +19,9 @@ from ._schema import SCHEMA_VERSION
 from ._sweep.result import SweepPoint, SweepResult
 
 if typing.TYPE_CHECKING:
-    from ._api import configure, iterate, measure, memory_report, profile_step
+    from ._api import configure, explain_peak, iterate, measure, memory_report, profile_step
     from ._memory import MemoryReport
+    from ._peak import PeakExplanation
     from ._recorder.profiler import Profiler
     from ._sweep.search import sweep
 
@@ -32,6 +33,7 @@ __all__ = [
     "BuildError",
     "ConfigError",
     "MemoryReport",
+    "PeakExplanation",
     "Percentiles",
     "PhaseFigures",
     "Profiler",
@@ -43,6 +45,7 @@ __all__ = [
     "SyncBudgetExceeded",
     "UsageError",
     "configure",
+    "explain_peak",
     "frame",
     "iterate",
     "measure",
@@ -59,7 +62,9 @@ def __getattr__(name: str) -> object:
     module = {
         "MemoryReport": "_memory",
         "Profiler": "_recorder.profiler",
+        "PeakExplanation": "_peak",
         "configure": "_api",
+        "explain_peak": "_api",
         "iterate": "_api",
         "measure": "_api",
         "memory_report": "_api",

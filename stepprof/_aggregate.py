@@ -260,6 +260,7 @@ class RunAggregate:
         self.memory_last: dict[str, Any] | None = None
         self.memory_records = 0
         self.flops: dict[str, Any] | None = None
+        self.peak_record: dict[str, Any] | None = None  # the kind: "peak" record (explain_peak)
         self.flops_requested = False  # a step record carries tflops_per_s (null or not)
         self.flops_reason: str | None = None  # the latest step's reason for a null tflops_per_s
         self.mfu_reason: str | None = None  # the latest timed step's reason for a null mfu
@@ -306,6 +307,8 @@ class RunAggregate:
             self.add_memory(record)
         elif kind == "flops":
             self.flops = record
+        elif kind == "peak":
+            self.peak_record = record
         elif kind == "ranks":
             self.add_ranks(record)
         elif kind == "summary":
@@ -733,7 +736,7 @@ class RunAggregate:
             self.memory_first = later.memory_first
         if later.memory_last is not None:
             self.memory_last = later.memory_last
-        for name in ("flops", "flops_counted_step", "summary", "flops_reason", "mfu_reason", "energy_reason"):
+        for name in ("flops", "peak_record", "flops_counted_step", "summary", "flops_reason", "mfu_reason", "energy_reason"):
             if getattr(later, name) is not None:
                 setattr(self, name, getattr(later, name))
         self.flops_requested = self.flops_requested or later.flops_requested

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         "--run", type=int, default=0, help="which run of a log with several (1-based; default: last)"
     )
     plot.add_argument("--sweep", action="store_true", help="draw the log's sweep, not its steps")
+    plot.add_argument("--peak", action="store_true", help="draw the log's explained peak (explain_peak)")
     export = sub.add_parser(
         "export",
         help="write one or more logs' steps as a Chrome/Perfetto trace or as TensorBoard scalars",
@@ -137,8 +138,13 @@ def _plot(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ConfigError as e:
         parser.error(str(e))
     for log in args.logs:
-        out = args.output if args.output is not None else default_png(log)
-        out = plot_log(log, out, run=args.run - 1 if args.run else -1, sweep=args.sweep)
+        out = args.output if args.output is not None else default_png(log, ".peak.png" if args.peak else ".png")
+        if args.peak:
+            from ._peak_plot import plot_peak
+
+            out = plot_peak(log, out)
+        else:
+            out = plot_log(log, out, run=args.run - 1 if args.run else -1, sweep=args.sweep)
         print(f"stepprof: wrote {out}")
     return 0
 

@@ -20,14 +20,17 @@ from ._validate import (
     check_boundary,
     check_device,
     check_energy_every_s,
+    check_explain_peak,
     check_flops,
     check_flush_every_s,
     check_log,
     check_log_ranks,
     check_max_syncs,
     check_memory_every,
+    check_model,
     check_nvtx,
     check_on_sync,
+    check_optimizer,
     check_overhead_budget,
     check_phase_peaks_every,
     check_ranks_every,
@@ -52,7 +55,7 @@ def _one_source_of_flops(options: ProfilerOptions, _: attrs.Attribute[Any], flop
 
 @attrs.frozen
 class ProfilerOptions:
-    """The 18 settings of :class:`stepprof.Profiler` (documented there), checked.
+    """The 21 settings of :class:`stepprof.Profiler` (documented there), checked.
 
     Each value is converted as the profiler uses it (``device`` to a
     ``torch.device``, ``log`` to a str, ``flops_per_step`` to a float); a bad one
@@ -80,6 +83,9 @@ class ProfilerOptions:
     boundary: str = attrs.field(default="auto", converter=check_boundary)
     overhead_budget: float | None = attrs.field(default=None, converter=check_overhead_budget)
     energy_every_s: float | None = attrs.field(default=ENERGY_EVERY_S, converter=check_energy_every_s)
+    explain_peak: bool | int = attrs.field(default=False, converter=check_explain_peak)
+    model: Any = attrs.field(default=None, converter=check_model)
+    optimizer: Any = attrs.field(default=None, converter=check_optimizer)
 
 
 #: The settings' names, in :class:`stepprof.Profiler`'s order.

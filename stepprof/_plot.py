@@ -122,10 +122,11 @@ def _binned(xs: array, ys: array) -> tuple[list[float], list[float], list[float]
     return bx, med, lo, hi
 
 
-def default_png(log: str) -> str:
-    """Where ``stepprof plot LOG`` writes without ``-o``: beside the log, ``.jsonl`` replaced by ``.png``."""
+def default_png(log: str, suffix: str = ".png") -> str:
+    """Where ``stepprof plot LOG`` writes without ``-o``: beside the log, ``.jsonl`` replaced by
+    ``suffix`` (``.png``; ``.peak.png`` for ``--peak``)."""
     root, ext = os.path.splitext(log)
-    return (root if ext.lower() in (".jsonl", ".json", ".ndjson") else log) + ".png"
+    return (root if ext.lower() in (".jsonl", ".json", ".ndjson") else log) + suffix
 
 
 def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:

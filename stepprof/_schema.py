@@ -44,7 +44,7 @@ SCHEMA_VERSION: Final = 2
 
 #: The record kinds stepprof writes (docs/schema.md).
 RECORD_KINDS: Final = frozenset(
-    {"step", "summary", "memory", "flops", "ranks", "sweep_point", "sweep_result"}
+    {"step", "summary", "memory", "flops", "peak", "ranks", "sweep_point", "sweep_result"}
 )
 
 #: The summary's keys that version 2 renamed: version-1 name -> version-2 name.

@@ -41,6 +41,7 @@ __all__ = [
     "check_demo_options",
     "check_device",
     "check_energy_every_s",
+    "check_explain_peak",
     "check_flops",
     "check_fraction",
     "check_frame_kind",
@@ -52,10 +53,12 @@ __all__ = [
     "check_max_batch",
     "check_max_syncs",
     "check_memory_every",
+    "check_model",
     "check_name",
     "check_nvtx",
     "check_on_sync",
     "check_option_names",
+    "check_optimizer",
     "check_phase_peaks_every",
     "check_plot_run",
     "check_progress",
@@ -261,6 +264,46 @@ def check_phase_peaks_every(n: Any, argument: str = "phase_peaks_every") -> int:
         f"read them on one step in {PHASE_PEAKS_EVERY} while the step's peak is steady, or 0 never "
         f"to read them",
     )
+
+
+def check_explain_peak(explain_peak: Any) -> bool | int:
+    """``Profiler(explain_peak=...)``: False, True (the first step after warm-up) or a step index."""
+    if explain_peak is None or explain_peak is False or explain_peak is True:
+        return bool(explain_peak)
+    return check_int(
+        explain_peak, "explain_peak", 0,
+        "pass explain_peak=True to explain the first step after warm-up, or the index of the step "
+        "to explain (e.g. explain_peak=10)",
+        requirement="True, False or a step index (an int >= 0)",
+    )
+
+
+def check_model(model: Any, argument: str = "model") -> Any:
+    """``model=``: None or a ``torch.nn.Module``."""
+    if model is None:
+        return None
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"{argument!r} must be a torch.nn.Module or None (got {type(model).__name__}); pass the model "
+            f"whose parameters and modules explain_peak should name, e.g. {argument}=model"
+        )
+    return model
+
+
+def check_optimizer(optimizer: Any, argument: str = "optimizer") -> Any:
+    """``optimizer=``: None or a ``torch.optim.Optimizer``."""
+    if optimizer is None:
+        return None
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"{argument!r} must be a torch.optim.Optimizer or None (got {type(optimizer).__name__}); pass "
+            f"the optimizer whose state explain_peak should name, e.g. {argument}=optimizer"
+        )
+    return optimizer
 
 
 def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | None]:

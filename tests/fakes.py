@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from types import SimpleNamespace
 
 from stepprof import _syncs
@@ -93,6 +94,11 @@ class FakeGpu(BoundaryOps):
         self.num_ooms = 0
         self.uuid: str | None = "6f1c2a3b-0000-4000-8000-00000000c0de"
         self.pci_bus_id: str | None = "00000000:65:00.0"
+        # explain_peak: a tests.peak_snapshots.FakeAllocator stands in for the allocator's
+        # history (None: begin_history says why not, with history_reason).
+        self.history = None
+        self.history_reason = "the fake has no allocator history"
+        self.history_calls: list[str] = []
 
     # -- what a test does -------------------------------------------------
     def clock(self) -> int:
@@ -225,6 +231,24 @@ class FakeGpu(BoundaryOps):
     def mem_get_info(self) -> tuple[int, int]:
         self._maybe_fail("mem_get_info")
         return self.total - self.process_bytes() - self.others, self.total
+
+    def begin_history(self, max_entries: int):
+        from stepprof._device.backend import HistoryStart
+
+        self.history_calls.append(f"begin {max_entries}")
+        self._maybe_fail("begin_history")
+        if self.history is None:
+            return self.history_reason
+        before = time.time_ns() / 1000
+        start = self.history.start()
+        return HistoryStart(start, before, time.time_ns() / 1000)
+
+    def end_history(self):
+        self.history_calls.append("end")
+        self._maybe_fail("end_history")
+        snap = self.history.snapshot()
+        self.history.recording = False
+        return snap
 
     def identity(self) -> tuple[str | None, str | None]:
         self._maybe_fail("identity")

@@ -22,10 +22,10 @@ def test_all_is_exactly_the_public_surface():
     assert sorted(stepprof.__all__) == stepprof.__all__
     assert set(stepprof.__all__) == public - modules
     assert stepprof.__all__ == [
-        "BuildError", "ConfigError", "MemoryReport", "Percentiles", "PhaseFigures", "Profiler", "SCHEMA_VERSION",
+        "BuildError", "ConfigError", "MemoryReport", "PeakExplanation", "Percentiles", "PhaseFigures", "Profiler", "SCHEMA_VERSION",
         "StepprofError",
         "Summary", "SweepPoint", "SweepResult", "SyncBudgetExceeded", "UsageError", "configure",
-        "frame", "iterate", "measure", "memory_report", "profile_step", "read", "sweep",
+        "explain_peak", "frame", "iterate", "measure", "memory_report", "profile_step", "read", "sweep",
     ]
 
 

@@ -40,7 +40,7 @@ def _cpu_log(log, **kw):
 
 def test_schema_version_is_2_and_public():
     assert SCHEMA_VERSION == stepprof.SCHEMA_VERSION == 2
-    assert RECORD_KINDS == {"step", "summary", "memory", "flops", "ranks", "sweep_point", "sweep_result"}
+    assert RECORD_KINDS == {"step", "summary", "memory", "flops", "peak", "ranks", "sweep_point", "sweep_result"}
 
 
 def test_step_record_rebuilds_a_cpu_step_exactly_in_order(tmp_path):
@@ -112,10 +112,17 @@ def test_no_column_changes_json_type_between_kinds(tmp_path, gpu, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     gather = lambda vec: (lambda: [list(vec), list(vec)])  # noqa: E731
-    with make(str(tmp_path / "gpu.jsonl"), gpu, ranks_every=2, gather=gather, flops_per_step=10) as prof:
+    from tests.peak_snapshots import FakeAllocator
+
+    gpu.index, gpu.history = 0, FakeAllocator(t_us=None, gpu=gpu)
+    net = torch.nn.Linear(2, 2)
+    with make(str(tmp_path / "gpu.jsonl"), gpu, ranks_every=2, gather=gather, flops_per_step=10,
+              explain_peak=True, model=net) as prof:
         for _ in range(4):
             with prof.step(batch_size=4):
                 with prof.measure("forward"):
+                    gpu.history.alloc(1000)
+                    net(torch.ones(2))
                     gpu.launch(1.0)
         gpu.wait_idle()
     records += stepprof.read(prof.log)

@@ -30,6 +30,7 @@ __all__ = [
     "SYNC_MECHANISMS",
     "AllocatorFigures",
     "Backend",
+    "HistoryStart",
     "HostBackend",
     "HostSweepBackend",
     "SweepBackend",
@@ -68,6 +69,16 @@ class AllocatorFigures(NamedTuple):
     #: Cumulative since the process started (or ``reset_accumulated_memory_stats``).
     num_ooms: int
     num_alloc_retries: int
+
+
+class HistoryStart(NamedTuple):
+    """The allocator's history is being recorded: the snapshot taken right after it began,
+    and the host's epoch clock (µs, ``time.time_ns() / 1000``) around that snapshot."""
+
+    #: torch's ``_snapshot()`` format; None when only the history could be turned on.
+    snapshot: dict[str, Any] | None
+    host_before_us: float
+    host_after_us: float
 
 
 class Backend(Protocol):
@@ -119,6 +130,9 @@ class Backend(Protocol):
     def read_allocator(self) -> AllocatorFigures | None: ...
     def mem_get_info(self) -> tuple[int, int] | None: ...
     def identity(self) -> tuple[str | None, str | None]: ...
+    # For explain_peak, on one step only (see stepprof._recorder.peak):
+    def begin_history(self, max_entries: int) -> HistoryStart | str: ...
+    def end_history(self) -> dict[str, Any]: ...
 
 
 class SweepBackend(Backend, Protocol):
@@ -226,6 +240,12 @@ class HostBackend(BoundaryOps):
 
     def identity(self) -> tuple[None, None]:
         return None, None
+
+    def begin_history(self, max_entries: int) -> str:
+        return f"{self.gpu_reason}: there is no CUDA allocator whose history could be recorded"
+
+    def end_history(self) -> dict[str, Any]:  # pragma: no cover - begin_history never starts it
+        raise AssertionError("HostBackend records no history")
 
 
 class HostSweepBackend(HostBackend):

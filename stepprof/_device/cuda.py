@@ -21,13 +21,14 @@ Which backend a step gets is decided in :mod:`stepprof._device.select`.
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any
 
 import torch
 
 from .. import _syncs
-from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, Memory
+from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, HistoryStart, Memory
 from .sync_routes import enable_gpu_trace, register_repeat_interleave_probe, trace_route, warn_route
 
 __all__ = ["CudaBackend", "CudaSweepBackend"]
@@ -213,6 +214,51 @@ class CudaBackend(BoundaryOps):
         domain = getattr(props, "pci_domain_id", None)
         pci = f"{domain:08X}:{bus:02X}:{dev:02X}.0" if None not in (bus, dev, domain) else None
         return uuid, pci
+
+
+    # -- explain_peak: the allocator's history over one step ----------------------------
+
+    def begin_history(self, max_entries: int) -> HistoryStart | str:
+        """Record the allocator's history (every alloc and free, with Python stacks) from now
+        on, bounded to ``max_entries``, and take the start snapshot; or say why not.
+
+        Private torch APIs, feature-detected: ``torch._C._cuda_isHistoryEnabled``,
+        ``torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
+        stacks="python", max_entries=N)`` and ``torch.cuda.memory._snapshot()``.  A history
+        that something else records already is left alone (the reason says so).
+        """
+        mem = getattr(torch.cuda, "memory", None)
+        record = getattr(mem, "_record_memory_history", None)
+        snapshot = getattr(mem, "_snapshot", None)
+        is_enabled = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+        if record is None or snapshot is None:
+            return (f"this torch ({torch.__version__}) lacks torch.cuda.memory._record_memory_history "
+                    f"or _snapshot, which explaining the peak needs")
+        if is_enabled is None:
+            return (f"this torch ({torch.__version__}) cannot say whether the allocator's history is "
+                    f"already being recorded (no torch._C._cuda_isHistoryEnabled), so stepprof "
+                    f"leaves it alone")
+        if is_enabled():
+            return ("the allocator's history is already being recorded (torch.cuda.memory."
+                    "_record_memory_history was called outside stepprof); stepprof leaves it alone")
+        try:
+            record(enabled="all", context="alloc", stacks="python", max_entries=max_entries)
+        except TypeError as e:  # an older signature
+            return f"torch.cuda.memory._record_memory_history refused stepprof's arguments: {e}"
+        before = time.time_ns() / 1000
+        try:
+            start = snapshot()
+        except Exception:  # noqa: BLE001 - the end snapshot may still serve; end_history stops recording
+            return HistoryStart(None, before, before)
+        return HistoryStart(start, before, time.time_ns() / 1000)
+
+    def end_history(self) -> dict[str, Any]:
+        """The snapshot with the history since :meth:`begin_history`; recording stops."""
+        mem = torch.cuda.memory
+        try:
+            return mem._snapshot()  # type: ignore[no-any-return]
+        finally:
+            mem._record_memory_history(enabled=None)
 
 
 # -- what the batch-size sweep needs besides the recorder's calls ----------------

@@ -202,6 +202,32 @@ class Boundaries:
         self._begin_hooks = tuple(h for h in active if type(h).on_step_begin is not Hook.on_step_begin)
         self._end_hooks = tuple(h for h in active if type(h).on_step_end is not Hook.on_step_end)
 
+    def watch_phases(self, fn: Callable[[str, str], None] | None) -> None:
+        """Call ``fn("enter" | "exit", key)`` at every phase boundary until ``watch_phases(None)``.
+
+        For the one step that ``explain_peak`` explains: the wrappers shadow the class's
+        methods on this instance only while they are needed, so other steps pay nothing.
+        """
+        if fn is None:
+            self.__dict__.pop("begin_phase", None)
+            self.__dict__.pop("end_phase", None)
+            return
+        begin, end = Boundaries.begin_phase.__get__(self), Boundaries.end_phase.__get__(self)
+
+        def begin_phase(ctx: ThreadSteps, step: Step, name: str) -> OpenPhase:
+            ph = begin(ctx, step, name)
+            fn("enter", ph.key)
+            return ph
+
+        def end_phase(ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
+            if ph in ctx.stack:  # it closes the phases left open inside it too
+                for top in reversed(ctx.stack[ctx.stack.index(ph):]):
+                    fn("exit", top.key)
+            end(ctx, step, ph, exc)
+
+        self.begin_phase = begin_phase  # type: ignore[method-assign]
+        self.end_phase = end_phase  # type: ignore[method-assign]
+
     # -- the threads' contexts ---------------------------------------------------------
 
     def context(self) -> ThreadSteps:

@@ -10,6 +10,8 @@ FLOPs once counted, memory records once none is due) retires from them.
   ``kind: "flops"`` record is written.
 - ``MemoryHook`` (:mod:`.memory_records`): the ``kind: "memory"`` records, after
   warm-up, every ``memory_every`` steps and at close (CUDA only).
+- ``PeakHook`` (:mod:`.peak`): ``explain_peak``: the allocator's history and module,
+  autograd and phase hooks for one step, then a ``kind: "peak"`` record; retires after it.
 - ``ExchangeHook`` (:mod:`.exchange`): the cross-rank exchange of a distributed run;
   every step exit counts in it, including steps that recording dropped after an
   internal error.

@@ -37,6 +37,7 @@ from .exchange import ExchangeHook
 from .flops import FlopsHook
 from .hooks import Closing, Hook
 from .memory_records import MemoryHook
+from .peak import PeakHook
 from .seams import REAL, Seams
 from .sinks import LogSink, SummarySink
 from .step import Step
@@ -118,6 +119,15 @@ class Profiler:
             span (interpolated between samples: exact over a run of steps, an estimate for
             one; docs/measurement.md).  A step's record waits for the sample after it, so the
             log may lag by this much more.  None turns it off.
+        explain_peak: explain where one step's peak memory comes from (docs/memory.md):
+            True explains the first step after warm-up, an int the step of that index.
+            For that step only, torch's allocator records its history; a ``kind: "peak"``
+            record follows the step's with the live bytes at the peak by category
+            (parameters, gradients, optimizer state, activations, temporaries, other),
+            by module, the phase and the op.  CUDA only (elsewhere the record says why).
+        model, optimizer: the model and optimizer ``explain_peak`` names parameters,
+            gradients, optimizer state and modules from.  Without them those bytes count
+            as other or temporaries, and no module is named.
 
     Example:
         >>> import stepprof, torch
@@ -158,6 +168,9 @@ class Profiler:
         boundary: str = "auto",
         overhead_budget: float | None = None,
         energy_every_s: float | None = ENERGY_EVERY_S,
+        explain_peak: bool | int = False,
+        model: Any = None,
+        optimizer: Any = None,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
             log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
@@ -165,6 +178,7 @@ class Profiler:
             flops=flops, flops_per_step=flops_per_step, ranks_every=ranks_every,
             log_ranks=log_ranks, group=group, flush_every_s=flush_every_s, boundary=boundary,
             overhead_budget=overhead_budget, energy_every_s=energy_every_s,
+            explain_peak=explain_peak, model=model, optimizer=optimizer,
         )
         self._options = options
         check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
@@ -229,8 +243,16 @@ class Profiler:
             self._collector.budget.shared = True  # the ranks agree on the interval
         self._energy = EnergyHook(self.energy_every_s, clock) if self.energy_every_s is not None else None
         self._compiles = CompileHook(b.step_of, lambda: b.next_index, b.retire)
+        explain = options.explain_peak
+        self._peak = (
+            PeakHook(self.warmup if explain is True else explain, model=options.model,
+                     optimizer=options.optimizer, ensure_backend=b.ensure_backend,
+                     watch_phases=b.watch_phases, retire=b.retire)
+            if explain is not False else None
+        )
         hooks: list[Hook] = [
-            h for h in (self._flops, self._memory, exchange, self._energy, self._compiles) if h is not None
+            h for h in (self._flops, self._memory, self._peak, exchange, self._energy, self._compiles)
+            if h is not None
         ]
         self._hooks = hooks
         b.use(hooks)

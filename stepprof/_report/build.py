@@ -150,6 +150,7 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
         phases=_phase_rows(agg),
         flops=agg.flops,
         flops_counted_step=agg.flops_counted_step,
+        peak=agg.peak_record,
         roofline=roof,
         spikes=_spikes(agg, figures.step_ms.median if figures.step_ms else None),
         summary_found=agg.summary is not None,

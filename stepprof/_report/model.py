@@ -204,6 +204,8 @@ class RunReport:
     phases: tuple[PhaseRow, ...]
     flops: dict[str, Any] | None
     flops_counted_step: int | None
+    #: The ``kind: "peak"`` record of the run (``explain_peak``), as written.
+    peak: dict[str, Any] | None
     roofline: dict[str, Any] | None
     spikes: Spikes | None
     summary_found: bool

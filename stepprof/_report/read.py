@@ -27,7 +27,7 @@ OPEN_RUNS_KEPT = 1024
 RUNS_KEPT = 1000
 #: Sweep records kept per log.
 _SWEEP_RECORDS_KEPT = 200_000
-_RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops"))
+_RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops", "peak"))
 
 R = TypeVar("R")
 

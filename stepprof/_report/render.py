@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .._records import COMPILED_SAVES_US, Percentiles
 from .._units import format_bytes, printable
+from .peak import peak_lines
 from .model import DistributedView, Report, RunReport
 
 __all__ = ["render"]
@@ -211,6 +212,8 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
             + (f", counted in step {flops['step']}" if type(flops.get("step")) is int else "")
             + ")"
         )
+    if isinstance(run.peak, dict):
+        out.extend("   " + line for line in peak_lines(run.peak))
     out.append("")
     if run.diagnoses:
         out.append("   Diagnoses")

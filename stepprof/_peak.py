@@ -1,0 +1,662 @@
+"""Where one step's peak memory comes from: the pure logic of ``explain_peak``.
+
+The CUDA backend (:mod:`stepprof._device.cuda`) records the allocator's history for one
+step and hands over two snapshots in torch's format (``torch.cuda.memory._snapshot()``:
+``segments`` with their ``blocks``, ``device_traces`` with ``alloc``, ``free_requested``,
+``free_completed``, ``segment_alloc``, ... entries).  The peak hook
+(:mod:`stepprof._recorder.peak`) notes, during that step, which storages are parameters,
+gradients, optimizer state and tensors saved for backward (:class:`Observation`), when
+each module's forward and backward ran and when each phase did (:class:`Event`).  This
+module replays the trace and answers, at the instant of the high-water mark of
+allocated bytes: which blocks were live, in which category, made by which module, in
+which phase and at which op.  It needs no torch, so it is tested on the CPU with
+synthetic snapshots.
+
+Sizes: torch's trace entries carry the *requested* size; the allocator's
+``allocated_bytes`` counts *block* sizes.  A block alive at either snapshot has its exact
+size there; any other is the request rounded up to the allocator's 512-byte granule
+(a block the allocator did not split keeps a remainder of up to 1 MiB that this misses).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "CATEGORIES",
+    "Event",
+    "ModuleBytes",
+    "Observation",
+    "PeakExplanation",
+    "TOP_MODULES",
+    "explain",
+    "round_block",
+    "unavailable_explanation",
+]
+
+#: The categories, in the order a byte is claimed (a parameter that is also saved for
+#: backward counts as a parameter).  ``temporaries``: allocated during the step and none
+#: of the above; ``other``: alive before the step and none of the above.
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+_CLAIMED = CATEGORIES[:4]
+
+#: How many modules the record keeps, largest first.
+TOP_MODULES = 20
+
+#: The allocator's granule: every block is a multiple of it (``kMinBlockSize``).
+BLOCK_BYTES = 512
+
+#: How far (µs) an observation's time may fall outside the lifetime of the block it
+#: names: host times are aligned to the trace's clock to a few µs.
+TOLERANCE_US = 100.0
+
+#: Timeline points kept in the record (the bucket maxima, so the peak stays visible).
+TIMELINE_POINTS = 200
+
+#: Module names for live bytes that no module made.
+BEFORE_STEP = "(before the step)"
+OUTSIDE_MODULES = "(outside modules)"
+
+
+def round_block(requested: int) -> int:
+    """The block the allocator gives for ``requested`` bytes (the 512-byte granule)."""
+    if requested <= BLOCK_BYTES:
+        return BLOCK_BYTES
+    return BLOCK_BYTES * ((requested + BLOCK_BYTES - 1) // BLOCK_BYTES)
+
+
+@attrs.frozen
+class Observation:
+    """A storage that the hook saw: ``category`` is one of the four claimed ones.
+
+    ``when``: ``"start"`` (seen at the step's entry: a block alive then), ``"end"`` (at
+    its exit: a block alive then), or a time in the trace's clock (µs) at which it was alive.
+    """
+
+    category: str
+    ptr: int
+    nbytes: int
+    when: str | float
+
+
+@attrs.frozen
+class Event:
+    """A module or phase boundary, at ``t_us`` in the trace's clock.
+
+    ``action``: ``"enter"``/``"exit"`` (a module's forward, or a phase), ``"backward"``
+    (the gradient of a module's output is ready: its backward starts), ``"backward_end"``
+    (the backward pass finished).
+    """
+
+    t_us: float
+    action: str
+    name: str
+
+
+@attrs.frozen
+class ModuleBytes:
+    """Live bytes at the peak that one module made: in all, and by category."""
+
+    module: str
+    total_bytes: int
+    bytes_by_category: Mapping[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "total_bytes": self.total_bytes,
+                "bytes_by_category": dict(self.bytes_by_category)}
+
+
+def _modules(raw: Any) -> tuple[ModuleBytes, ...] | None:
+    if raw is None:
+        return None
+    return tuple(m if isinstance(m, ModuleBytes) else ModuleBytes(m["module"], m["total_bytes"],
+                                                                  dict(m["bytes_by_category"]))
+                 for m in raw)
+
+
+@attrs.frozen
+class PeakExplanation:
+    """One step's peak, broken down: what the ``kind: "peak"`` record holds.
+
+    Every figure may be None, with the reason in ``unavailable``.  ``bytes_by_category``
+    has every category of :data:`CATEGORIES`; its values sum to ``live_bytes``, the live
+    bytes at the replayed high-water mark, which matches ``peak_allocated_bytes`` (the
+    allocator's own counter for the step) within the allocator's rounding.
+
+    Attributes:
+        step: the explained step's index (None: a one-off).
+        device: ``"cuda:N"``, or ``"cpu"``.
+        peak_allocated_bytes: the allocator's high-water mark over the step.
+        live_bytes: the bytes live at the replayed high-water mark.
+        peak_at_ms: when the peak happened, from the step's entry.
+        phase: the innermost stepprof phase open at the peak (``"outer/inner"``).
+        op: the function that made the allocation that set the peak, ``name (file:line)``.
+        user_frame: the innermost frame of that allocation outside torch, ``file:line``.
+        bytes_by_category: live bytes at the peak per category.
+        modules: up to :data:`TOP_MODULES` modules, largest first.
+        outside_modules_bytes: live bytes made during the step outside any module's forward
+            or backward (the loss, the optimizer step).
+        reserved_bytes: what the allocator held from the driver at the peak.
+        fragmentation_bytes: reserved minus live bytes at the peak.
+        largest_free_block_bytes: the largest free range inside a segment at the peak.
+        live_blocks: how many blocks were live at the peak.
+        trace_entries: the allocator's history entries of the step.
+        cost_ms: the host time explaining added to the step: recording on and off, the
+            two snapshots (the step's own ``wall_ms`` excludes neither) and the replay.
+        timeline_ms, timeline_bytes: live bytes over the step (at most 200 points, each
+            a bucket's maximum).
+        activations_from: ``"saved_tensors_hooks"`` or ``"stacks"``: how saved
+            activations were told from temporaries.
+        notes: sentences on what may mislead in this step's figures.
+        unavailable: field name to the reason it is None.
+    """
+
+    step: int | None = None
+    device: str = "cpu"
+    peak_allocated_bytes: int | None = None
+    live_bytes: int | None = None
+    peak_at_ms: float | None = None
+    phase: str | None = None
+    op: str | None = None
+    user_frame: str | None = None
+    bytes_by_category: Mapping[str, int] | None = None
+    modules: tuple[ModuleBytes, ...] | None = attrs.field(default=None, converter=_modules)
+    outside_modules_bytes: int | None = None
+    reserved_bytes: int | None = None
+    fragmentation_bytes: int | None = None
+    largest_free_block_bytes: int | None = None
+    live_blocks: int | None = None
+    trace_entries: int | None = None
+    cost_ms: float | None = None
+    timeline_ms: tuple[float, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    timeline_bytes: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    activations_from: str | None = None
+    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    unavailable: Mapping[str, str] = attrs.field(factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The ``kind: "peak"`` record (docs/schema.md)."""
+        out: dict[str, Any] = {"kind": "peak"}
+        for field in attrs.fields(PeakExplanation):
+            value = getattr(self, field.name)
+            if field.name == "modules":
+                value = None if value is None else [m.to_dict() for m in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            out[field.name] = value
+        return out
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> PeakExplanation:
+        """Back from a ``kind: "peak"`` record (fields it lacks keep their defaults)."""
+        names = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
+
+    def __str__(self) -> str:
+        from ._report.peak import peak_line  # formatting lives with the report
+
+        return peak_line(self.to_record())
+
+
+def unavailable_explanation(reason: str, *, step: int | None, device: str,
+                            peak_allocated_bytes: int | None = None,
+                            cost_ms: float | None = None) -> PeakExplanation:
+    """An explanation whose figures are all None, for ``reason``."""
+    fields = [f.name for f in attrs.fields(PeakExplanation)
+              if f.name not in ("step", "device", "notes", "unavailable", "cost_ms")]
+    missing = {name: reason for name in fields}
+    if peak_allocated_bytes is not None:
+        missing.pop("peak_allocated_bytes")
+    return PeakExplanation(step=step, device=device, peak_allocated_bytes=peak_allocated_bytes,
+                           cost_ms=cost_ms, unavailable=missing)
+
+
+# -- the replay ----------------------------------------------------------------------
+
+
+class _Block:
+    """One allocation's life: alive from ``t_alloc`` (None: before the step) to ``t_free``."""
+
+    __slots__ = ("addr", "size", "t_alloc", "t_free", "frames", "index", "freed_at", "ranges")
+
+    def __init__(self, addr: int, size: int, t_alloc: float | None, frames: Sequence[Any], index: int) -> None:
+        self.addr = addr
+        self.size = size
+        self.t_alloc = t_alloc
+        self.t_free: float | None = None
+        self.frames = frames
+        self.index = index  # the trace entry that allocated it (-1: before the step)
+        self.freed_at: int | None = None  # the trace entry that freed it
+        self.ranges: dict[str, list[tuple[int, int]]] = {}
+
+
+def _device_trace(snapshot: Mapping[str, Any], device: int) -> list[dict[str, Any]]:
+    traces = snapshot.get("device_traces") or []
+    return list(traces[device]) if device < len(traces) else []
+
+
+def _segments(snapshot: Mapping[str, Any], device: int) -> list[dict[str, Any]]:
+    return [s for s in snapshot.get("segments") or [] if s.get("device", device) == device]
+
+
+def _live_blocks(snapshot: Mapping[str, Any], device: int) -> dict[int, int]:
+    """Address to size of the blocks a snapshot shows allocated."""
+    return {b["address"]: b["size"] for s in _segments(snapshot, device) for b in s.get("blocks", ())
+            if b.get("state") == "active_allocated"}
+
+
+def _step_entries(trace: list[dict[str, Any]], start_index: int | None) -> list[dict[str, Any]]:
+    """The entries after the start snapshot's marker (all of them without one)."""
+    return trace if start_index is None else trace[start_index + 1:]
+
+
+def _frame_text(frame: Mapping[str, Any]) -> str:
+    filename = str(frame.get("filename", "?"))
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in filename:
+            filename = filename.split(marker, 1)[1]
+            break
+    return f"{filename}:{frame.get('line', '?')}"
+
+
+def _in_torch(frame: Mapping[str, Any]) -> bool:
+    filename = str(frame.get("filename", "")).replace("\\", "/")
+    return ("/torch/" in filename or filename.startswith("torch/") or "/stepprof/" in filename
+            or filename.startswith("<"))
+
+
+def _op_of(frames: Sequence[Mapping[str, Any]]) -> tuple[str | None, str | None]:
+    """(the innermost frame as ``name (file:line)``, the innermost frame outside torch)."""
+    if not frames:
+        return None, None
+    first = frames[0]
+    op = f"{first.get('name', '?')} ({_frame_text(first)})"
+    user = next((_frame_text(f) for f in frames if not _in_torch(f)), None)
+    return op, user
+
+
+def _subtract(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of ``intervals``, merged and sorted."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _measure(union: list[tuple[int, int]], taken: list[tuple[int, int]]) -> int:
+    """Bytes of ``union`` not in ``taken`` (both merged and sorted)."""
+    total = 0
+    j = 0
+    for lo, hi in union:
+        n = hi - lo
+        while j < len(taken) and taken[j][1] <= lo:
+            j += 1
+        k = j
+        while k < len(taken) and taken[k][0] < hi:
+            n -= min(hi, taken[k][1]) - max(lo, taken[k][0])
+            k += 1
+        total += n
+    return total
+
+
+def _split_block(block: _Block, fallback: str) -> dict[str, int]:
+    """A live block's bytes by category: claimed ranges in priority order; the rest (the
+    allocator's rounding included) goes to the largest claim, else to ``fallback``."""
+    out: dict[str, int] = {}
+    taken: list[tuple[int, int]] = []
+    for category in _CLAIMED:
+        ranges = block.ranges.get(category)
+        if not ranges:
+            continue
+        union = _subtract(ranges)
+        n = _measure(union, taken)
+        if n > 0:
+            out[category] = n
+        taken = _subtract(taken + union)
+    rest = block.size - sum(out.values())
+    if rest > 0:
+        target = max(out, key=lambda c: out[c]) if out else fallback
+        out[target] = out.get(target, 0) + rest
+    return out
+
+
+class _Timeline:
+    """The innermost module at any instant, from the module events."""
+
+    def __init__(self, events: Iterable[Event]) -> None:
+        stack: list[str] = []
+        backward: str | None = None
+        self.times: list[float] = []
+        self.names: list[str | None] = []
+        self.in_forward: list[bool] = []
+        for ev in sorted(events, key=lambda e: e.t_us):
+            if ev.action == "enter":
+                stack.append(ev.name)
+            elif ev.action == "exit":
+                if ev.name in stack:  # a forward that raised left its inner modules open
+                    del stack[len(stack) - 1 - stack[::-1].index(ev.name):]
+            elif ev.action == "backward":
+                backward = ev.name
+            elif ev.action == "backward_end":
+                backward = None
+            self.times.append(ev.t_us)
+            self.names.append(stack[-1] if stack else backward)
+            self.in_forward.append(bool(stack))
+
+    def at(self, t_us: float) -> str | None:
+        i = bisect.bisect_right(self.times, t_us) - 1
+        return self.names[i] if i >= 0 else None
+
+
+def _phase_at(events: Sequence[Event], t_us: float) -> str | None:
+    stack: list[str] = []
+    for ev in sorted(events, key=lambda e: e.t_us):
+        if ev.t_us > t_us:
+            break
+        if ev.action == "enter":
+            stack.append(ev.name)
+        elif ev.action == "exit" and ev.name in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(ev.name):]
+    return stack[-1] if stack else None
+
+
+def _timeline(points: list[tuple[float, int]], t0: float) -> tuple[list[float], list[int]]:
+    """At most :data:`TIMELINE_POINTS` (ms since ``t0``, live bytes): each bucket's maximum."""
+    if len(points) <= TIMELINE_POINTS:
+        return [round((t - t0) / 1000, 4) for t, _ in points], [n for _, n in points]
+    per = math.ceil(len(points) / TIMELINE_POINTS)
+    ms, values = [], []
+    for i in range(0, len(points), per):
+        chunk = points[i:i + per]
+        t, n = max(chunk, key=lambda p: p[1])
+        ms.append(round((t - t0) / 1000, 4))
+        values.append(n)
+    return ms, values
+
+
+def _free_ranges(segments: dict[int, int], occupied: list[tuple[int, int]]) -> int:
+    """The largest gap between occupied ranges inside the segments (address: size)."""
+    occupied = sorted(occupied)
+    starts = [lo for lo, _ in occupied]
+    largest = 0
+    for addr, size in segments.items():
+        end = addr + size
+        cursor = addr
+        i = bisect.bisect_left(starts, addr)
+        while i < len(occupied) and occupied[i][0] < end:
+            lo, hi = occupied[i]
+            largest = max(largest, lo - cursor)
+            cursor = max(cursor, hi)
+            i += 1
+        largest = max(largest, end - cursor)
+    return largest
+
+
+def explain(
+    start: Mapping[str, Any] | None,
+    end: Mapping[str, Any],
+    *,
+    device: int,
+    step: int | None = None,
+    t0_us: float | None = None,
+    observations: Iterable[Observation] = (),
+    module_events: Sequence[Event] | None = None,
+    phase_events: Sequence[Event] | None = None,
+    peak_allocated_bytes: int | None = None,
+    max_entries: int | None = None,
+    activations_from: str | None = "saved_tensors_hooks",
+    cost_ms: float | None = None,
+    notes: Sequence[str] = (),
+    unavailable: Mapping[str, str] | None = None,
+) -> PeakExplanation:
+    """Replay one step's allocator history and break its peak down.
+
+    Args:
+        start: the snapshot taken at the step's entry, right after recording began (its
+            ``snapshot`` entry marks where the step's history starts); None when it could
+            not be taken: blocks alive before the step then come from the end snapshot
+            and the frees, and the reserved figures are None.
+        end: the snapshot taken at the step's exit, with the history.
+        device: the CUDA device index.
+        step: the step's index.
+        t0_us: the step's entry in the trace's clock (default: the first entry).
+        observations: the storages seen as parameters, gradients, optimizer state, saved.
+        module_events: modules' forward/backward boundaries (None: no module breakdown).
+        phase_events: the step's phase boundaries (None: no phase).
+        peak_allocated_bytes: the allocator's counter for the step, to compare with.
+        max_entries: the history's bound: a trace that long may have lost its start.
+        activations_from: ``"saved_tensors_hooks"`` (saved storages are observations),
+            ``"stacks"`` (a block made under a function named ``forward`` is an
+            activation), or None (activations unknown: they count as temporaries).
+        cost_ms: the explaining's cost so far (the replay's own time is the caller's).
+        notes, unavailable: carried into the result.
+    """
+    dev = f"cuda:{device}"
+    notes = list(notes)
+    missing = dict(unavailable or {})
+    trace = _device_trace(end, device)
+    start_index = next((i for i, e in enumerate(trace) if e.get("action") == "snapshot"), None)
+    if max_entries is not None and len(trace) >= max_entries:
+        return unavailable_explanation(
+            f"the allocator's history overflowed its bound of {max_entries} entries during the step "
+            f"(the oldest were dropped), so the step cannot be replayed; explain a smaller step",
+            step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, cost_ms=cost_ms)
+    if start is not None and start_index is None:
+        return unavailable_explanation(
+            "the allocator's history lacks the marker of the step's start (this torch records no "
+            "'snapshot' entries), so the step's entries cannot be told from earlier ones",
+            step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, cost_ms=cost_ms)
+    entries = _step_entries(trace, start_index)
+    if t0_us is None:
+        t0_us = trace[start_index]["time_us"] if start_index is not None else (
+            entries[0].get("time_us", 0) if entries else 0)
+
+    # Exact sizes: blocks alive at the end, from the end snapshot.
+    end_live = _live_blocks(end, device)
+    last_alloc: dict[int, int] = {}
+    freed_after: set[int] = set()
+    for i, e in enumerate(entries):
+        a = e.get("action")
+        if a == "alloc":
+            last_alloc[e["addr"]] = i
+            freed_after.discard(e["addr"])
+        elif a == "free_requested":
+            freed_after.add(e["addr"])
+    exact_at_end = {i: end_live[addr] for addr, i in last_alloc.items()
+                    if addr not in freed_after and addr in end_live}
+
+    # Alive at the step's start.
+    live: dict[int, _Block] = {}
+    if start is not None:
+        for addr, size in _live_blocks(start, device).items():
+            live[addr] = _Block(addr, size, None, (), -1)
+    else:
+        seen: set[int] = set()
+        for e in entries:
+            a, addr = e.get("action"), e.get("addr")
+            if a == "alloc":
+                seen.add(addr)
+            elif a == "free_requested" and addr not in seen and addr not in live:
+                live[addr] = _Block(addr, round_block(e.get("size", 0)), None, (), -1)
+        for addr, size in end_live.items():
+            if addr not in seen and addr not in live:
+                live[addr] = _Block(addr, size, None, (), -1)
+        notes.append("no snapshot at the step's start: blocks alive before it are sized from their "
+                     "frees (rounded to 512 B), and reserved memory is unknown")
+    blocks: list[_Block] = list(live.values())
+    current = sum(b.size for b in live.values())
+    peak, peak_index, peak_t = current, -1, t0_us
+    points: list[tuple[float, int]] = [(t0_us, current)]
+    unmatched_frees = 0
+    for i, e in enumerate(entries):
+        a = e.get("action")
+        if a == "alloc":
+            t = e.get("time_us", t0_us)
+            b = _Block(e["addr"], exact_at_end.get(i) or round_block(e.get("size", 0)), t, e.get("frames") or (), i)
+            live[b.addr] = b
+            blocks.append(b)
+            current += b.size
+        elif a == "free_requested":
+            b = live.pop(e["addr"], None)
+            if b is None:
+                unmatched_frees += 1
+                continue
+            b.t_free = e.get("time_us", t0_us)
+            b.freed_at = i
+            current -= b.size
+        else:
+            continue
+        points.append((e.get("time_us", t0_us), current))
+        if current > peak:
+            peak, peak_index, peak_t = current, i, e.get("time_us", t0_us)
+    if unmatched_frees:
+        notes.append(f"{unmatched_frees} frees of blocks the replay did not know were skipped")
+
+    # The live set at the peak: allocated by then, not freed by then.
+    at_peak = [b for b in blocks if b.index <= peak_index and
+               (b.freed_at is None or b.freed_at > peak_index)]
+    by_addr = sorted(at_peak, key=lambda b: b.addr)
+    addrs = [b.addr for b in by_addr]
+    for ob in observations:
+        i = bisect.bisect_right(addrs, ob.ptr) - 1
+        if i < 0:
+            continue
+        b = by_addr[i]
+        if ob.ptr >= b.addr + b.size or not _alive_when(b, ob.when):
+            continue
+        lo, hi = max(ob.ptr, b.addr), min(ob.ptr + max(ob.nbytes, 1), b.addr + b.size)
+        b.ranges.setdefault(ob.category, []).append((lo, hi))
+
+    timeline = _Timeline(module_events) if module_events is not None else None
+    categories = dict.fromkeys(CATEGORIES, 0)
+    per_module: dict[str, dict[str, int]] = {}
+    outside = 0
+    for b in at_peak:
+        if b.t_alloc is None:
+            fallback = "other"
+        elif activations_from == "stacks" and any(f.get("name") == "forward" for f in b.frames):
+            fallback = "activations"
+        else:
+            fallback = "temporaries"
+        split = _split_block(b, fallback)
+        for c, n in split.items():
+            categories[c] += n
+        if timeline is not None and b.t_alloc is not None:
+            name = timeline.at(b.t_alloc + 0.5)  # the trace's µs are truncated: the middle of one
+            if name is None:
+                outside += b.size
+            else:
+                m = per_module.setdefault(name, {})
+                for c, n in split.items():
+                    m[c] = m.get(c, 0) + n
+    live_bytes = sum(categories.values())
+    if activations_from is None:
+        missing["bytes_by_category.activations"] = (
+            "saved tensors could not be told from temporaries in this step; they count as temporaries")
+
+    modules: tuple[ModuleBytes, ...] | None = None
+    if timeline is not None:
+        ranked = sorted(per_module.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+        modules = tuple(ModuleBytes(name, sum(c.values()), {k: c[k] for k in CATEGORIES if k in c})
+                        for name, c in ranked[:TOP_MODULES])
+    else:
+        missing.setdefault("modules", "no model was given (pass model=), so no module hooks ran")
+        missing.setdefault("outside_modules_bytes", missing["modules"])
+
+    phase = None
+    if phase_events is None or not phase_events:
+        missing["phase"] = "the step has no phases (stepprof.measure inside the step)"
+    else:
+        phase = _phase_at(phase_events, peak_t + 0.5)
+        if phase is None:
+            missing["phase"] = "the peak fell outside every phase of the step"
+
+    op = user = None
+    if peak_index < 0:
+        missing["op"] = missing["user_frame"] = (
+            "nothing allocated during the step rose above what was alive at its start")
+    else:
+        op, user = _op_of(entries[peak_index].get("frames") or ())
+        if op is None:
+            missing["op"] = missing["user_frame"] = (
+                "the allocation that set the peak has no Python frames (made on the autograd "
+                "engine's thread, in backward, or in C++)")
+        elif user is None:
+            missing["user_frame"] = "every frame of the allocation that set the peak is in torch"
+
+    reserved = fragmentation = largest_free = None
+    if start is not None:
+        segs = {s["address"]: s["total_size"] for s in _segments(start, device)}
+        pending: dict[int, int] = {}
+        at_peak_addrs = {b.addr for b in at_peak}
+        sizes = {b.addr: b.size for b in blocks}
+        for i, e in enumerate(entries):
+            if i > peak_index:
+                break
+            a = e.get("action")
+            if a in ("segment_alloc", "segment_map"):
+                segs[e["addr"]] = segs.get(e["addr"], 0) + e.get("size", 0)
+            elif a in ("segment_free", "segment_unmap"):
+                left = segs.get(e["addr"], 0) - e.get("size", 0)
+                if left > 0:
+                    segs[e["addr"]] = left
+                else:
+                    segs.pop(e["addr"], None)
+            elif a == "free_requested" and e["addr"] not in at_peak_addrs:
+                pending[e["addr"]] = sizes.get(e["addr"], round_block(e.get("size", 0)))
+            elif a == "free_completed":
+                pending.pop(e["addr"], None)
+        if any(s.get("is_expandable") for s in _segments(start, device)) or any(
+                e.get("action") == "segment_map" for e in entries):
+            notes.append("expandable segments: reserved memory at the peak is replayed from the "
+                         "mapped ranges")
+        reserved = sum(segs.values())
+        fragmentation = reserved - live_bytes
+        occupied = [(b.addr, b.addr + b.size) for b in at_peak] + [(a, a + n) for a, n in pending.items()]
+        largest_free = _free_ranges(segs, occupied)
+    else:
+        for name in ("reserved_bytes", "fragmentation_bytes", "largest_free_block_bytes"):
+            missing[name] = "no snapshot was taken at the step's start, so the segments then are unknown"
+
+    if peak_allocated_bytes is not None and peak_allocated_bytes > 0:
+        gap = abs(live_bytes - peak_allocated_bytes) / peak_allocated_bytes
+        if gap > 0.01:
+            notes.append(
+                f"the replayed peak ({live_bytes} B) differs from the allocator's counter "
+                f"({peak_allocated_bytes} B) by {gap:.1%}: blocks the allocator did not split, or "
+                f"allocations on other threads or devices")
+    ms, values = _timeline(points, t0_us)
+    return PeakExplanation(
+        step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, live_bytes=live_bytes,
+        peak_at_ms=round((peak_t - t0_us) / 1000, 4), phase=phase, op=op, user_frame=user,
+        bytes_by_category=categories, modules=modules,
+        outside_modules_bytes=outside if timeline is not None else None,
+        reserved_bytes=reserved, fragmentation_bytes=fragmentation,
+        largest_free_block_bytes=largest_free, live_blocks=len(at_peak), trace_entries=len(entries),
+        cost_ms=cost_ms, timeline_ms=ms, timeline_bytes=values, activations_from=activations_from,
+        notes=notes, unavailable=missing,
+    )
+
+
+def _alive_when(b: _Block, when: str | float) -> bool:
+    """Whether the observation at ``when`` can be of block ``b`` (not of an earlier or later
+    block at the same address)."""
+    if when == "start":
+        return b.t_alloc is None
+    if when == "end":
+        return b.t_free is None
+    t = float(when)
+    if b.t_alloc is not None and t < b.t_alloc - TOLERANCE_US:
+        return False
+    return b.t_free is None or t <= b.t_free + TOLERANCE_US

@@ -1,0 +1,422 @@
+"""``Profiler(explain_peak=...)``: where one step's peak memory comes from (``kind: "peak"``).
+
+For the explained step only, :class:`Explaining` turns the allocator's history on (through
+the backend) and notes, in the trace's clock:
+
+- the storages of the model's parameters, their gradients and the optimizer's state, at
+  the step's entry and exit, and each gradient as it is accumulated
+  (``register_post_accumulate_grad_hook``);
+- the storage of every tensor autograd saves for backward (a ``saved_tensors_hooks`` pack
+  hook that returns the tensor unchanged);
+- each module's forward (forward pre- and post-hooks) and backward (a hook on the
+  gradient of its output; the end of the backward pass from a callback queued on the
+  autograd engine);
+- the step's phases (:meth:`Boundaries.watch_phases`).
+
+At the step's exit the history stops, every hook is removed and the hook retires from the
+step boundaries, so other steps pay nothing.  The collector replays the history
+(:func:`stepprof._peak.explain`) and writes the record right after the step's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import _peak
+from .._device.backend import Backend, HistoryStart
+from .._errors import raised_by_user
+from .._peak import Event, Observation, PeakExplanation
+from .hooks import Closing, Hook
+from .sinks import Write
+from .step import Step
+
+#: The bound of the allocator's history (entries).  A step with more allocations and
+#: frees than this gets null figures with the reason: its start would have been dropped.
+MAX_ENTRIES = 500_000
+
+ROOT = "(root)"
+
+
+def _now_us() -> float:
+    return time.time_ns() / 1000
+
+
+def _storage(t: Any, index: int) -> tuple[int, int] | None:
+    """(data_ptr, nbytes) of a CUDA tensor's storage on device ``index``, else None."""
+    try:
+        if not isinstance(t, torch.Tensor) or not t.is_cuda or t.device.index != index:
+            return None
+        s = t.untyped_storage()
+        return s.data_ptr(), s.nbytes()
+    except Exception:  # noqa: BLE001 - a subclass or fake tensor without a storage
+        return None
+
+
+def _first_grad_tensor(out: Any, depth: int = 0) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad and out.grad_fn is not None else None
+    if depth < 2:
+        items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+        for item in items:
+            t = _first_grad_tensor(item, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+class Explaining:
+    """The notes taken during the explained step, and the hooks that take them.
+
+    Args:
+        index: the CUDA device index.
+        model, optimizer: where parameters, gradients and optimizer state come from (either
+            may be None: without the model no module is named; parameters then come from
+            the optimizer's ``param_groups``).
+    """
+
+    def __init__(self, index: int, model: Any, optimizer: Any) -> None:
+        self.index = index
+        self.model = model
+        self.optimizer = optimizer
+        self.observations: list[tuple[str, int, int, str | float]] = []  # host µs for times
+        self.module_events: list[tuple[float, str, str]] | None = [] if model is not None else None
+        self.phase_events: list[tuple[float, str, str]] = []
+        self.notes: list[str] = []
+        self.activations_from: str | None = "saved_tensors_hooks"
+        self._handles: list[Any] = []
+        self._saved: Any = None
+        self._backward_open = False
+
+    # -- what is a parameter, a gradient, optimizer state ------------------------------
+
+    def _params(self) -> list[torch.Tensor]:
+        if self.model is not None:
+            return list(self.model.parameters())
+        if self.optimizer is not None:
+            return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return []
+
+    def observe(self, when: str) -> None:
+        """Note the parameters, gradients and optimizer state now (``"start"`` or ``"end"``)."""
+        add = self.observations.append
+        for p in self._params():
+            for cat, t in (("parameters", p), ("gradients", p.grad)):
+                s = _storage(t, self.index)
+                if s is not None:
+                    add((cat, s[0], s[1], when))
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for t in state.values() if isinstance(state, dict) else ():
+                    s = _storage(t, self.index)
+                    if s is not None:
+                        add(("optimizer_state", s[0], s[1], when))
+
+    # -- the hooks -------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """The hooks of the explained step (removed by :meth:`remove`)."""
+        self._install_saved()
+        hook = getattr(torch.Tensor, "register_post_accumulate_grad_hook", None)
+        if hook is not None:
+            for p in self._params():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        else:
+            self.notes.append("this torch has no register_post_accumulate_grad_hook: gradients are "
+                              "seen only at the step's entry and exit")
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                name = name or ROOT
+                self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+                self._handles.append(module.register_forward_hook(self._post(name)))
+
+    def _install_saved(self) -> None:
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        try:
+            existing = top(False) if top is not None else None
+        except TypeError:
+            existing = top()  # type: ignore[misc]
+        if existing is not None:
+            self.activations_from = "stacks"
+            self.notes.append("saved_tensors_hooks of your own were active, so stepprof did not add its "
+                              "own: activations are told from temporaries by their stacks (made under a "
+                              "forward)")
+            return
+        index, add = self.index, self.observations.append
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = _storage(t, index)
+            if s is not None:
+                add(("activations", s[0], s[1], _now_us()))
+            return t
+
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
+        ctx.__enter__()
+        self._saved = ctx
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        s = _storage(p.grad, self.index)
+        if s is not None:
+            self.observations.append(("gradients", s[0], s[1], _now_us()))
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        events = self.module_events
+        assert events is not None
+
+        def pre(module: Any, args: Any) -> None:
+            events.append((_now_us(), "enter", name))
+
+        return pre
+
+    def _post(self, name: str) -> Callable[..., None]:
+        events = self.module_events
+        assert events is not None
+
+        def post(module: Any, args: Any, out: Any) -> None:
+            events.append((_now_us(), "exit", name))
+            t = _first_grad_tensor(out)
+            if t is not None:
+                try:
+                    t.register_hook(lambda grad: self._on_backward(name))
+                except RuntimeError:
+                    pass
+
+        return post
+
+    def _on_backward(self, name: str) -> None:
+        assert self.module_events is not None
+        self.module_events.append((_now_us(), "backward", name))
+        if not self._backward_open:
+            self._backward_open = True
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            except Exception:  # noqa: BLE001, S110 - then backward allocations stay with the last module
+                pass
+
+    def _on_backward_end(self) -> None:
+        assert self.module_events is not None
+        self.module_events.append((_now_us(), "backward_end", ""))
+        self._backward_open = False
+
+    def on_phase(self, action: str, key: str) -> None:
+        self.phase_events.append((_now_us(), action, key))
+
+    def remove(self) -> None:
+        """Every hook off (idempotent)."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        ctx, self._saved = self._saved, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class PeakHook(Hook):
+    """Explains the peak of step ``target`` and writes its ``kind: "peak"`` record.
+
+    Args:
+        target: the explained step's index.
+        model, optimizer: see :class:`Explaining`.
+        ensure_backend: the profiler's backend, chosen now if it is not yet (the hook runs
+            before the step's entry boundary, which would choose it).
+        watch_phases: ``watch_phases(fn)`` routes the phase boundaries to ``fn(action,
+            key)``; ``watch_phases(None)`` stops.
+        retire: takes the hook off the step boundaries.
+        max_entries: the bound of the allocator's history.
+    """
+
+    def __init__(self, target: int, *, model: Any, optimizer: Any, ensure_backend: Callable[[], Backend],
+                 watch_phases: Callable[[Any], None], retire: Callable[[Hook], None],
+                 max_entries: int = MAX_ENTRIES) -> None:
+        self.target = target
+        self.explanation: PeakExplanation | None = None
+        self._model = model
+        self._optimizer = optimizer
+        self._ensure_backend = ensure_backend
+        self._watch_phases = watch_phases
+        self._retire = retire
+        self._max_entries = max_entries
+        self._explaining: Explaining | None = None
+        self._start: HistoryStart | None = None
+        self._backend: Backend | None = None
+        self._cost_ns = 0
+        self._pending: dict[str, Any] | None = None  # what the collector replays
+        self._reason: str | None = None
+
+    # -- training thread --------------------------------------------------------------
+
+    def on_step_begin(self, index: int) -> None:
+        if index != self.target:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            self._begin()
+        except Exception as e:  # noqa: BLE001 - a null record, never a broken step
+            if raised_by_user(e):
+                raise
+            self._abandon(f"{type(e).__name__}: {e}")
+        self._cost_ns += time.perf_counter_ns() - t0
+        if self._explaining is None:
+            self._retire(self)
+
+    def _begin(self) -> None:
+        b = self._ensure_backend()
+        self._backend = b
+        if not b.has_device_memory or b.index is None:
+            self._reason = f"no CUDA allocator to explain: {b.memory_reason or b.gpu_reason}"
+            return
+        ex = Explaining(b.index, self._model, self._optimizer)
+        try:
+            ex.install()
+            ex.observe("start")
+            started = b.begin_history(self._max_entries)
+        except BaseException:
+            ex.remove()
+            raise
+        if isinstance(started, str):
+            ex.remove()
+            self._reason = started
+            return
+        self._start = started
+        self._explaining = ex
+        self._watch_phases(ex.on_phase)
+
+    def on_step_end(self, step: Step, exc: BaseException | None) -> None:
+        ex = self._explaining
+        if ex is None or step.index != self.target:
+            return
+        t0 = time.perf_counter_ns()
+        self._explaining = None
+        try:
+            self._watch_phases(None)
+            ex.remove()
+            ex.observe("end")
+            end_before = _now_us()
+            end = step.backend.end_history()
+        except Exception as e:  # noqa: BLE001 - a null record, never a broken step
+            if raised_by_user(e):
+                raise
+            self._abandon(f"{type(e).__name__}: {e}")
+            end = None
+        finally:
+            self._retire(self)
+        if end is not None:
+            if exc is not None:
+                ex.notes.append(f"the step raised {type(exc).__name__}: its peak is up to the exception")
+            self._pending = {"end": end, "explaining": ex, "peak": step.peak if step.peak >= 0 else None,
+                             "end_before": end_before}
+        self._cost_ns += time.perf_counter_ns() - t0
+
+    def on_fail(self, step_open: bool, why: str) -> None:
+        ex, self._explaining = self._explaining, None
+        if ex is not None:
+            try:
+                self._watch_phases(None)
+                ex.remove()
+                if self._backend is not None:
+                    self._backend.end_history()
+            except Exception:  # noqa: BLE001, S110 - recording already failed; the reason says so
+                pass
+            self._abandon(f"recording stopped during the explained step: {why}")
+
+    def _abandon(self, why: str) -> None:
+        self._reason = f"explaining the peak failed: {why}"
+        self._explaining = None
+
+    # -- collector --------------------------------------------------------------------
+
+    def after_record(self, step: Step, write: Write) -> None:
+        """The peak record, right after the explained step's record."""
+        if step.index != self.target or self.explanation is not None:
+            return
+        self.explanation = self._explain(step)
+        write(self.explanation.to_record())
+
+    def _explain(self, step: Step) -> PeakExplanation:
+        device = step.backend.device if step.backend is not None else "cpu"
+        cost = self._cost_ns / 1e6
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return _peak.unavailable_explanation(
+                self._reason or "the explained step was not recorded", step=step.index, device=device,
+                peak_allocated_bytes=step.peak if step.peak >= 0 and step.backend.has_device_memory else None,
+                cost_ms=cost)
+        t0 = time.perf_counter_ns()
+        start = self._start
+        assert start is not None
+        ex: Explaining = pending["explaining"]
+        try:
+            offset = _offset_us(start, pending["end"], ex.index, pending["end_before"])
+            if offset is None:
+                offset = 0.0
+                ex.notes.append("the history has no marker of its start, so host times are taken as the "
+                                "trace's clock")
+            t = _to_trace(offset)
+            obs = [Observation(c, p, n, w if isinstance(w, str) else t(w)) for c, p, n, w in ex.observations]
+            mods = None if ex.module_events is None else [Event(t(u), a, n) for u, a, n in ex.module_events]
+            phases = [Event(t(u), a, n) for u, a, n in ex.phase_events]
+            result = _peak.explain(
+                start.snapshot, pending["end"], device=ex.index, step=step.index, observations=obs,
+                module_events=mods, phase_events=phases, peak_allocated_bytes=pending["peak"],
+                max_entries=self._max_entries, activations_from=ex.activations_from, notes=ex.notes,
+                unavailable=None if ex.model is not None or ex.optimizer is not None else _NO_MODEL,
+            )
+        except Exception as e:  # noqa: BLE001 - a null record, never a stopped collector
+            if raised_by_user(e):
+                raise
+            return _peak.unavailable_explanation(
+                f"replaying the allocator's history failed: {type(e).__name__}: {e}", step=step.index,
+                device=device, peak_allocated_bytes=pending["peak"], cost_ms=cost)
+        cost += (time.perf_counter_ns() - t0) / 1e6
+        return _with_cost(result, cost)
+
+    def on_close(self, closing: Closing) -> None:
+        """A peak record saying why, when the explained step never ran."""
+        if self.explanation is None and (closing.last_step is None or closing.last_step < self.target):
+            device = closing.backend.device if closing.backend is not None else "none"
+            ran = "no step ran" if closing.last_step is None else f"the last step was {closing.last_step}"
+            self.explanation = _peak.unavailable_explanation(
+                f"the run ended before step {self.target}, the one to explain ({ran})",
+                step=self.target, device=device)
+            closing.write(self.explanation.to_record())
+
+
+_NO_MODEL = {
+    "bytes_by_category.parameters": "no model or optimizer was given (pass model= and optimizer=): "
+    "parameters, gradients and optimizer state count as other or temporaries",
+}
+
+
+def _offset_us(start: HistoryStart, end: dict[str, Any], index: int, end_before_us: float) -> float | None:
+    """Trace clock minus host clock, from the snapshots' markers in the history.
+
+    torch records a snapshot's marker as its ``_snapshot()`` begins (before it builds the
+    Python dicts and symbolises stacks, the slow part), so each marker is compared with the
+    host's clock just before its call.  A delay between the two (the thread descheduled)
+    only adds to the difference, so the smaller of the two estimates is taken.
+    """
+    traces = end.get("device_traces") or []
+    trace = traces[index] if index < len(traces) else []
+    markers = [e for e in trace if e.get("action") == "snapshot" and "time_us" in e]
+    if not markers:
+        return None
+    first = markers[0]["time_us"] - start.host_before_us
+    return first if len(markers) < 2 else min(first, markers[-1]["time_us"] - end_before_us)
+
+
+def _to_trace(offset: float) -> Callable[[float], float]:
+    return lambda host_us: host_us + offset
+
+
+def _with_cost(result: PeakExplanation, cost_ms: float) -> PeakExplanation:
+    import attrs
+
+    return attrs.evolve(result, cost_ms=round(cost_ms, 3))

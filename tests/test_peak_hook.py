@@ -1,0 +1,293 @@
+"""Profiler(explain_peak=...) on the fake device: the hook, its hooks, its record, its cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import stepprof
+from stepprof._recorder import peak as peak_module
+from stepprof._recorder.peak import PeakHook
+from tests.peak_snapshots import FakeAllocator, frame
+
+from .conftest import make
+
+FORWARD = frame("forward", "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", 125)
+
+
+def _cpu_storage(t, index):
+    """The hook's storage reader, for CPU tensors: the fake allocator records their real addresses."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return None
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+@pytest.fixture
+def history(gpu, monkeypatch):
+    gpu.index = 0
+    gpu.history = FakeAllocator(t_us=None, gpu=gpu)
+    monkeypatch.setattr(peak_module, "_storage", _cpu_storage)
+    return gpu.history
+
+
+class Net(nn.Module):
+    def __init__(self, fake: FakeAllocator) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 8)
+        # The fake allocator sees fc1's output from inside fc1 (a hook registered before stepprof's).
+        self.fc1.register_forward_hook(lambda m, i, out: fake.alloc_tensor(out, [FORWARD]) and None)
+        self.fake = [fake]
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _train(prof, fake, model, opt, x, steps=2):
+    for _ in range(steps):
+        with prof.step():
+            with prof.measure("forward"):
+                loss = model(x).square().mean()
+            with prof.measure("backward"):
+                loss.backward()
+                for p in model.parameters():
+                    fake.alloc_tensor(p.grad)
+            with prof.measure("optimizer"):
+                opt.step()
+                for state in opt.state.values():
+                    for t in state.values():
+                        if t.dim():
+                            fake.alloc_tensor(t)
+            opt.zero_grad(set_to_none=True)
+
+
+def _nbytes(ts):
+    return sum(t.untyped_storage().nbytes() for t in ts)
+
+
+def test_the_explained_step_gets_a_peak_record_after_its_own(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64)
+    for p in model.parameters():
+        history.alloc_tensor(p)
+    history.alloc_tensor(x)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, x)
+    prof.close()
+    kinds = [(r["kind"], r.get("step")) for r in stepprof.read(log) if r["kind"] in ("step", "peak")]
+    assert kinds == [("step", 0), ("peak", 0), ("step", 1)]
+    rec = next(stepprof.read(log, kind="peak"))
+    cats = rec["bytes_by_category"]
+    params = list(model.parameters())
+    assert cats["parameters"] == sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in params)
+    assert cats["gradients"] == pytest.approx(_nbytes(p.grad for p in params) if params[0].grad is not None
+                                              else cats["gradients"])
+    state = [t for s in opt.state.values() for t in s.values() if t.dim()]
+    assert cats["optimizer_state"] == sum(-(-t.untyped_storage().nbytes() // 512) * 512 for t in state)
+    # The batch, alive before the step, is saved by fc1 for its weight's gradient: an activation.
+    assert cats["activations"] == x.untyped_storage().nbytes() and cats["other"] == 0
+    assert sum(cats.values()) == rec["live_bytes"]
+    assert rec["phase"] == "optimizer"
+    assert rec["activations_from"] == "saved_tensors_hooks"
+    # fc1's output is saved by relu? No: relu saves its result; fc1's output is not saved, so it
+    # is a temporary, made in fc1.
+    fc1 = next(m for m in rec["modules"] if m["module"] == "fc1")
+    assert fc1["total_bytes"] == 32 * 256 * 4
+    assert rec["cost_ms"] > 0 and rec["step"] == 0
+    first = next(stepprof.read(log, kind="step"))
+    assert rec["peak_allocated_bytes"] == first["peak_allocated_bytes"] == rec["live_bytes"]
+
+
+def test_other_steps_pay_nothing_once_the_step_is_explained(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=1, model=model, optimizer=opt, memory_every=0)
+    hooks = prof._boundaries
+    assert any(isinstance(h, PeakHook) for h in hooks._begin_hooks)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=3)
+    assert not any(isinstance(h, PeakHook) for h in hooks._begin_hooks + hooks._end_hooks)
+    assert "begin_phase" not in vars(hooks) and "end_phase" not in vars(hooks)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert list(model.fc1._forward_hooks) and not model.fc2._forward_hooks  # the test's own stays
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert gpu.history_calls == ["begin 500000", "end"]
+    prof.close()
+    assert [r["step"] for r in stepprof.read(log, kind="peak")] == [1]
+
+
+def test_your_own_saved_tensors_hooks_are_left_on_top(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    packed = []
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+        _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert packed  # theirs ran
+    assert rec["activations_from"] == "stacks"
+    assert any("saved_tensors_hooks of your own" in n for n in rec["notes"])
+
+
+def test_on_the_cpu_the_record_says_why(log):
+    with stepprof.Profiler(log, explain_peak=True, device="cpu", energy_every_s=None) as prof:
+        with prof.step():
+            torch.ones(3).sum()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["device"] == "cpu" and rec["bytes_by_category"] is None
+    assert "no CUDA allocator to explain" in rec["unavailable"]["bytes_by_category"]
+
+
+def test_a_history_already_recorded_is_left_alone(log, gpu):
+    gpu.index = 0
+    gpu.history_reason = "the allocator's history is already being recorded"
+    prof = make(log, gpu, explain_peak=True, memory_every=0)
+    with prof.step():
+        gpu.alloc(1000)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["unavailable"]["live_bytes"] == "the allocator's history is already being recorded"
+    assert rec["peak_allocated_bytes"] == 1000
+
+
+def test_a_failing_history_never_breaks_the_step(log, gpu, history):
+    gpu.fail_on = "end_history"
+    prof = make(log, gpu, explain_peak=True, memory_every=0)
+    with prof.step():
+        pass
+    with prof.step():
+        pass
+    prof.close()
+    assert len(list(stepprof.read(log, kind="step"))) == 2
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["unavailable"]["bytes_by_category"].startswith("explaining the peak failed")
+
+
+def test_a_run_that_ends_before_the_step_says_so(log, gpu, history):
+    prof = make(log, gpu, explain_peak=5, memory_every=0)
+    with prof.step():
+        pass
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["step"] == 5
+    assert "ended before step 5" in rec["unavailable"]["bytes_by_category"]
+    assert gpu.history_calls == []
+
+
+def test_without_a_model_parameters_come_from_the_optimizer(log, gpu, history):
+    model = Net(history)
+    for p in model.parameters():
+        history.alloc_tensor(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["bytes_by_category"]["parameters"] > 0
+    assert rec["modules"] is None and "pass model=" in rec["unavailable"]["modules"]
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"explain_peak": "yes"}, "'explain_peak' must be True, False or a step index"),
+    ({"explain_peak": -1}, "'explain_peak' must be True, False or a step index"),
+    ({"model": 3}, "'model' must be a torch.nn.Module or None (got int)"),
+    ({"optimizer": "adam"}, "'optimizer' must be a torch.optim.Optimizer or None (got str)"),
+])
+def test_bad_arguments_name_themselves(kw, named):
+    with pytest.raises(stepprof.ConfigError) as e:
+        stepprof.Profiler(None, **kw)
+    assert named in str(e.value)
+
+
+def test_configure_takes_the_same_names(tmp_path):
+    model = nn.Linear(2, 2)
+    prof = stepprof.configure(log=str(tmp_path / "x.jsonl"), explain_peak=3, model=model)
+    try:
+        assert prof._peak is not None and prof._peak.target == 3
+    finally:
+        prof.close()
+
+
+
+class Trainer:
+    def __init__(self) -> None:
+        self.net = nn.Linear(3, 2)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+        self.calls = 0
+
+    def train_step(self, batch):
+        self.calls += 1
+        self.net(batch).sum().backward()
+        self.opt.step()
+
+
+def test_explain_peak_one_off_on_the_cpu_returns_the_reason():
+    t = Trainer()
+    exp = stepprof.explain_peak(t.train_step, torch.ones(4, 3), warmup=1)
+    assert t.calls == 2
+    assert isinstance(exp, stepprof.PeakExplanation)
+    assert exp.step == 1 and exp.bytes_by_category is None
+    assert "no CUDA allocator to explain" in exp.unavailable["bytes_by_category"]
+    assert "not explained (no CUDA allocator" in str(exp)
+
+
+def test_explain_peak_finds_the_model_and_optimizer_on_self():
+    from stepprof._api import _owned
+
+    t = Trainer()
+    assert _owned(t.train_step, nn.Module) is t.net
+    assert _owned(t.train_step, torch.optim.Optimizer) is t.opt
+    assert _owned(t.net, nn.Module) is t.net
+    assert _owned(lambda b: b, nn.Module) is None
+
+
+def test_explain_peak_checks_its_arguments():
+    with pytest.raises(stepprof.UsageError, match="'train_step' must be callable"):
+        stepprof.explain_peak(None, 1)
+    with pytest.raises(stepprof.ConfigError, match="'warmup'"):
+        stepprof.explain_peak(lambda b: b, 1, warmup=-1)
+
+
+def _explained_log(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        history.alloc_tensor(p)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(32, 64))
+    prof.close()
+
+
+def test_report_prints_the_peak(log, gpu, history, capsys):
+    from .report_helpers import cli
+
+    _explained_log(log, gpu, history)
+    rc, out, _ = cli(capsys, "report", log)
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.strip().startswith("peak ") and "in step" in x)
+    assert "in step 0 in optimizer" in line and "optimizer state" in line and "parameters" in line
+    assert "optimizer state" in out and "explaining cost" in out
+    rc, out, _ = cli(capsys, "report", "--json", log)
+    import json
+
+    assert json.loads(out)["logs"][0]["runs"][0]["peak"]["kind"] == "peak"
+
+
+def test_plot_peak_writes_a_png(log, gpu, history, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    from .report_helpers import cli
+
+    _explained_log(log, gpu, history)
+    png = str(tmp_path / "peak.png")
+    rc, out, _ = cli(capsys, "plot", "--peak", log, "-o", png)
+    assert rc == 0 and open(png, "rb").read(4) == b"\x89PNG"
+    plain = str(tmp_path / "plain.jsonl")
+    with stepprof.Profiler(plain, device="cpu", energy_every_s=None) as prof:
+        with prof.step():
+            pass
+    rc, _, err = cli(capsys, "plot", "--peak", plain, "-o", png)
+    assert rc == 2 and "has no explained peak" in err and "explain_peak=True" in err
