@@ -15,6 +15,8 @@ Variants, interleaved in a shuffled order every round:
                rounds, so the ratio of ``full`` to this one shows what energy adds per step
                (held records, their energy figures), not the sampler's reads, which every
                variant shares;
+  full-explained  ``full`` with ``explain_peak=True``: its first step (in the warm-up, before any
+               round) is explained; the rounds show what the later steps pay (nothing, by design);
   profiler     the bare step under torch.profiler (CPU+CUDA activities), trace
                post-processing (its exit and key_averages()) excluded and reported apart;
   with --ablate, the full loop with one setting changed (ABLATIONS below).
@@ -112,6 +114,7 @@ VARIANTS = {
     "full-python": {"boundary": "python"},
     "full-budget": {"overhead_budget": 0.01},
     "full-energy-off": {"energy_every_s": None},
+    "full-explained": {"explain_peak": True},
 }
 #: With --ablate: one feature changed at a time, to attribute the full loop's cost.
 ABLATIONS = {
