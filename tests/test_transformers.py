@@ -176,6 +176,40 @@ def test_an_exception_in_training_step_records_the_step_and_closes_the_profiler(
     assert len({r["run_id"] for r in _records(log)}) == 2
 
 
+def test_an_exception_outside_training_step_leaves_the_step_open_until_the_next_train(tmp_path):
+    model = _model()
+
+    class Failing(torch.optim.AdamW):
+        steps = 0
+
+        def step(self, closure=None):
+            Failing.steps += 1
+            if Failing.steps == 3:
+                raise RuntimeError("optimizer broke")
+            return super().step(closure)
+
+    log = tmp_path / "run.jsonl"
+    cb = StepprofCallback(log=str(log))
+    trainer = Trainer(model=model, args=_args(tmp_path), train_dataset=_dataset(64), callbacks=[cb],
+                      optimizers=(Failing(model.parameters(), lr=1e-4), None))
+    with pytest.raises(RuntimeError, match="optimizer broke"):
+        trainer.train()
+    assert not cb.profiler.closed  # the Trainer has no exception hook: the step is still open
+    # A sweep meanwhile runs the Trainer's own training_step, not into the open step.
+    Failing.steps = -100
+    sweep(trainer, **_sweep_options())
+    first = cb.profiler
+    Failing.steps = -100
+    trainer.args.max_steps = 2
+    trainer.train()  # the next train() closes the old profiler, then profiles anew
+    assert first.closed and first.summary.ended_by == "exception" and cb.summary.ended_by == "close"
+    old = [r for r in _records(log) if r["run_id"] == _records(log)[0]["run_id"]]
+    assert [r["step"] for r in old] == [0, 1, 2]
+    assert old[2]["error"]["message"] == "profiler closed while the step was open"
+    assert old[2]["phases"]["forward_backward"]["count"] == 1  # nothing from the sweep
+    assert len(_records(log, "summary")) == 2
+
+
 def test_an_internal_failure_is_a_warning_and_training_goes_on(tmp_path, monkeypatch):
     log = tmp_path / "run.jsonl"
     cb = StepprofCallback(log=str(log))

@@ -43,11 +43,10 @@ except ImportError as e:  # pragma: no cover - the extra is in dev
 import torch
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, StepprofError, UsageError
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._records import Summary
-from .._registry import pop_active, push_active
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
@@ -124,7 +123,6 @@ class StepprofCallback(TrainerCallback):
             self._prof, self._summary, self._thread = prof, None, threading.get_ident()
             self._window.drain()
             prof._watch(self._window)
-            push_active(prof)  # stepprof.measure() in the model's code records into its steps
             trainer = _calling_trainer(self)
             if trainer is not None:
                 self._wrap(trainer)
@@ -219,6 +217,8 @@ class StepprofCallback(TrainerCallback):
                 self._guard(self._note_batches, prof, time.perf_counter_ns() - t0, out)
             return out
 
+        wrapped_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
+        wrapped_training_step._stepprof = True  # type: ignore[attr-defined]
         trainer.training_step = wrapped_training_step
         trainer.get_batch_samples = wrapped_get_batch_samples
         self._wrapped = ["training_step", "get_batch_samples"]
@@ -273,10 +273,8 @@ class StepprofCallback(TrainerCallback):
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
-        except StepprofError as e:
-            if type(e).__name__ == "SyncBudgetExceeded":
-                raise  # on_sync="raise": the user asked for it
-            self._fail(e)
+        except SyncBudgetExceeded:
+            raise  # on_sync="raise": the user asked for it
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
 
@@ -296,7 +294,6 @@ class StepprofCallback(TrainerCallback):
             self._unwrap()
         if prof is None or prof.closed:
             return
-        pop_active(prof)
         try:
             self._summary = prof._end(ended_by)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
@@ -394,9 +391,13 @@ def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepRe
     max_norm = args.max_grad_norm
     make_batch = _batch_maker(trainer, dataset)
 
+    training_step = trainer.training_step
+    if getattr(training_step, "_stepprof", False):  # a callback's wrapper, left by a train() that raised
+        training_step = training_step.__wrapped__
+
     def train_step(batch: Any) -> None:
         with accelerator.autocast():  # the Trainer's mixed precision, as in its own loop
-            trainer.training_step(model, batch)
+            training_step(model, batch)
         if max_norm is not None and max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         if scaler is not None:
