@@ -124,6 +124,23 @@ def test_figures_reach_every_on_log_and_the_log_history_whatever_the_callback_or
     assert "stepprof/steps" not in capture.logs[-1]  # the final train log: no step since the last
 
 
+def test_figures_reach_a_report_to_backend_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = _args(tmp_path, report_to=["tensorboard"])
+    trainer = Trainer(model=_model(), args=args, train_dataset=_dataset(64),
+                      callbacks=[StepprofCallback(log=None)])
+    trainer.train()
+    runs = [d for d, _, files in os.walk(tmp_path) if any("tfevents" in f for f in files)]
+    assert runs
+    acc = EventAccumulator(runs[0])
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "train/stepprof/wall_ms" in tags and "train/stepprof/phases/optimizer/wall_ms" in tags
+    assert [e.step for e in acc.Scalars("train/stepprof/wall_ms")] == [5, 10, 15, 20]
+
+
 def test_data_wait_holds_the_fetch_of_the_steps_micro_batches(tmp_path):
     class Slow(torch.utils.data.Dataset):
         def __init__(self) -> None:
