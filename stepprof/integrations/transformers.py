@@ -1,0 +1,487 @@
+"""stepprof inside Hugging Face's ``Trainer``: :class:`StepprofCallback` and :func:`sweep`.
+
+The callback records one step per optimizer step, from the Trainer's own hooks:
+
+- ``on_step_begin`` opens the step; ``on_step_end`` (after the optimizer step, the
+  scheduler and ``zero_grad``) closes it.  Between the previous step's end and this one's
+  begin lie the Trainer's logging, evaluation and checkpointing and the fetch of this
+  step's micro-batches: the record's ``data_wait_ms`` (``data_ms``: the fetch alone).
+- Phase ``forward_backward``: each ``trainer.training_step`` call (forward, loss, backward
+  of one micro-batch); its ``count`` is the step's micro-batch count.
+- Phase ``optimizer``: ``on_pre_optimizer_step`` to ``on_optimizer_step``, i.e.
+  ``optimizer.step()`` (gradient clipping runs before it, outside any phase).
+- ``batch_size``: the sum of the micro-batches' sizes, inferred from the batches the
+  Trainer fetched for the step (``trainer.get_batch_samples``).
+
+At ``on_train_begin`` the callback finds its Trainer (the caller of the hook) and wraps
+``training_step`` and ``get_batch_samples`` on that instance (restored at train end),
+and moves itself first among the Trainer's callbacks, so that ``on_log`` adds the figures
+before the ``report_to`` callbacks read the logs.  docs/integrations.md has the details.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as e:  # pragma: no cover - the extra is in dev
+    from .._errors import MissingExtraError
+
+    raise MissingExtraError(
+        "stepprof.integrations.transformers needs transformers and accelerate, which are not "
+        "installed. Install them with: pip install 'stepprof[transformers]'"
+    ) from e
+
+import torch
+
+from .._batch import infer_batch_size
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError
+from .._options import NAMES, ProfilerOptions
+from .._recorder.profiler import Profiler
+from .._records import Summary
+from .._sweep.result import SweepResult
+from .._sweep.search import sweep as _sweep
+from .._validate import check_option_names
+from ._window import Window, figures
+
+__all__ = ["StepprofCallback", "sweep"]
+
+#: The phase around each ``training_step`` call, and the one around ``optimizer.step()``.
+FORWARD_BACKWARD = "forward_backward"
+OPTIMIZER = "optimizer"
+#: How far up the stack ``on_train_begin`` looks for the Trainer that called it.
+_FRAMES = 12
+_NO_TRAINER = (
+    "not inferred: the callback's hooks were not called from a transformers.Trainer's training "
+    "loop, so it could not see the batches"
+)
+
+
+class StepprofCallback(TrainerCallback):
+    """Profiles each optimizer step of ``Trainer.train()`` and adds the figures to its logs.
+
+    Args:
+        log: path of the JSON-lines log (appended to), or None for none; the figures still
+            reach the Trainer's logs.  Under DDP each rank writes its own (``log_ranks``).
+        profiler_options: any of :class:`stepprof.Profiler`'s settings (``warmup``,
+            ``syncs``, ``overhead_budget``...), checked here.
+
+    A :class:`stepprof.Profiler` opens at ``on_train_begin`` and closes at ``on_train_end``
+    (``profiler``, then ``summary``).  An exception that leaves ``training_step`` records
+    the step with its ``error`` and closes the profiler; one raised elsewhere leaves it
+    open until the next ``train()`` with this callback or interpreter exit, which close it.
+    An internal stepprof failure becomes a warning: training goes on unprofiled.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=ds,
+                          callbacks=[StepprofCallback(log="run.jsonl", warmup=5)])
+        trainer.train()  # logs gain stepprof/gpu_ms, stepprof/samples_per_s, ...
+    """
+
+    def __init__(self, log: str | os.PathLike[str] | None = None, **profiler_options: Any) -> None:
+        check_option_names(profiler_options, NAMES, "StepprofCallback()")
+        ProfilerOptions(log, **profiler_options)  # every setting checked now, before training
+        self._log = log
+        self._options = profiler_options
+        self._prof: Profiler | None = None
+        self._summary: Summary | None = None
+        self._window = Window()
+        self._trainer: Any = None  # the Trainer whose methods are wrapped, while training
+        self._wrapped: list[str] = []
+        self._in_step = False
+        self._phase: str | None = None
+        self._thread = 0  # the training thread: hooks and wrappers elsewhere record nothing
+
+    # -- public ---------------------------------------------------------------------
+
+    @property
+    def profiler(self) -> Profiler | None:
+        """The profiler of the current (or last) ``train()``, or None before the first."""
+        return self._prof
+
+    @property
+    def summary(self) -> Summary | None:
+        """The last closed profiler's summary, or None."""
+        return self._summary
+
+    # -- the Trainer's hooks ------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close("exception")  # a previous train() that raised outside training_step
+        # The log is opened here: an unwritable path raises now, before the first step.
+        prof = Profiler(self._log, **self._options)
+        try:
+            self._prof, self._summary, self._thread = prof, None, threading.get_ident()
+            self._window.drain()
+            prof._watch(self._window)
+            trainer = _calling_trainer(self)
+            if trainer is not None:
+                self._wrap(trainer)
+                _move_first(trainer.callback_handler.callbacks, self)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        prof = self._recording()
+        if prof is None:
+            return
+        try:
+            if self._in_step:  # the previous step never reached on_step_end
+                self._end_step(RuntimeError("on_step_end was not called for this step"))
+            if self._trainer is None:
+                _note_batch(prof, -1, (None, _NO_TRAINER))
+            prof.begin_step()
+            self._in_step = True
+            if self._trainer is None:  # the hooks alone: the phase starts with the step
+                self._begin_phase(FORWARD_BACKWARD)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._trainer is None and self._recording() is not None:  # next micro-batch
+            self._guard(self._end_phase)
+            self._guard(self._begin_phase, FORWARD_BACKWARD)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._recording() is not None:
+            self._guard(self._end_phase)
+            self._guard(self._begin_phase, OPTIMIZER)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._recording() is not None:
+            self._guard(self._end_phase)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._recording() is not None and self._in_step:
+            self._guard(self._end_step, None)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        if logs is None or self._prof is None or self._prof.closed:
+            return
+        try:
+            # The steps whose device work has completed are written now (never a wait), so
+            # the window holds them: on a GPU the last step or two may still be running.
+            self._prof._drain()
+            got = figures(self._window.drain())
+            if not got:
+                return
+            # The Trainer put a copy of these logs in state.log_history just before this call.
+            last = state.log_history[-1] if getattr(state, "log_history", None) else None
+            if isinstance(last, dict) and last.get("step") == state.global_step and set(last) - {"step"} == set(logs):
+                last.update(got)
+            logs.update(got)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._close("close")
+
+    # -- the wrappers on the Trainer -----------------------------------------------------
+
+    def _wrap(self, trainer: Any) -> None:
+        """Wrap ``training_step`` and ``get_batch_samples`` on this Trainer instance."""
+        self._trainer = trainer
+        training_step = trainer.training_step
+        get_batch_samples = trainer.get_batch_samples
+
+        def wrapped_training_step(*args: Any, **kwargs: Any) -> Any:
+            phase = self._in_step and self._recording() is not None
+            if phase:
+                self._guard(self._begin_phase, FORWARD_BACKWARD)
+            try:
+                out = training_step(*args, **kwargs)
+            except BaseException as e:
+                if phase:
+                    self._guard(self._end_step, e)
+                    self._close("exception")
+                raise
+            if phase:
+                self._guard(self._end_phase)
+            return out
+
+        def wrapped_get_batch_samples(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            out = get_batch_samples(*args, **kwargs)
+            prof = self._recording()
+            if prof is not None:
+                self._guard(self._note_batches, prof, time.perf_counter_ns() - t0, out)
+            return out
+
+        wrapped_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
+        wrapped_training_step._stepprof = True  # type: ignore[attr-defined]
+        trainer.training_step = wrapped_training_step
+        trainer.get_batch_samples = wrapped_get_batch_samples
+        self._wrapped = ["training_step", "get_batch_samples"]
+
+    def _unwrap(self) -> None:
+        trainer, names = self._trainer, self._wrapped
+        self._trainer, self._wrapped = None, []
+        for name in names:
+            with contextlib.suppress(AttributeError):
+                delattr(trainer, name)  # the class's method shows through again
+
+    def _note_batches(self, prof: Profiler, data_ns: int, out: Any) -> None:
+        """The micro-batches of the next step: their summed size, for its ``batch_size``."""
+        samples = out[0] if isinstance(out, tuple) and out else None
+        if not isinstance(samples, list) or not samples:
+            return
+        total = 0
+        for i, batch in enumerate(samples):
+            size, reason = infer_batch_size(batch)
+            if size is None:
+                _note_batch(prof, data_ns, (None, f"micro-batch {i}: {reason}"))
+                return
+            total += size
+        _note_batch(prof, data_ns, (total, None))
+
+    # -- steps and phases, guarded ----------------------------------------------------------
+
+    def _recording(self) -> Profiler | None:
+        """The open profiler, when called on the training thread."""
+        prof = self._prof
+        if prof is None or prof.closed or threading.get_ident() != self._thread:
+            return None
+        return prof
+
+    def _begin_phase(self, name: str) -> None:
+        prof = self._prof
+        if prof is not None and self._in_step and self._phase is None:
+            prof.begin_phase(name)
+            self._phase = name
+
+    def _end_phase(self) -> None:
+        prof, self._phase, name = self._prof, None, self._phase
+        if prof is not None and name is not None:
+            prof.end_phase(name)
+
+    def _end_step(self, error: BaseException | None) -> None:
+        prof = self._prof
+        self._in_step, self._phase = False, None
+        if prof is not None and not prof.closed:
+            prof.end_step(error)  # closes the phase still open
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except SyncBudgetExceeded:
+            raise  # on_sync="raise": the user asked for it
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        """An internal failure: warn, and stop profiling this run (the log keeps what it has)."""
+        warnings.warn(
+            f"stepprof: the Hugging Face callback stopped profiling after an internal error "
+            f"({type(e).__name__}: {e}); training goes on",
+            RuntimeWarning, stacklevel=3,
+        )
+        self._close("exception")
+
+    def _close(self, ended_by: str) -> None:
+        prof = self._prof
+        self._in_step, self._phase = False, None
+        with contextlib.suppress(Exception):
+            self._unwrap()
+        if prof is None or prof.closed:
+            return
+        try:
+            self._summary = prof._end(ended_by)
+        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            warnings.warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})",
+                          RuntimeWarning, stacklevel=3)
+
+
+def _note_batch(prof: Profiler, data_ns: int, size: tuple[int | None, str | None]) -> None:
+    """The next step's batch size (or why there is none) and fetch time (-1: not measured)."""
+    if prof._boundaries.broken is None:
+        prof._boundaries.note_batch(data_ns, size)
+
+
+def _calling_trainer(callback: StepprofCallback) -> Any:
+    """The Trainer whose training loop called this hook, if it holds ``callback``."""
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Trainer) and any(cb is callback for cb in owner.callback_handler.callbacks):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _move_first(callbacks: list[Any], callback: StepprofCallback) -> None:
+    """Put ``callback`` first, so that its ``on_log`` runs before the ``report_to`` ones.
+
+    Done during ``on_train_begin``'s own loop over the list: the callbacks after this one
+    keep their places, so none is skipped or called twice."""
+    i = next(i for i, cb in enumerate(callbacks) if cb is callback)
+    callbacks.insert(0, callbacks.pop(i))
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+
+
+def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepResult:
+    """:func:`stepprof.sweep` over the Trainer's own training step, data collator and train dataset.
+
+    ``train_step(batch)`` is ``trainer.training_step(model, batch)`` (forward, loss and
+    backward, under the Trainer's mixed precision) followed by gradient clipping as
+    ``args.max_grad_norm`` asks, ``optimizer.step()`` and ``zero_grad``; ``make_batch(n)``
+    collates ``n`` real samples of ``trainer.train_dataset`` (in order, cycling) with the
+    Trainer's collator and moves them to ``args.device``.  The model and the optimizer
+    (created with ``trainer.create_optimizer()`` if the Trainer has none yet, and dropped
+    again afterwards) are restored exactly, also when the sweep raises.
+
+    Args:
+        trainer: a ``transformers.Trainer`` with a ``train_dataset``, on one device (no
+            DeepSpeed or FSDP).
+        apply: set ``trainer.args.per_device_train_batch_size`` (and the Trainer's own
+            copy) to the recommended batch size.
+        sweep_options: :func:`stepprof.sweep`'s options (``max_batch``, ``time_budget_s``,
+            ``log``...) but ``restore``, which this function sets.  ``device`` defaults
+            to ``trainer.args.device``.
+
+    Returns:
+        The :class:`stepprof.SweepResult`.
+    """
+    if not isinstance(trainer, Trainer):
+        raise UsageError(
+            f"sweep() takes a transformers.Trainer (got {type(trainer).__name__}); "
+            f"pass the Trainer you would call .train() on"
+        )
+    if not isinstance(apply, bool):
+        raise ConfigError(f"'apply' must be True or False (got {apply!r}); pass apply=True to set the batch size")
+    if "restore" in sweep_options:
+        raise ConfigError(
+            "sweep(trainer) restores the Trainer's model and optimizer itself and takes no 'restore' "
+            f"(got restore={sweep_options['restore']!r}); leave it out"
+        )
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        raise ConfigError(
+            "sweep(trainer) runs the model on one device, without DeepSpeed or FSDP "
+            "(the Trainer has one of them on); sweep a Trainer built without them"
+        )
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ConfigError(
+            "sweep(trainer) draws its batches from trainer.train_dataset, which is None; "
+            "pass train_dataset=... to the Trainer"
+        )
+    args = trainer.args
+    device = torch.device(args.device)
+    if device.type in ("cuda", "cpu"):
+        sweep_options.setdefault("device", "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+    model = trainer.model
+    created = trainer.optimizer is None
+    optimizer = trainer.create_optimizer() if created else trainer.optimizer
+    accelerator = trainer.accelerator
+    scaler = getattr(accelerator, "scaler", None)  # fp16: the loss is scaled in backward
+    restore = (model, optimizer) if scaler is None else (model, optimizer, scaler)
+    max_norm = args.max_grad_norm
+    make_batch = _batch_maker(trainer, dataset)
+
+    training_step = trainer.training_step
+    if getattr(training_step, "_stepprof", False):  # a callback's wrapper, left by a train() that raised
+        training_step = training_step.__wrapped__
+
+    def train_step(batch: Any) -> None:
+        with accelerator.autocast():  # the Trainer's mixed precision, as in its own loop
+            training_step(model, batch)
+        if max_norm is not None and max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        model.zero_grad()
+
+    was_training = model.training
+    missing = object()
+    # Set by the Trainer's loop for each step; training_step divides the loss by it.
+    accumulation = getattr(trainer, "current_gradient_accumulation_steps", missing)
+    trainer.current_gradient_accumulation_steps = 1
+    try:
+        result = _sweep(train_step, make_batch, restore=restore, **sweep_options)
+    finally:
+        model.train(was_training)
+        if accumulation is missing:
+            del trainer.current_gradient_accumulation_steps
+        else:
+            trainer.current_gradient_accumulation_steps = accumulation
+        if created:
+            trainer.optimizer = None
+    if apply:
+        if result.recommended is None:
+            warnings.warn(
+                f"stepprof: sweep(apply=True) left per_device_train_batch_size at "
+                f"{args.per_device_train_batch_size}: no batch size is recommended ({result.reason})",
+                RuntimeWarning, stacklevel=2,
+            )
+        else:
+            args.per_device_train_batch_size = result.recommended
+            trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
+    return result
+
+
+def _batch_maker(trainer: Any, dataset: Any) -> Callable[[int], Any]:
+    """``make_batch(n)``: ``n`` real samples, collated and on the Trainer's device, as its
+    training dataloader would give them (the unused columns removed the same way)."""
+    collate = trainer.data_collator
+    try:
+        import datasets  # noqa: PLC0415 - optional, as in the Trainer
+
+        is_hf_dataset = isinstance(dataset, datasets.Dataset)
+    except ImportError:
+        is_hf_dataset = False
+    if is_hf_dataset:
+        dataset = trainer._remove_unused_columns(dataset, description="training")
+    else:
+        collate = trainer._get_collator_with_removed_columns(collate, description="training")
+    draw = _drawer(dataset)
+
+    def make_batch(n: int) -> Any:
+        return trainer._prepare_inputs(collate(draw(n)))
+
+    return make_batch
+
+
+def _drawer(dataset: Any) -> Callable[[int], list[Any]]:
+    """``draw(n)``: the dataset's first ``n`` samples, cycling (an iterable dataset: the next
+    ``n``, starting over at its end)."""
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        size = len(dataset)
+        if size == 0:
+            raise ConfigError("sweep(trainer): trainer.train_dataset is empty; give the Trainer samples to train on")
+        return lambda n: [dataset[i % size] for i in range(n)]
+    it: list[Iterator[Any]] = [iter(dataset)]
+
+    def draw(n: int) -> list[Any]:
+        out: list[Any] = []
+        restarted = False
+        while len(out) < n:
+            try:
+                out.append(next(it[0]))
+                restarted = False
+            except StopIteration:
+                if restarted:
+                    raise ConfigError(
+                        "sweep(trainer): trainer.train_dataset yields no samples; "
+                        "give the Trainer samples to train on"
+                    ) from None
+                it[0], restarted = iter(dataset), True
+        return out
+
+    return draw
+
