@@ -35,6 +35,7 @@ SINGLE = {
     "memory.py": {"step", "summary", "memory"},
     "compile.py": {"step", "summary"},
     "lightning_callback.py": {"step", "summary"},
+    "hf_trainer.py": {"step", "summary"},
 }
 
 
