@@ -129,6 +129,7 @@ def test_the_steps_gpu_time_adds_up_to_an_independent_event_span(tmp_path):
     assert all(r["batch_size"] == BATCH for r in measured)
     assert all(r["phases"][p]["gpu_ms"] > 0 for r in measured for p in ("forward", "backward", "optimizer"))
     total = sum(r["gpu_ms"] for r in measured)
+    print(f"\nstepprof gpu_ms sum {total:.3f} ms, independent event span {span_ms:.3f} ms: {total / span_ms - 1:+.3%}")
     assert total == pytest.approx(span_ms, rel=0.02), (total, span_ms)
     assert cb.summary.measured_steps == STEPS - WARMUP
 
