@@ -143,7 +143,8 @@ class PeakExplanation:
         live_bytes: the bytes live at the replayed high-water mark.
         peak_at_ms: when the peak happened, from the step's entry.
         phase: the innermost stepprof phase open at the peak (``"outer/inner"``).
-        op: the function that made the allocation that set the peak, ``name (file:line)``.
+        op: the innermost annotation open at the allocation that set the peak (an aten op or
+            your ``record_function`` range), else its innermost frame, ``name (file:line)``.
         user_frame: the innermost frame of that allocation outside torch, ``file:line``.
         bytes_by_category: live bytes at the peak per category.
         modules: up to :data:`TOP_MODULES` modules, largest first.
@@ -154,8 +155,9 @@ class PeakExplanation:
         largest_free_block_bytes: the largest free range inside a segment at the peak.
         live_blocks: how many blocks were live at the peak.
         trace_entries: the allocator's history entries of the step.
-        cost_ms: the host time explaining added to the step: recording on and off, the
-            two snapshots (the step's own ``wall_ms`` excludes neither) and the replay.
+        cost_ms: the host time explaining added: recording on and off, the two snapshots
+            (the step's own ``wall_ms`` excludes neither), the hooks with their markers
+            (``wall_ms`` includes them) and the replay.
         timeline_ms, timeline_bytes: live bytes over the step (at most 200 points, each
             a bucket's maximum).
         activations_from: ``"saved_tensors_hooks"`` or ``"stacks"``: how saved

@@ -376,8 +376,7 @@ def test_in_the_same_microsecond_an_opening_marker_precedes_the_allocation_and_a
     a.annotating = True
     start = a.start()
     t = a.t_us + 10
-    a.t_us = t - 0.0  # every record below lands in the same µs (tick(0))
-    a.tick = lambda us=0.0: t  # type: ignore[method-assign]
+    a.tick = lambda us=0.0: t  # type: ignore[method-assign]  # every record below: the same µs
     a.annotate("stepprof:fwd:m", "START")
     a.alloc(1 * MiB, [MM])
     a.annotate("stepprof:fwd:m", "END")
