@@ -34,7 +34,9 @@ __all__ = [
     "Observation",
     "PeakExplanation",
     "TOP_MODULES",
+    "MARKER",
     "explain",
+    "marker_events",
     "round_block",
     "unavailable_explanation",
 ]
@@ -57,6 +59,12 @@ TOLERANCE_US = 100.0
 
 #: Timeline points kept in the record (the bucket maxima, so the peak stays visible).
 TIMELINE_POINTS = 200
+
+#: The prefix of stepprof's markers among the history's ``external_annotations``:
+#: ``stepprof:fwd:NAME`` (a module's forward, START and END), ``stepprof:bwd:NAME`` (the
+#: gradient of its output arrived: its backward starts), ``stepprof:bwd_end`` (the backward
+#: pass finished), ``stepprof:phase:KEY`` (a phase, START and END).
+MARKER = "stepprof:"
 
 #: Module names for live bytes that no module made.
 BEFORE_STEP = "(before the step)"
@@ -135,7 +143,8 @@ class PeakExplanation:
         live_bytes: the bytes live at the replayed high-water mark.
         peak_at_ms: when the peak happened, from the step's entry.
         phase: the innermost stepprof phase open at the peak (``"outer/inner"``).
-        op: the function that made the allocation that set the peak, ``name (file:line)``.
+        op: the innermost annotation open at the allocation that set the peak (an aten op or
+            your ``record_function`` range), else its innermost frame, ``name (file:line)``.
         user_frame: the innermost frame of that allocation outside torch, ``file:line``.
         bytes_by_category: live bytes at the peak per category.
         modules: up to :data:`TOP_MODULES` modules, largest first.
@@ -146,8 +155,9 @@ class PeakExplanation:
         largest_free_block_bytes: the largest free range inside a segment at the peak.
         live_blocks: how many blocks were live at the peak.
         trace_entries: the allocator's history entries of the step.
-        cost_ms: the host time explaining added to the step: recording on and off, the
-            two snapshots (the step's own ``wall_ms`` excludes neither) and the replay.
+        cost_ms: the host time explaining added: recording on and off, the two snapshots
+            (the step's own ``wall_ms`` excludes neither), the hooks with their markers
+            (``wall_ms`` includes them) and the replay.
         timeline_ms, timeline_bytes: live bytes over the step (at most 200 points, each
             a bucket's maximum).
         activations_from: ``"saved_tensors_hooks"`` or ``"stacks"``: how saved
@@ -331,13 +341,29 @@ def _split_block(block: _Block, fallback: str) -> dict[str, int]:
     return out
 
 
+#: Actions that close an interval: at the same µs as an allocation they count after it.
+_CLOSING = frozenset({"exit"})
+
+
+def _before(times: list[float], closing: list[bool], t_us: float) -> int:
+    """The index of the last event before an allocation at ``t_us`` (-1: none).  The trace's
+    µs are truncated, so an event in the same µs counts before the allocation, unless it
+    closes an interval (the allocation was then made inside it)."""
+    i = bisect.bisect_right(times, t_us) - 1
+    while i >= 0 and times[i] == t_us and closing[i]:
+        i -= 1
+    return i
+
+
 class _Timeline:
-    """The innermost module at any instant, from the module events."""
+    """The innermost module at any instant, from the module events (in time order; events
+    in the same µs keep their order)."""
 
     def __init__(self, events: Iterable[Event]) -> None:
         stack: list[str] = []
         backward: str | None = None
         self.times: list[float] = []
+        self.closing: list[bool] = []
         self.names: list[str | None] = []
         self.in_forward: list[bool] = []
         for ev in sorted(events, key=lambda e: e.t_us):
@@ -351,24 +377,111 @@ class _Timeline:
             elif ev.action == "backward_end":
                 backward = None
             self.times.append(ev.t_us)
+            self.closing.append(ev.action in _CLOSING)
             self.names.append(stack[-1] if stack else backward)
             self.in_forward.append(bool(stack))
 
     def at(self, t_us: float) -> str | None:
-        i = bisect.bisect_right(self.times, t_us) - 1
+        i = _before(self.times, self.closing, t_us)
         return self.names[i] if i >= 0 else None
 
 
 def _phase_at(events: Sequence[Event], t_us: float) -> str | None:
     stack: list[str] = []
-    for ev in sorted(events, key=lambda e: e.t_us):
-        if ev.t_us > t_us:
-            break
+    ordered = sorted(events, key=lambda e: e.t_us)
+    last = _before([e.t_us for e in ordered], [e.action in _CLOSING for e in ordered], t_us)
+    for ev in ordered[:last + 1]:
         if ev.action == "enter":
             stack.append(ev.name)
         elif ev.action == "exit" and ev.name in stack:
             del stack[len(stack) - 1 - stack[::-1].index(ev.name):]
     return stack[-1] if stack else None
+
+
+
+# -- the markers: module and phase boundaries in the trace's own clock ----------------
+
+
+def _on_device(annotations: Iterable[Mapping[str, Any]], device: int) -> list[Mapping[str, Any]]:
+    return [a for a in annotations if a.get("device", device) == device and a.get("time_us") is not None]
+
+
+def marker_events(annotations: Iterable[Mapping[str, Any]], device: int) -> tuple[list[Event], list[Event]]:
+    """stepprof's markers among a snapshot's ``external_annotations`` on ``device``, as
+    (module events, phase events) in the trace's clock (µs); the list's order is kept."""
+    modules: list[Event] = []
+    phases: list[Event] = []
+    for a in _on_device(annotations, device):
+        name = str(a.get("name", ""))
+        if not name.startswith(MARKER):
+            continue
+        kind, _, rest = name[len(MARKER):].partition(":")
+        start = a.get("stage") == "START"
+        t = float(a["time_us"])
+        if kind == "fwd":
+            modules.append(Event(t, "enter" if start else "exit", rest))
+        elif kind == "bwd" and start:
+            modules.append(Event(t, "backward", rest))
+        elif kind == "bwd_end" and start:
+            modules.append(Event(t, "backward_end", ""))
+        elif kind == "phase":
+            phases.append(Event(t, "enter" if start else "exit", rest))
+    return modules, phases
+
+
+def _spans(annotations: Sequence[Mapping[str, Any]]) -> list[tuple[float, float, str, int]]:
+    """Other annotations (aten ops where torch records them, your ``record_function`` ranges)
+    as (start, end, name, order); each END closes the latest open START of its name, so
+    ranges of other threads interleave without breaking the pairs.  Never closed: end inf."""
+    open_: dict[str, list[tuple[float, int]]] = {}
+    out: list[tuple[float, float, str, int]] = []
+    for i, a in enumerate(annotations):
+        name = str(a.get("name", ""))
+        if name.startswith(MARKER):
+            continue
+        if a.get("stage") == "START":
+            open_.setdefault(name, []).append((float(a["time_us"]), i))
+        elif a.get("stage") == "END" and open_.get(name):
+            t0, j = open_[name].pop()
+            out.append((t0, float(a["time_us"]), name, j))
+    out.extend((t0, math.inf, name, j) for name, ts in open_.items() for t0, j in ts)
+    return out
+
+
+def _contexts(module_events: Sequence[Event], phase_events: Sequence[Event]) -> list[tuple[float, float]]:
+    """The intervals the markers open: forwards, phases and each module's stretch of backward
+    (to the next module's, or the end of the pass)."""
+    out: list[tuple[float, float]] = []
+    for events in (module_events, phase_events):
+        opened: dict[str, list[float]] = {}
+        ordered = sorted(events, key=lambda e: e.t_us)
+        for k, ev in enumerate(ordered):
+            if ev.action == "enter":
+                opened.setdefault(ev.name, []).append(ev.t_us)
+            elif ev.action == "exit" and opened.get(ev.name):
+                out.append((opened[ev.name].pop(), ev.t_us))
+            elif ev.action == "backward":
+                nxt = next((e.t_us for e in ordered[k + 1:] if e.action in ("backward", "backward_end")), math.inf)
+                out.append((ev.t_us, nxt))
+    return out
+
+
+def _op_at(spans: list[tuple[float, float, str, int]], contexts: list[tuple[float, float]],
+           t_us: float) -> str | None:
+    """The innermost annotation open at an allocation at ``t_us`` that nests inside the
+    innermost marker interval holding it.
+
+    Annotations carry a device but no thread.  A range of another thread is told by its
+    not nesting with the markers of the allocating thread: one that opens before the
+    interval and closes inside it (or the reverse) is not the allocation's.  A range that
+    encloses the interval (your step-wide ``record_function``) is context, not the op."""
+    holding = [(s, e) for s, e in contexts if s <= t_us <= e]
+    lo, hi = max(holding, key=lambda c: (c[0], -c[1])) if holding else (-math.inf, math.inf)
+    best: tuple[float, int, str] | None = None
+    for s, e, name, j in spans:
+        if s <= t_us <= e and s >= lo and e <= hi and (best is None or (s, j) > best[:2]):
+            best = (s, j, name)
+    return best[2] if best is not None else None
 
 
 def _timeline(points: list[tuple[float, int]], t0: float) -> tuple[list[float], list[int]]:
@@ -413,6 +526,8 @@ def explain(
     observations: Iterable[Observation] = (),
     module_events: Sequence[Event] | None = None,
     phase_events: Sequence[Event] | None = None,
+    annotations: Sequence[Mapping[str, Any]] | None = None,
+    in_clock: bool = False,
     peak_allocated_bytes: int | None = None,
     max_entries: int | None = None,
     activations_from: str | None = "saved_tensors_hooks",
@@ -434,6 +549,10 @@ def explain(
         observations: the storages seen as parameters, gradients, optimizer state, saved.
         module_events: modules' forward/backward boundaries (None: no module breakdown).
         phase_events: the step's phase boundaries (None: no phase).
+        annotations: the snapshot's ``external_annotations`` (None: none recorded): the op
+            at the peak is the innermost one open at its allocation (see :func:`_op_at`).
+        in_clock: the events' times are the trace's own (stepprof's markers), not host
+            times aligned to it.
         peak_allocated_bytes: the allocator's counter for the step, to compare with.
         max_entries: the history's bound: a trace that long may have lost its start.
         activations_from: ``"saved_tensors_hooks"`` (saved storages are observations),
@@ -538,6 +657,8 @@ def explain(
         lo, hi = max(ob.ptr, b.addr), min(ob.ptr + max(ob.nbytes, 1), b.addr + b.size)
         b.ranges.setdefault(ob.category, []).append((lo, hi))
 
+    # Host times aligned to the trace fall anywhere inside its truncated µs: take the middle.
+    shift = 0.0 if in_clock else 0.5
     timeline = _Timeline(module_events) if module_events is not None else None
     categories = dict.fromkeys(CATEGORIES, 0)
     per_module: dict[str, dict[str, int]] = {}
@@ -553,7 +674,7 @@ def explain(
         for c, n in split.items():
             categories[c] += n
         if timeline is not None and b.t_alloc is not None:
-            name = timeline.at(b.t_alloc + 0.5)  # the trace's µs are truncated: the middle of one
+            name = timeline.at(b.t_alloc + shift)
             if name is None:
                 outside += b.size
             else:
@@ -578,7 +699,7 @@ def explain(
     if phase_events is None or not phase_events:
         missing["phase"] = "the step has no phases (stepprof.measure inside the step)"
     else:
-        phase = _phase_at(phase_events, peak_t + 0.5)
+        phase = _phase_at(phase_events, peak_t + shift)
         if phase is None:
             missing["phase"] = "the peak fell outside every phase of the step"
 
@@ -587,13 +708,20 @@ def explain(
         missing["op"] = missing["user_frame"] = (
             "nothing allocated during the step rose above what was alive at its start")
     else:
-        op, user = _op_of(entries[peak_index].get("frames") or ())
+        frames = entries[peak_index].get("frames") or ()
+        op, user = _op_of(frames)
+        if annotations:
+            on_device = _on_device(annotations, device)
+            op = _op_at(_spans(on_device), _contexts(module_events or (), phase_events or ()), peak_t) or op
+        no_frames = ("the allocation that set the peak has no Python frames (made on the autograd "
+                     "engine's thread, in backward, or in C++)")
         if op is None:
-            missing["op"] = missing["user_frame"] = (
-                "the allocation that set the peak has no Python frames (made on the autograd "
-                "engine's thread, in backward, or in C++)")
-        elif user is None:
-            missing["user_frame"] = "every frame of the allocation that set the peak is in torch"
+            where = timeline.at(peak_t + shift) if timeline is not None else None
+            missing["op"] = no_frames + (f" and no annotation was open at it; it was made in {where!r}"
+                                         if where else "")
+        if user is None:
+            missing["user_frame"] = ("every frame of the allocation that set the peak is in torch"
+                                     if frames else no_frames)
 
     reserved = fragmentation = largest_free = None
     if start is not None:

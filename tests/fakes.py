@@ -241,7 +241,7 @@ class FakeGpu(BoundaryOps):
             return self.history_reason
         before = time.time_ns() / 1000
         start = self.history.start()
-        return HistoryStart(start, before, time.time_ns() / 1000)
+        return HistoryStart(start, before, time.time_ns() / 1000, self.history.annotating)
 
     def end_history(self):
         self.history_calls.append("end")

@@ -6,7 +6,12 @@ them (``segments``: ``device``, ``address``, ``total_size``, ``allocated_size``,
 ``is_expandable``, ``frames``, ``blocks``: ``address``, ``size``, ``requested_size``,
 ``state``, ``frames``) and, while recording, appends trace entries (``action``, ``addr``,
 ``size`` (the *requested* size, as torch records it), ``stream``, ``time_us``,
-``frames``).  A snapshot appends a ``snapshot`` entry, as torch's does.  Each
+``frames``).  A snapshot appends a ``snapshot`` entry, as torch's does.  With
+``annotating`` (torch's ``global_record_annotations``), :meth:`FakeAllocator.annotate`
+records a ``record_function`` range's START or END as torch's RecordFunction callback does
+(``recordAnnotation``: ``{"name", "stage", "device", "time_us"}`` in the trace's clock, one
+list for all devices, in the order recorded), and snapshots carry them as
+``external_annotations``.  Each
 allocation gets a fresh segment of exactly its rounded size, so block sizes are the
 512-byte-rounded requests.
 """
@@ -35,6 +40,8 @@ class FakeAllocator:
         self.segments: dict[int, dict[str, Any]] = {}
         self.trace: list[dict[str, Any]] = []
         self.recording = False
+        self.annotating = False
+        self.annotations: list[dict[str, Any]] = []
         self._next_addr = 0x7F0000000000
         self.allocated = 0
         self.peak = 0
@@ -48,6 +55,14 @@ class FakeAllocator:
             entry = {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": int(self.tick())}
             entry["frames"] = frames or []
             self.trace.append(entry)
+
+    def annotate(self, name: str, stage: str, device: int | None = None) -> None:
+        """A ``record_function`` range's ``"START"`` or ``"END"`` (torch records only while
+        the history is on; ``device``: the recording thread's current device)."""
+        if self.recording and self.annotating:
+            self.annotations.append({"name": name, "stage": stage,
+                                     "device": self.device if device is None else device,
+                                     "time_us": int(self.tick())})
 
     def alloc(self, requested: int, frames: list[dict[str, Any]] | None = None) -> int:
         size = round_block(requested)
@@ -88,14 +103,18 @@ class FakeAllocator:
 
     def snapshot(self) -> dict[str, Any]:
         self._record("snapshot", 0, self.allocated)
-        return {"segments": copy.deepcopy(list(self.segments.values())),
-                "device_traces": [copy.deepcopy(self.trace)] if self.device == 0 else
-                [[] for _ in range(self.device)] + [copy.deepcopy(self.trace)],
-                "allocator_settings": {}}
+        out = {"segments": copy.deepcopy(list(self.segments.values())),
+               "device_traces": [copy.deepcopy(self.trace)] if self.device == 0 else
+               [[] for _ in range(self.device)] + [copy.deepcopy(self.trace)],
+               "allocator_settings": {}}
+        if self.annotating:
+            out["external_annotations"] = copy.deepcopy(self.annotations)
+        return out
 
     def start(self) -> dict[str, Any]:
         """Recording on (history cleared), then the start snapshot."""
         self.trace = []
+        self.annotations = []
         self.recording = True
         self.peak = self.allocated
         return self.snapshot()

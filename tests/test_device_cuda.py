@@ -132,3 +132,45 @@ def test_an_nvtx_range_whose_name_nvtx_cannot_take_is_pushed_with_the_character_
     b.range_push("step 1")
     b.range_push("step\udcff 2")
     assert pushed == ["step 1", "step? 2"]
+
+
+def _history_backend(monkeypatch, record):
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: {}, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: False, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: None, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", record)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]})
+    return CudaSweepBackend(0)
+
+
+def test_the_history_records_every_threads_ranges_where_torch_can(monkeypatch):
+    import inspect
+
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append(kwargs)
+
+    # This torch's own signature (torch 2.13 has global_record_annotations).
+    record.__signature__ = inspect.signature(torch.cuda.memory._record_memory_history)
+    assert "global_record_annotations" in record.__signature__.parameters
+    b = _history_backend(monkeypatch, record)
+    started = b.begin_history(1000)
+    assert started.annotations is True and started.snapshot == {"segments": [], "device_traces": [[]]}
+    assert calls == [{"enabled": "all", "context": "alloc", "stacks": "python", "max_entries": 1000,
+                      "global_record_annotations": True}]
+    b.end_history()
+    assert calls[-1] == {"enabled": None}  # which, in torch, removes the ranges' callback
+
+
+def test_an_older_torch_records_the_history_without_ranges(monkeypatch):
+    calls = []
+
+    def record(enabled="all", context="all", stacks="all", max_entries=2**63 - 1, device=None,
+               clear_history=False):
+        calls.append(max_entries)
+
+    b = _history_backend(monkeypatch, record)
+    started = b.begin_history(1000)
+    assert started.annotations is False and calls == [1000]

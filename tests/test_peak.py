@@ -307,3 +307,147 @@ def attrs_frozen() -> type[BaseException]:
     import attrs
 
     return attrs.exceptions.FrozenInstanceError
+
+
+# -- markers in the history's own clock (global_record_annotations) ----------------------
+
+
+def _marked_step(a: FakeAllocator) -> tuple[dict, dict, dict]:
+    """A forward through ``blk`` (``blk.attn`` inside it), then a backward in which each
+    module's temporaries are made without Python frames, as on the autograd engine's thread.
+    The markers are annotations in the trace's clock, in torch's format; no host time exists."""
+    a.annotating = True
+    start = a.start()
+    got: dict = {}
+    a.annotate("stepprof:phase:forward", "START")
+    a.annotate("stepprof:fwd:blk", "START")
+    got["blk_fwd"] = a.alloc(1 * MiB, [MM])
+    a.annotate("stepprof:fwd:blk.attn", "START")
+    got["attn_fwd"] = a.alloc(8 * MiB, [MM])
+    a.annotate("stepprof:fwd:blk.attn", "END")
+    got["blk_fwd_after"] = a.alloc(2 * MiB, [MM])     # blk again, after attn returned
+    a.annotate("stepprof:fwd:blk", "END")
+    a.annotate("stepprof:phase:forward", "END")
+    a.annotate("stepprof:phase:backward", "START")
+    for name in ("blk", "blk.mlp"):
+        a.annotate(f"stepprof:bwd:{name}", "START")
+        a.annotate(f"stepprof:bwd:{name}", "END")
+    got["mlp_bwd"] = a.alloc(3 * MiB)
+    a.annotate("stepprof:bwd:blk.attn", "START")
+    a.annotate("stepprof:bwd:blk.attn", "END")
+    got["attn_bwd"] = a.alloc(16 * MiB)                # the peak: attention's scores' gradient
+    a.annotate("stepprof:bwd_end", "START")
+    a.annotate("stepprof:bwd_end", "END")
+    a.annotate("stepprof:phase:backward", "END")
+    end = a.snapshot()
+    return start, end, got
+
+
+def test_markers_in_the_trace_clock_name_modules_forward_and_backward() -> None:
+    from stepprof._peak import marker_events
+
+    a = FakeAllocator()
+    start, end, _ = _marked_step(a)
+    mods, phases = marker_events(end["external_annotations"], 0)
+    assert [e.action for e in phases] == ["enter", "exit", "enter", "exit"]
+    exp = explain(start, end, device=0, module_events=mods, phase_events=phases,
+                  annotations=end["external_annotations"], in_clock=True)
+    by = {m.module: m.total_bytes for m in exp.modules}
+    assert by == {"blk.attn": 24 * MiB, "blk": 3 * MiB, "blk.mlp": 3 * MiB}
+    assert exp.modules[0].module == "blk.attn"
+    assert exp.phase == "backward"
+    # No frames and no annotation open at the peak: the reason names where it was made.
+    assert exp.op is None and "made in 'blk.attn'" in exp.unavailable["op"]
+
+
+def test_markers_of_another_device_are_not_this_ones() -> None:
+    from stepprof._peak import marker_events
+
+    anns = [{"name": "stepprof:fwd:m", "stage": "START", "device": 1, "time_us": 5},
+            {"name": "stepprof:fwd:m", "stage": "START", "device": 0, "time_us": 6},
+            {"name": "stepprof:bwd_end", "stage": "START", "device": 0, "time_us": 9},
+            {"name": "aten::mm", "stage": "START", "device": 0, "time_us": 7}]
+    mods, phases = marker_events(anns, 0)
+    assert mods == [Event(6.0, "enter", "m"), Event(9.0, "backward_end", "")] and phases == []
+
+
+def test_in_the_same_microsecond_an_opening_marker_precedes_the_allocation_and_a_closing_one_follows() -> None:
+    a = FakeAllocator()
+    a.annotating = True
+    start = a.start()
+    t = a.t_us + 10
+    a.tick = lambda us=0.0: t  # type: ignore[method-assign]  # every record below: the same µs
+    a.annotate("stepprof:fwd:m", "START")
+    a.alloc(1 * MiB, [MM])
+    a.annotate("stepprof:fwd:m", "END")
+    end = a.snapshot()
+    from stepprof._peak import marker_events
+
+    mods, _ = marker_events(end["external_annotations"], 0)
+    exp = explain(start, end, device=0, module_events=mods, in_clock=True)
+    assert [m.module for m in exp.modules] == ["m"] and exp.outside_modules_bytes == 0
+
+
+def _op_step(spans: list[tuple[str, str]]) -> tuple[dict, dict]:
+    """One forward of ``m`` whose allocation sets the peak; every range in ``spans`` is open
+    at it: ("before", name) encloses m's forward, ("in", name) nests inside it, and, as ranges
+    of another thread may, ("crossing", name) opens before m and closes inside it, ("late",
+    name) opens inside m and closes after it."""
+    a = FakeAllocator()
+    a.annotating = True
+    start = a.start()
+
+    def mark(where: str, stage: str, order=spans) -> None:
+        for w, name in order:
+            if w == where:
+                a.annotate(name, stage)
+
+    mark("before", "START")
+    mark("crossing", "START")
+    a.annotate("stepprof:fwd:m", "START")
+    mark("late", "START")
+    mark("in", "START")
+    a.alloc(4 * MiB, [MM, USER])
+    mark("in", "END", list(reversed(spans)))
+    mark("crossing", "END")
+    a.annotate("stepprof:fwd:m", "END")
+    mark("late", "END")
+    mark("before", "END")
+    return start, a.snapshot()
+
+
+def _op(spans: list[tuple[str, str]]) -> PeakExplanation:
+    from stepprof._peak import marker_events
+
+    start, end = _op_step(spans)
+    mods, phases = marker_events(end["external_annotations"], 0)
+    return explain(start, end, device=0, module_events=mods, phase_events=phases,
+                   annotations=end["external_annotations"], in_clock=True)
+
+
+def test_the_op_at_the_peak_is_the_innermost_annotation_open_inside_the_module() -> None:
+    exp = _op([("before", "## step ##"), ("in", "my_block"), ("in", "aten::mm")])
+    assert exp.op == "aten::mm"
+    assert exp.user_frame == "/home/me/train.py:42"  # still from the frames
+
+
+def test_another_threads_ranges_and_enclosing_ranges_are_not_the_op() -> None:
+    # A range that encloses the module is context; ranges that cross its boundary are
+    # another thread's (annotations carry no thread): the frames name the op.
+    exp = _op([("before", "## step ##"), ("crossing", "pin_memory"), ("late", "prefetch")])
+    assert exp.op == "forward (torch/nn/modules/linear.py:125)"
+    exp = _op([("crossing", "pin_memory"), ("in", "aten::addmm"), ("late", "prefetch")])
+    assert exp.op == "aten::addmm"
+
+
+def test_an_annotation_of_another_device_is_not_the_op() -> None:
+    start, end = _op_step([("in", "aten::mm")])
+    for a in end["external_annotations"]:
+        if a["name"] == "aten::mm":
+            a["device"] = 1
+    from stepprof._peak import marker_events
+
+    mods, _ = marker_events(end["external_annotations"], 0)
+    exp = explain(start, end, device=0, module_events=mods, annotations=end["external_annotations"],
+                  in_clock=True)
+    assert exp.op.startswith("forward (")

@@ -291,3 +291,127 @@ def test_plot_peak_writes_a_png(log, gpu, history, capsys, tmp_path):
             pass
     rc, _, err = cli(capsys, "plot", "--peak", plain, "-o", png)
     assert rc == 2 and "has no explained peak" in err and "explain_peak=True" in err
+
+
+# -- markers in the history's own clock --------------------------------------------------
+
+
+@pytest.fixture
+def marked(gpu, monkeypatch):
+    """A history that records annotations, on a clock of its own (10 µs a record), and a host
+    clock that says nothing (always 0): only in-clock markers can place the allocations."""
+    gpu.index = 0
+    fake = FakeAllocator(gpu=gpu)
+    fake.annotating = True
+    calls = []
+
+    def enter(name):
+        calls.append(name)
+        fake.annotate(name, "START")
+        return name
+
+    monkeypatch.setattr(peak_module, "_storage", _cpu_storage)
+    monkeypatch.setattr(peak_module, "_enter", enter)
+    monkeypatch.setattr(peak_module, "_exit", lambda h: fake.annotate(h, "END"))
+    monkeypatch.setattr(peak_module, "_now_us", lambda: 0.0)
+    gpu.history = fake
+    fake.calls = calls
+    return fake
+
+
+class _Scores(torch.autograd.Function):
+    """Attention's scores: their gradient (32 MiB, made on the autograd engine's side, with
+    no Python frames) sets the peak in attention's backward."""
+
+    @staticmethod
+    def forward(ctx, x, fake):
+        ctx.fake = fake
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.fake.free(ctx.fake.alloc(32 * 2**20))
+        return g * 2, None
+
+
+class _Attn(nn.Module):
+    def __init__(self, fake):
+        super().__init__()
+        self.qkv = nn.Linear(16, 16)
+        self.fake = [fake]
+
+    def forward(self, x):
+        self.fake[0].alloc(8 * 2**20, [FORWARD])  # attention's probabilities, kept
+        return _Scores.apply(self.qkv(x), self.fake[0])
+
+
+class _Block(nn.Module):
+    def __init__(self, fake):
+        super().__init__()
+        self.attn = _Attn(fake)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+    def forward(self, x):
+        return self.mlp(self.attn(x))
+
+
+def test_in_clock_markers_place_backward_allocations_without_the_host_clock(log, gpu, marked):
+    model = _Block(marked)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        with prof.step():
+            with prof.measure("forward"):
+                loss = model(x).square().mean()
+            with prof.measure("backward"):
+                loss.backward()
+            with prof.measure("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["modules"][0]["module"] == "attn", rec
+    assert rec["modules"][0]["total_bytes"] == 40 * 2**20  # the probabilities and the scores' gradient
+    assert rec["phase"] == "backward"
+    assert not any("approximate" in n for n in rec["notes"]), rec["notes"]
+    assert "made in 'attn'" in rec["unavailable"]["op"]
+    names = set(marked.calls)
+    assert {"stepprof:fwd:(root)", "stepprof:fwd:attn.qkv", "stepprof:bwd:attn", "stepprof:bwd:mlp.2",
+            "stepprof:bwd_end", "stepprof:phase:forward", "stepprof:phase:optimizer"} <= names
+    # The markers were emitted in the explained step only.
+    assert len(marked.calls) == len([a for a in marked.annotations if a["stage"] == "START"])
+    assert rec["cost_ms"] > 0
+
+
+def test_a_graph_kept_past_the_explained_step_emits_no_markers(log, gpu, marked):
+    model = _Block(marked)
+    prof = make(log, gpu, explain_peak=True, model=model, memory_every=0)
+    x = torch.randn(4, 16)
+    with prof.step():
+        loss = model(x).sum()
+        loss.backward(retain_graph=True)
+    n = len(marked.calls)
+    loss.backward()  # the output's gradient hook stepprof registered is still on the graph
+    with prof.step():
+        model(x).sum().backward()
+    prof.close()
+    assert len(marked.calls) == n
+
+
+def test_without_annotations_the_record_says_attribution_is_approximate(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert any(n.startswith("module and phase attribution is approximate") and "global_record_annotations" in n
+               for n in rec["notes"])
+    assert rec["phase"] in ("backward", "optimizer") and rec["modules"]
+
+
+def test_the_markers_are_record_function_ranges():
+    # On the CPU torch records nothing, but the ranges open and close (the calls exist).
+    h = peak_module._enter("stepprof:fwd:x")
+    peak_module._exit(h)

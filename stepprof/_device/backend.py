@@ -73,12 +73,15 @@ class AllocatorFigures(NamedTuple):
 
 class HistoryStart(NamedTuple):
     """The allocator's history is being recorded: the snapshot taken right after it began,
-    and the host's epoch clock (µs, ``time.time_ns() / 1000``) around that snapshot."""
+    the host's epoch clock (µs, ``time.time_ns() / 1000``) around that snapshot, and whether
+    ``record_function`` ranges from every thread go into the history's
+    ``external_annotations`` (``global_record_annotations``)."""
 
     #: torch's ``_snapshot()`` format; None when only the history could be turned on.
     snapshot: dict[str, Any] | None
     host_before_us: float
     host_after_us: float
+    annotations: bool = False
 
 
 class Backend(Protocol):

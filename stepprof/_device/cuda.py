@@ -21,6 +21,7 @@ Which backend a step gets is decided in :mod:`stepprof._device.select`.
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from typing import Any
@@ -226,6 +227,14 @@ class CudaBackend(BoundaryOps):
         ``torch.cuda.memory._record_memory_history(enabled="all", context="alloc",
         stacks="python", max_entries=N)`` and ``torch.cuda.memory._snapshot()``.  A history
         that something else records already is left alone (the reason says so).
+
+        Where the signature has ``global_record_annotations`` (torch 2.8 and later), it is
+        passed True: torch then registers a global RecordFunction callback, for
+        ``USER_SCOPE`` ranges only, that writes each range's START and END into the
+        snapshot's ``external_annotations`` in the history's own clock; stepprof's markers
+        are such ranges.  ``enabled=None`` removes that callback again (torch's
+        ``setRecordFunctionCallbacks`` in torch/csrc/cuda/memory_snapshot.cpp, since
+        pytorch#153839, which the parameter's pull request pytorch#154932 builds on).
         """
         mem = getattr(torch.cuda, "memory", None)
         record = getattr(mem, "_record_memory_history", None)
@@ -241,16 +250,18 @@ class CudaBackend(BoundaryOps):
         if is_enabled():
             return ("the allocator's history is already being recorded (torch.cuda.memory."
                     "_record_memory_history was called outside stepprof); stepprof leaves it alone")
+        annotations = _takes(record, "global_record_annotations")
+        extra = {"global_record_annotations": True} if annotations else {}
         try:
-            record(enabled="all", context="alloc", stacks="python", max_entries=max_entries)
+            record(enabled="all", context="alloc", stacks="python", max_entries=max_entries, **extra)
         except TypeError as e:  # an older signature
             return f"torch.cuda.memory._record_memory_history refused stepprof's arguments: {e}"
         before = time.time_ns() / 1000
         try:
             start = snapshot()
         except Exception:  # noqa: BLE001 - the end snapshot may still serve; end_history stops recording
-            return HistoryStart(None, before, before)
-        return HistoryStart(start, before, time.time_ns() / 1000)
+            return HistoryStart(None, before, before, annotations)
+        return HistoryStart(start, before, time.time_ns() / 1000, annotations)
 
     def end_history(self) -> dict[str, Any]:
         """The snapshot with the history since :meth:`begin_history`; recording stops."""
@@ -259,6 +270,14 @@ class CudaBackend(BoundaryOps):
             return mem._snapshot()  # type: ignore[no-any-return]
         finally:
             mem._record_memory_history(enabled=None)
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether ``fn``'s signature has a parameter ``name`` (torch sets ``__signature__``)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # -- what the batch-size sweep needs besides the recorder's calls ----------------

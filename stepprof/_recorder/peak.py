@@ -13,6 +13,11 @@ the backend) and notes, in the trace's clock:
   autograd engine);
 - the step's phases (:meth:`Boundaries.watch_phases`).
 
+Where torch records ``record_function`` ranges into the history
+(:attr:`HistoryStart.annotations`), the module and phase hooks also emit markers, ranges named
+``stepprof:...`` (:data:`stepprof._peak.MARKER`), which torch timestamps in the history's own
+clock: the replay then needs no clock alignment.  The host times stay, for torch without it.
+
 At the step's exit the history stops, every hook is removed and the hook retires from the
 step boundaries, so other steps pay nothing.  The collector replays the history
 (:func:`stepprof._peak.explain`) and writes the record right after the step's.
@@ -29,7 +34,7 @@ import torch
 from .. import _peak
 from .._device.backend import Backend, HistoryStart
 from .._errors import raised_by_user
-from .._peak import Event, Observation, PeakExplanation
+from .._peak import MARKER, Event, Observation, PeakExplanation
 from .hooks import Closing, Hook
 from .sinks import Write
 from .step import Step
@@ -43,6 +48,18 @@ ROOT = "(root)"
 
 def _now_us() -> float:
     return time.time_ns() / 1000
+
+
+def _enter(name: str) -> Any:
+    """Open a ``record_function`` range (a RecordFunction of ``USER_SCOPE``): its handle."""
+    return torch.ops.profiler._record_function_enter_new(name)
+
+
+def _exit(handle: Any) -> None:
+    """Close a range from :func:`_enter` (torch's ``record_function.__exit__`` minus its checks;
+    without ``DisableTorchFunctionSubclass`` the call costs several times more)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
 
 
 def _storage(t: Any, index: int) -> tuple[int, int] | None:
@@ -87,9 +104,15 @@ class Explaining:
         self.phase_events: list[tuple[float, str, str]] = []
         self.notes: list[str] = []
         self.activations_from: str | None = "saved_tensors_hooks"
+        #: Emit markers (set once the history records annotations).
+        self.in_clock = False
+        #: Host time spent in the hooks (ns).
+        self.hook_ns = 0
+        self._live = True
         self._handles: list[Any] = []
         self._saved: Any = None
         self._backward_open = False
+        self._open: dict[str, list[Any]] = {}  # open marker ranges, by module or phase
 
     # -- what is a parameter, a gradient, optimizer state ------------------------------
 
@@ -149,9 +172,11 @@ class Explaining:
         index, add = self.index, self.observations.append
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            t0 = time.perf_counter_ns()
             s = _storage(t, index)
             if s is not None:
                 add(("activations", s[0], s[1], _now_us()))
+            self.hook_ns += time.perf_counter_ns() - t0
             return t
 
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
@@ -159,24 +184,56 @@ class Explaining:
         self._saved = ctx
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._live:
+            return
+        t0 = time.perf_counter_ns()
         s = _storage(p.grad, self.index)
         if s is not None:
             self.observations.append(("gradients", s[0], s[1], _now_us()))
+        self.hook_ns += time.perf_counter_ns() - t0
+
+    # -- markers: ranges whose START and END torch records in the history's clock ----
+
+    def _open_range(self, key: str, name: str) -> None:
+        self._open.setdefault(key, []).append(_enter(name))
+
+    def _close_range(self, key: str) -> None:
+        handles = self._open.get(key)
+        if handles:
+            _exit(handles.pop())
+
+    def _instant(self, name: str) -> None:
+        _exit(_enter(name))
+
+    # -- modules and phases -------------------------------------------------------------
 
     def _pre(self, name: str) -> Callable[..., None]:
         events = self.module_events
         assert events is not None
+        marker = f"{MARKER}fwd:{name}"
 
         def pre(module: Any, args: Any) -> None:
+            if not self._live:
+                return
+            t0 = time.perf_counter_ns()
             events.append((_now_us(), "enter", name))
+            if self.in_clock:
+                self._open_range(marker, marker)
+            self.hook_ns += time.perf_counter_ns() - t0
 
         return pre
 
     def _post(self, name: str) -> Callable[..., None]:
         events = self.module_events
         assert events is not None
+        marker = f"{MARKER}fwd:{name}"
 
         def post(module: Any, args: Any, out: Any) -> None:
+            if not self._live:
+                return
+            t0 = time.perf_counter_ns()
+            if self.in_clock:
+                self._close_range(marker)
             events.append((_now_us(), "exit", name))
             t = _first_grad_tensor(out)
             if t is not None:
@@ -184,11 +241,17 @@ class Explaining:
                     t.register_hook(lambda grad: self._on_backward(name))
                 except RuntimeError:
                     pass
+            self.hook_ns += time.perf_counter_ns() - t0
 
         return post
 
     def _on_backward(self, name: str) -> None:
+        if not self._live:  # a graph kept (retain_graph) past the explained step
+            return
+        t0 = time.perf_counter_ns()
         assert self.module_events is not None
+        if self.in_clock:
+            self._instant(f"{MARKER}bwd:{name}")
         self.module_events.append((_now_us(), "backward", name))
         if not self._backward_open:
             self._backward_open = True
@@ -196,17 +259,34 @@ class Explaining:
                 torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             except Exception:  # noqa: BLE001, S110 - then backward allocations stay with the last module
                 pass
+        self.hook_ns += time.perf_counter_ns() - t0
 
     def _on_backward_end(self) -> None:
+        if not self._live:
+            return
+        t0 = time.perf_counter_ns()
         assert self.module_events is not None
+        if self.in_clock:
+            self._instant(f"{MARKER}bwd_end")
         self.module_events.append((_now_us(), "backward_end", ""))
         self._backward_open = False
+        self.hook_ns += time.perf_counter_ns() - t0
 
     def on_phase(self, action: str, key: str) -> None:
+        t0 = time.perf_counter_ns()
+        if self.in_clock:
+            marker = f"{MARKER}phase:{key}"
+            if action == "enter":
+                self._open_range(marker, marker)
+            else:
+                self._close_range(marker)
         self.phase_events.append((_now_us(), action, key))
+        self.hook_ns += time.perf_counter_ns() - t0
 
     def remove(self) -> None:
-        """Every hook off (idempotent)."""
+        """Every hook off (idempotent).  Marker ranges a raising forward left open stay open
+        (their handles are dropped with this object, once recording has stopped)."""
+        self._live = False
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
@@ -286,6 +366,7 @@ class PeakHook(Hook):
             self._reason = started
             return
         self._start = started
+        ex.in_clock = started.annotations
         self._explaining = ex
         self._watch_phases(ex.on_phase)
 
@@ -354,19 +435,23 @@ class PeakHook(Hook):
         assert start is not None
         ex: Explaining = pending["explaining"]
         try:
-            offset = _offset_us(start, pending["end"], ex.index, pending["end_before"])
+            end = pending["end"]
+            offset = _offset_us(start, end, ex.index, pending["end_before"])
             if offset is None:
                 offset = 0.0
                 ex.notes.append("the history has no marker of its start, so host times are taken as the "
                                 "trace's clock")
             t = _to_trace(offset)
+            mods, phases, annotations, in_clock = _in_clock(start, end, ex, self._max_entries)
+            if not in_clock:
+                mods = None if ex.module_events is None else [Event(t(u), a, n) for u, a, n in ex.module_events]
+                phases = [Event(t(u), a, n) for u, a, n in ex.phase_events]
             obs = [Observation(c, p, n, w if isinstance(w, str) else t(w)) for c, p, n, w in ex.observations]
-            mods = None if ex.module_events is None else [Event(t(u), a, n) for u, a, n in ex.module_events]
-            phases = [Event(t(u), a, n) for u, a, n in ex.phase_events]
             result = _peak.explain(
-                start.snapshot, pending["end"], device=ex.index, step=step.index, observations=obs,
-                module_events=mods, phase_events=phases, peak_allocated_bytes=pending["peak"],
-                max_entries=self._max_entries, activations_from=ex.activations_from, notes=ex.notes,
+                start.snapshot, end, device=ex.index, step=step.index, observations=obs,
+                module_events=mods, phase_events=phases, annotations=annotations, in_clock=in_clock,
+                peak_allocated_bytes=pending["peak"], max_entries=self._max_entries,
+                activations_from=ex.activations_from, notes=ex.notes,
                 unavailable=None if ex.model is not None or ex.optimizer is not None else _NO_MODEL,
             )
         except Exception as e:  # noqa: BLE001 - a null record, never a stopped collector
@@ -375,7 +460,7 @@ class PeakHook(Hook):
             return _peak.unavailable_explanation(
                 f"replaying the allocator's history failed: {type(e).__name__}: {e}", step=step.index,
                 device=device, peak_allocated_bytes=pending["peak"], cost_ms=cost)
-        cost += (time.perf_counter_ns() - t0) / 1e6
+        cost += (time.perf_counter_ns() - t0 + ex.hook_ns) / 1e6
         return _with_cost(result, cost)
 
     def on_close(self, closing: Closing) -> None:
@@ -393,6 +478,33 @@ _NO_MODEL = {
     "bytes_by_category.parameters": "no model or optimizer was given (pass model= and optimizer=): "
     "parameters, gradients and optimizer state count as other or temporaries",
 }
+
+
+def _in_clock(start: HistoryStart, end: dict[str, Any], ex: Explaining, max_entries: int) -> tuple[
+        list[Event] | None, list[Event], list[dict[str, Any]] | None, bool]:
+    """(module events, phase events, annotations, True) from stepprof's markers in the
+    history; (None, [], annotations or None, False) where they cannot serve, with a note."""
+    annotations = end.get("external_annotations")
+    if not start.annotations or annotations is None:
+        ex.notes.append(
+            f"module and phase attribution is approximate: this torch ({torch.__version__}) does not "
+            f"record ranges into the allocator's history (no global_record_annotations, torch < 2.8), "
+            f"so host times were aligned to the history's clock, to a few µs")
+        return None, [], annotations, False
+    if len(annotations) >= max_entries:
+        ex.notes.append(
+            f"the history's annotations overflowed their bound of {max_entries} (the oldest were "
+            f"dropped): module and phase attribution is approximate, by host times aligned to the "
+            f"history's clock")
+        return None, [], annotations, False
+    mods, phases = _peak.marker_events(annotations, ex.index)
+    if not mods and not phases and (ex.phase_events or ex.module_events):
+        ex.notes.append(
+            "stepprof's markers are missing from the allocator's history (ranges recorded on another "
+            "device, or not recorded by this torch): module and phase attribution is approximate, by "
+            "host times aligned to the history's clock")
+        return None, [], annotations, False
+    return (mods if ex.module_events is not None else None), phases, annotations, True
 
 
 def _offset_us(start: HistoryStart, end: dict[str, Any], index: int, end_before_us: float) -> float | None:
