@@ -67,9 +67,14 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
     for line in summary_lines(summary, on_cpu=dev.type == "cpu"):
         out(line)
     out("next:")
-    out(f"  stepprof report {shlex.quote(log)}    figures and diagnoses, with evidence and remedies")
-    out(f"  stepprof plot {shlex.quote(log)}      times and memory per step, to {default_png(log)}")
-    out(f"  stepprof.read({log!r})    the records as dicts, in Python")
+    nexts = [
+        (f"stepprof report {shlex.quote(log)}", "figures and diagnoses, with evidence and remedies"),
+        (f"stepprof plot {shlex.quote(log)}", f"times and memory per step, to {default_png(log)}"),
+        (f"stepprof.read({log!r})", "the records as dicts, in Python"),
+    ]
+    width = max(len(command) for command, _ in nexts)
+    for command, what in nexts:
+        out(f"  {command:<{width}}    {what}")
     return summary
 
 
