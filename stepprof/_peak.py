@@ -696,7 +696,9 @@ def explain(
         missing.setdefault("outside_modules_bytes", missing["modules"])
 
     phase = None
-    if phase_events is None or not phase_events:
+    if "phase" in missing:
+        pass  # the caller's reason (a step whose phases were not watched)
+    elif phase_events is None or not phase_events:
         missing["phase"] = "the step has no phases (stepprof.measure inside the step)"
     else:
         phase = _phase_at(phase_events, peak_t + shift)
@@ -764,6 +766,8 @@ def explain(
                 f"the replayed peak ({live_bytes} B) differs from the allocator's counter "
                 f"({peak_allocated_bytes} B) by {gap:.1%}: blocks the allocator did not split, or "
                 f"allocations on other threads or devices")
+    if peak_allocated_bytes is None:
+        missing.setdefault("peak_allocated_bytes", "the allocator's counter was not read for this step")
     ms, values = _timeline(points, t0_us)
     return PeakExplanation(
         step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, live_bytes=live_bytes,

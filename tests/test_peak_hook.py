@@ -415,3 +415,74 @@ def test_the_markers_are_record_function_ranges():
     # On the CPU torch records nothing, but the ranges open and close (the calls exist).
     h = peak_module._enter("stepprof:fwd:x")
     peak_module._exit(h)
+
+
+# -- recording stops on every path ---------------------------------------------------
+
+
+def test_recording_stops_even_when_noting_the_end_raises(log, gpu, history, monkeypatch):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    observe = peak_module.Explaining.observe
+
+    def fail_at_end(self, when):
+        if when == "end":
+            raise RuntimeError("a storage that cannot be read")
+        observe(self, when)
+
+    monkeypatch.setattr(peak_module.Explaining, "observe", fail_at_end)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=2)
+    prof.close()
+    assert gpu.history_calls == ["begin 500000", "end"] and not history.recording
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    rec = next(stepprof.read(log, kind="peak"))
+    assert "a storage that cannot be read" in rec["unavailable"]["bytes_by_category"]
+    assert len(list(stepprof.read(log, kind="step"))) == 2
+
+
+def test_recording_stopped_inside_the_explained_step_still_writes_its_record(log, gpu, history):
+    prof = make(log, gpu, explain_peak=True, memory_every=0)
+    with pytest.warns(RuntimeWarning, match="stopped recording"):
+        with prof.step():
+            history.alloc(1000)
+            gpu.fail_on = "mark"  # the exit boundary fails: recording stops, the step is dropped
+    prof.close()
+    assert gpu.history_calls == ["begin 500000", "end"] and not history.recording
+    assert isinstance(prof._peak.explanation, stepprof.PeakExplanation)
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["step"] == 0
+    assert "recording stopped during the explained step" in rec["unavailable"]["bytes_by_category"]
+
+
+def test_a_close_from_another_thread_during_the_explained_step_stops_recording(log, gpu, history):
+    import threading
+
+    model = Net(history)
+    prof = make(log, gpu, explain_peak=True, model=model, memory_every=0)
+    with prof.step():
+        model(torch.randn(4, 64))
+        t = threading.Thread(target=prof.close)
+        t.start()
+        t.join()
+        assert gpu.history_calls == ["begin 500000", "end"] and not history.recording
+        assert all(not m._forward_pre_hooks for m in model.modules())
+        model(torch.randn(4, 64)).sum().backward()  # the saved-tensor hook left on this thread is inert
+    rec = next(stepprof.read(log, kind="peak"))
+    assert "closed while the explained step was open" in rec["unavailable"]["bytes_by_category"]
+    assert not any(isinstance(h, PeakHook) for h in prof._boundaries._begin_hooks)
+
+
+def test_a_light_explained_step_says_why_its_counter_and_phases_are_null(log, gpu, history):
+    prof = make(log, gpu, explain_peak=1, memory_every=0, overhead_budget=0.01)
+    prof._collector.budget.interval = 2  # step 1 is light
+    for _ in range(3):
+        with prof.step():
+            with prof.measure("forward"):
+                history.free(history.alloc(1000))
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["live_bytes"] is not None  # the history was replayed all the same
+    assert rec["peak_allocated_bytes"] is None and rec["phase"] is None
+    assert "not sampled" in rec["unavailable"]["peak_allocated_bytes"]
+    assert "not sampled" in rec["unavailable"]["phase"]

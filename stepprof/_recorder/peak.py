@@ -25,6 +25,7 @@ step boundaries, so other steps pay nothing.  The collector replays the history
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -111,6 +112,7 @@ class Explaining:
         self._live = True
         self._handles: list[Any] = []
         self._saved: Any = None
+        self._saved_thread: int | None = None  # saved-tensor hooks are per thread: the one that pushed
         self._backward_open = False
         self._open: dict[str, list[Any]] = {}  # open marker ranges, by module or phase
 
@@ -172,6 +174,8 @@ class Explaining:
         index, add = self.index, self.observations.append
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            if not self._live:  # left pushed on the step's thread by a remove() from another thread
+                return t
             t0 = time.perf_counter_ns()
             s = _storage(t, index)
             if s is not None:
@@ -182,6 +186,7 @@ class Explaining:
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         ctx.__enter__()
         self._saved = ctx
+        self._saved_thread = threading.get_ident()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self._live:
@@ -285,14 +290,22 @@ class Explaining:
 
     def remove(self) -> None:
         """Every hook off (idempotent).  Marker ranges a raising forward left open stay open
-        (their handles are dropped with this object, once recording has stopped)."""
+        (their handles are dropped with this object, once recording has stopped).  Called
+        from another thread than the step's, the saved-tensor hook (that thread's) stays
+        pushed there, inert."""
         self._live = False
         handles, self._handles = self._handles, []
-        for h in handles:
-            h.remove()
-        ctx, self._saved = self._saved, None
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        ctx = self._saved
+        if ctx is not None and self._saved_thread == threading.get_ident():
+            self._saved = None
+        else:
+            ctx = None
+        try:
+            for h in handles:
+                h.remove()
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -377,11 +390,7 @@ class PeakHook(Hook):
         t0 = time.perf_counter_ns()
         self._explaining = None
         try:
-            self._watch_phases(None)
-            ex.remove()
-            ex.observe("end")
-            end_before = _now_us()
-            end = step.backend.end_history()
+            end, end_before = self._stop(ex, step.backend, observe=True)
         except Exception as e:  # noqa: BLE001 - a null record, never a broken step
             if raised_by_user(e):
                 raise
@@ -393,17 +402,27 @@ class PeakHook(Hook):
             if exc is not None:
                 ex.notes.append(f"the step raised {type(exc).__name__}: its peak is up to the exception")
             self._pending = {"end": end, "explaining": ex, "peak": step.peak if step.peak >= 0 else None,
-                             "end_before": end_before}
+                             "end_before": end_before, "light": step.sampled == 0}
         self._cost_ns += time.perf_counter_ns() - t0
+
+    def _stop(self, ex: Explaining, backend: Backend | None, *, observe: bool) -> tuple[Any, float]:
+        """Phases unwatched, hooks off, the end observed, and recording off, even when one of
+        the first raises: (the end snapshot, the host time just before it)."""
+        try:
+            self._watch_phases(None)
+            ex.remove()
+            if observe:
+                ex.observe("end")
+        finally:
+            end_before = _now_us()
+            end = backend.end_history() if backend is not None else None
+        return end, end_before
 
     def on_fail(self, step_open: bool, why: str) -> None:
         ex, self._explaining = self._explaining, None
         if ex is not None:
             try:
-                self._watch_phases(None)
-                ex.remove()
-                if self._backend is not None:
-                    self._backend.end_history()
+                self._stop(ex, self._backend, observe=False)
             except Exception:  # noqa: BLE001, S110 - recording already failed; the reason says so
                 pass
             self._abandon(f"recording stopped during the explained step: {why}")
@@ -452,7 +471,8 @@ class PeakHook(Hook):
                 module_events=mods, phase_events=phases, annotations=annotations, in_clock=in_clock,
                 peak_allocated_bytes=pending["peak"], max_entries=self._max_entries,
                 activations_from=ex.activations_from, notes=ex.notes,
-                unavailable=None if ex.model is not None or ex.optimizer is not None else _NO_MODEL,
+                unavailable={**(_NO_MODEL if ex.model is None and ex.optimizer is None else {}),
+                             **(_LIGHT if pending["light"] else {})},
             )
         except Exception as e:  # noqa: BLE001 - a null record, never a stopped collector
             if raised_by_user(e):
@@ -464,15 +484,35 @@ class PeakHook(Hook):
         return _with_cost(result, cost)
 
     def on_close(self, closing: Closing) -> None:
-        """A peak record saying why, when the explained step never ran."""
-        if self.explanation is None and (closing.last_step is None or closing.last_step < self.target):
-            device = closing.backend.device if closing.backend is not None else "none"
+        """A peak record saying why, when the explained step's record was never written (the
+        run ended first, recording stopped, another thread's step had the index); recording
+        off if the step is still open on another thread."""
+        ex, self._explaining = self._explaining, None
+        if ex is not None:
+            try:
+                self._stop(ex, self._backend, observe=False)
+            except Exception as e:  # noqa: BLE001, S110 - the reason below says it was not explained
+                if raised_by_user(e):
+                    raise
+            self._retire(self)
+            self._reason = (f"the profiler was closed while the explained step was open on another "
+                            f"thread than the one closing it; step {self.target} is not explained")
+        if self.explanation is not None:
+            return
+        device = closing.backend.device if closing.backend is not None else "none"
+        if closing.last_step is None or closing.last_step < self.target:
             ran = "no step ran" if closing.last_step is None else f"the last step was {closing.last_step}"
-            self.explanation = _peak.unavailable_explanation(
-                f"the run ended before step {self.target}, the one to explain ({ran})",
-                step=self.target, device=device)
-            closing.write(self.explanation.to_record())
+            why = f"the run ended before step {self.target}, the one to explain ({ran})"
+        else:
+            why = self._reason or f"step {self.target} was not recorded (recording stopped)"
+        self.explanation = _peak.unavailable_explanation(why, step=self.target, device=device)
+        closing.write(self.explanation.to_record())
 
+
+_LIGHT = dict.fromkeys(
+    ("peak_allocated_bytes", "phase"),
+    "the explained step was not sampled (overhead_budget: a light step), so the allocator's counter "
+    "was not read and its phases were not watched; explain a sampled step (explain_peak=N)")
 
 _NO_MODEL = {
     "bytes_by_category.parameters": "no model or optimizer was given (pass model= and optimizer=): "
