@@ -137,7 +137,7 @@ class PeakExplanation:
     allocator's own counter for the step) within the allocator's rounding.
 
     Attributes:
-        step: the explained step's index (None: a one-off).
+        step: the explained step's index (a one-off's: its ``warmup``).
         device: ``"cuda:N"``, or ``"cpu"``.
         peak_allocated_bytes: the allocator's high-water mark over the step.
         live_bytes: the bytes live at the replayed high-water mark.
@@ -156,8 +156,8 @@ class PeakExplanation:
         live_blocks: how many blocks were live at the peak.
         trace_entries: the allocator's history entries of the step.
         cost_ms: the host time explaining added: recording on and off, the two snapshots
-            (the step's own ``wall_ms`` excludes neither), the hooks with their markers
-            (``wall_ms`` includes them) and the replay.
+            (outside the step's ``wall_ms``, inside its ``overhead_us``), the hooks with
+            their markers (inside ``wall_ms``) and the replay.
         timeline_ms, timeline_bytes: live bytes over the step (at most 200 points, each
             a bucket's maximum).
         activations_from: ``"saved_tensors_hooks"`` or ``"stacks"``: how saved
