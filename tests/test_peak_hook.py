@@ -412,9 +412,16 @@ def test_without_annotations_the_record_says_attribution_is_approximate(log, gpu
 
 
 def test_the_markers_are_record_function_ranges():
-    # On the CPU torch records nothing, but the ranges open and close (the calls exist).
-    h = peak_module._enter("stepprof:fwd:x")
-    peak_module._exit(h)
+    """USER_SCOPE ranges (what global_record_annotations records), around what runs inside."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        h = peak_module._enter("stepprof:fwd:x")
+        torch.ones(3).sum()
+        peak_module._exit(h)
+    events = p.events()
+    marker = next(e for e in events if e.name == "stepprof:fwd:x")
+    inner = next(e for e in events if e.name == "aten::sum")
+    assert marker.scope == 7  # torch's RecordScope.USER_SCOPE, the scope of record_function
+    assert marker.time_range.start <= inner.time_range.start <= inner.time_range.end <= marker.time_range.end
 
 
 # -- recording stops on every path ---------------------------------------------------
