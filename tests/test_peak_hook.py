@@ -478,6 +478,9 @@ def test_a_close_from_another_thread_during_the_explained_step_stops_recording(l
     rec = next(stepprof.read(log, kind="peak"))
     assert "closed while the explained step was open" in rec["unavailable"]["bytes_by_category"]
     assert not any(isinstance(h, PeakHook) for h in prof._boundaries._begin_hooks)
+    # The closing thread's saved-tensor hooks were not touched; this thread's stays, inert.
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
 def test_a_light_explained_step_says_why_its_counter_and_phases_are_null(log, gpu, history):
@@ -493,3 +496,17 @@ def test_a_light_explained_step_says_why_its_counter_and_phases_are_null(log, gp
     assert rec["peak_allocated_bytes"] is None and rec["phase"] is None
     assert "not sampled" in rec["unavailable"]["peak_allocated_bytes"]
     assert "not sampled" in rec["unavailable"]["phase"]
+
+
+def test_a_forked_child_closing_mid_step_leaves_the_allocator_alone(log, gpu, history, monkeypatch):
+    import os
+
+    prof = make(log, gpu, explain_peak=True, memory_every=0)
+    scope = prof.step()
+    scope.__enter__()
+    parent = os.getpid()
+    monkeypatch.setattr(os, "getpid", lambda: parent + 1)  # as in a child forked inside the step
+    prof._forked()
+    prof.close()
+    assert gpu.history_calls == ["begin 500000"]  # CUDA is not touched in a forked child
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # its own hooks are off

@@ -25,6 +25,7 @@ step boundaries, so other steps pay nothing.  The collector replays the history
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -343,6 +344,7 @@ class PeakHook(Hook):
         self._cost_ns = 0
         self._pending: dict[str, Any] | None = None  # what the collector replays
         self._reason: str | None = None
+        self._pid = os.getpid()  # a forked child leaves the parent's allocator alone
 
     # -- training thread --------------------------------------------------------------
 
@@ -379,6 +381,7 @@ class PeakHook(Hook):
             self._reason = started
             return
         self._start = started
+        self._pid = os.getpid()
         ex.in_clock = started.annotations
         self._explaining = ex
         self._watch_phases(ex.on_phase)
@@ -407,7 +410,8 @@ class PeakHook(Hook):
 
     def _stop(self, ex: Explaining, backend: Backend | None, *, observe: bool) -> tuple[Any, float]:
         """Phases unwatched, hooks off, the end observed, and recording off, even when one of
-        the first raises: (the end snapshot, the host time just before it)."""
+        the first raises: (the end snapshot, the host time just before it).  In a forked
+        child (a close at its exit) the allocator is the parent's: it is not touched."""
         try:
             self._watch_phases(None)
             ex.remove()
@@ -415,7 +419,7 @@ class PeakHook(Hook):
                 ex.observe("end")
         finally:
             end_before = _now_us()
-            end = backend.end_history() if backend is not None else None
+            end = backend.end_history() if backend is not None and os.getpid() == self._pid else None
         return end, end_before
 
     def on_fail(self, step_open: bool, why: str) -> None:
