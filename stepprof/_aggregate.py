@@ -231,6 +231,9 @@ class RunAggregate:
         #: each name its own figures.  None while the run has one name.
         self.key: str | None = None
         self.by_name: dict[str, RunAggregate] | None = None
+        self.last_key: str | None = None  # the latest step's name group (its peak record goes there)
+        #: A peak record read before this stretch's first step: its step is in an earlier stretch.
+        self.lead_peak: dict[str, Any] | None = None
         self.batch_sizes: dict[int, int] = {}
         self.first_step: int | None = None
         self.last_step = -1
@@ -309,6 +312,10 @@ class RunAggregate:
             self.flops = record
         elif kind == "peak":
             self.peak_record = record
+            if self.key is None:
+                self.lead_peak = record
+            else:
+                self._peak_to_group(record)
         elif kind == "ranks":
             self.add_ranks(record)
         elif kind == "summary":
@@ -325,6 +332,7 @@ class RunAggregate:
         key = name if type(name) is str else NO_NAME
         if key != self.key or self.by_name is not None:
             self._by_name(key, r)  # before this step counts here: a copy of the run so far is a group
+        self.last_key = key
         self.steps += 1
         idx = get("step")
         if type(idx) is int:
@@ -469,11 +477,21 @@ class RunAggregate:
     def _steps_copy(self) -> RunAggregate:
         """A copy of this run as one name group: its step figures, without the run's other records."""
         state = self.__getstate__()
-        state.update(by_name=None, memory_first=None, memory_last=None, memory_records=0, flops=None,
+        state.update(by_name=None, lead_peak=None, memory_first=None, memory_last=None, memory_records=0, flops=None,
                      summary=None, ranks_records=0, ranks_named={}, ranks_last=None, ranks_last_named=None)
         group = RunAggregate.__new__(RunAggregate)
+        if self.lead_peak is not None and self.peak_record is self.lead_peak:
+            state["peak_record"] = None  # an earlier stretch's step's
         group.__setstate__(copy.deepcopy(state))
         return group
+
+    def _peak_to_group(self, record: dict[str, Any]) -> None:
+        """A peak record follows its step's record: it goes to that step's name group too."""
+        if self.by_name is not None:
+            group = self.by_name.get(self.last_key) if self.last_key is not None else None
+            group = group if group is not None else self.by_name.get(OTHER_NAMES)
+            if group is not None:
+                group.peak_record = record
 
     def name_groups(self) -> dict[str, RunAggregate]:
         """Each step name's aggregate, when the run's steps have several names; else empty."""
@@ -688,7 +706,14 @@ class RunAggregate:
                 else:
                     group.key = OTHER_NAMES
                     groups[OTHER_NAMES] = group
+        lead = later.lead_peak  # its step is self's last (none: an earlier stretch's)
+        if self.key is None:
+            self.lead_peak = self.lead_peak or lead
+        elif lead is not None and split:
+            self.by_name = groups
+            self._peak_to_group(lead)
         self.key = self.key if self.key is not None else later.key
+        self.last_key = later.last_key if later.last_key is not None else self.last_key
         for name in self._COUNTERS:
             setattr(self, name, getattr(self, name) + getattr(later, name))
         _add_counts(self.devices, later.devices)

@@ -442,9 +442,13 @@ def export_chrome(paths: Sequence[str], out: str) -> Exported:
     """
     from . import __version__
 
+    out = os.fspath(out)
+    for p in _check_logs(paths):
+        if os.path.exists(out) and os.path.samefile(out, p):
+            raise ConfigError(f"'--chrome' {out!r} is one of the logs to export, which the trace would "
+                              f"replace; pass another path, such as {os.path.splitext(out)[0] + '.trace.json'!r}")
     paths, per_log, runs, skipped = _read(paths)
     t0 = min(run.first_s for run in runs)
-    out = os.fspath(out)
     other = {
         "generator": f"stepprof {__version__} export",
         "logs": paths,

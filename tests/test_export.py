@@ -577,6 +577,17 @@ def test_cli_unwritable_output(capsys, tmp_path, log, gpu):
     assert rc == 2 and "No such file or directory" in err
 
 
+def test_cli_refuses_to_write_the_trace_over_a_log(capsys, tmp_path, log, gpu):
+    """--chrome naming one of the logs would replace the log with its trace: refused, log intact."""
+    run_training(log, gpu)
+    with open(log, "rb") as f:
+        before = f.read()
+    rc, out, err = cli(capsys, "export", "--chrome", log, log)
+    assert rc == 2 and "'--chrome'" in err and "one of the logs" in err and ".trace.json" in err
+    with open(log, "rb") as f:
+        assert f.read() == before
+
+
 def test_export_chrome_does_not_import_torch(tmp_path):
     log = fx.write(str(tmp_path / "t.jsonl"), fx.training_log(steps=30))
     out = str(tmp_path / "t.json")

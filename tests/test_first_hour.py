@@ -150,6 +150,24 @@ def test_a_run_with_several_names_splits_alike_when_read_in_parallel(tmp_path):
     assert key(serial) == key(parallel) and len(serial.runs) == 2
 
 
+def test_a_run_with_several_names_keeps_its_peak_record_with_the_explained_steps_name(tmp_path):
+    """explain_peak's record follows its step's record: the report shows it under that step's
+    name (serial and parallel reads alike), not nowhere."""
+    from stepprof._report.build import report_log
+
+    log = str(tmp_path / "peak.jsonl")
+    with stepprof.Profiler(log, warmup=0, device="cpu", explain_peak=3) as prof:
+        for _ in range(4):
+            for name in ("train_step", "eval_step"):  # indices 0, 1, 2, 3...: step 3 is an eval_step
+                with prof.step(name):
+                    pass
+    for workers in (1, 3):
+        runs = report_log(log, workers=workers).runs
+        peaks = {r.step_name: r.peak for r in runs}
+        assert peaks["train_step"] is None, workers
+        assert isinstance(peaks["eval_step"], dict) and peaks["eval_step"]["step"] == 3, workers
+
+
 def test_phase_syncs_are_na_when_the_steps_counted_none(tmp_path, capsys):
     """A step without a sync count (syncs null, with its reason) whose phases say 0: the phase
     table says n/a like the step line, not 0.00."""
