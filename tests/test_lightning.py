@@ -312,6 +312,28 @@ def test_make_batch_draws_real_samples_cycling_through_the_dataset(tmp_path):
     assert torch.equal(x[:5], loader.dataset.x) and torch.equal(x[5:10], loader.dataset.x)
 
 
+def test_make_batch_reads_an_iterable_dataset_on_and_starts_over_at_its_end():
+    class Four(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter([(torch.full((8,), float(i)), torch.zeros(1)) for i in range(4)])
+
+        def __len__(self) -> int:  # a length does not make it indexable
+            return 4
+
+    make = sl._batch_maker(torch.utils.data.DataLoader(Four(), batch_size=2), Tiny(), torch.device("cpu"))
+    assert make(4)[0][:, 0].tolist() == [0, 1, 2, 3]  # the iterator is now at its end
+    assert make(2)[0][:, 0].tolist() == [0, 1]  # started over, not "no sample"
+    assert make(5)[0][:, 0].tolist() == [2, 3, 0, 1, 2]
+
+    class Empty(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    empty = sl._batch_maker(torch.utils.data.DataLoader(Empty(), batch_size=2), Tiny(), torch.device("cpu"))
+    with pytest.raises(stepprof.ConfigError, match="train dataset has no sample"):
+        empty(2)
+
+
 @pytest.mark.parametrize("conf, n", [
     ("opt", 1), ("list", 1), ("dict", 1), ("lists", 1), ("dicts", 2), (None, 0),
 ])

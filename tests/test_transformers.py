@@ -360,3 +360,24 @@ def test_import_stepprof_leaves_the_frameworks_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sweep_batches_from_an_iterable_dataset_with_a_length_read_it_on(tmp_path):
+    from stepprof.integrations.transformers import _batch_maker
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self) -> None:
+            self.items = _dataset(3)
+
+        def __iter__(self):
+            return iter(self.items)
+
+        def __len__(self) -> int:  # a length does not make it indexable
+            return 3
+
+    data = Stream()
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=data)
+    make = _batch_maker(trainer, data)
+    ids = [item["input_ids"] for item in data.items]
+    assert torch.equal(make(2)["input_ids"], torch.stack(ids[:2]))
+    assert torch.equal(make(3)["input_ids"], torch.stack([ids[2], ids[0], ids[1]]))  # on, then over

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
+from ._samples import drawer
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -461,28 +461,7 @@ def _batch_maker(loader: Any, model: Any, device: torch.device) -> Any:
             "the train dataloader has batch_size=None (its dataset yields whole batches); the sweep "
             "needs a dataset of samples to make batches of any size"
         )
-    lock = threading.Lock()
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-        state: dict[str, Any] = {"it": iter(dataset)}
-
-        def samples(n: int) -> list[Any]:
-            out: list[Any] = []
-            with lock:
-                while len(out) < n:
-                    try:
-                        out.append(next(state["it"]))
-                    except StopIteration:
-                        if not out:
-                            raise ConfigError("the train dataset yielded no sample") from None
-                        state["it"] = iter(dataset)
-            return out
-    else:
-        size = len(dataset)
-        if size == 0:
-            raise ConfigError("the train dataset is empty; the sweep needs real samples")
-
-        def samples(n: int) -> list[Any]:
-            return [dataset[i % size] for i in range(n)]
+    samples = drawer(dataset, "the train dataset has no sample; the sweep needs real samples")
 
     def make_batch(n: int) -> Any:
         batch = collate(samples(n))

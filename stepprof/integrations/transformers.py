@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -50,6 +50,7 @@ from .._records import Summary
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
+from ._samples import drawer
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -449,39 +450,9 @@ def _batch_maker(trainer: Any, dataset: Any) -> Callable[[int], Any]:
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
-    draw = _drawer(dataset)
+    draw = drawer(dataset, "sweep(trainer): trainer.train_dataset has no sample; give the Trainer samples to train on")
 
     def make_batch(n: int) -> Any:
         return trainer._prepare_inputs(collate(draw(n)))
 
     return make_batch
-
-
-def _drawer(dataset: Any) -> Callable[[int], list[Any]]:
-    """``draw(n)``: the dataset's first ``n`` samples, cycling (an iterable dataset: the next
-    ``n``, starting over at its end)."""
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        size = len(dataset)
-        if size == 0:
-            raise ConfigError("sweep(trainer): trainer.train_dataset is empty; give the Trainer samples to train on")
-        return lambda n: [dataset[i % size] for i in range(n)]
-    it: list[Iterator[Any]] = [iter(dataset)]
-
-    def draw(n: int) -> list[Any]:
-        out: list[Any] = []
-        restarted = False
-        while len(out) < n:
-            try:
-                out.append(next(it[0]))
-                restarted = False
-            except StopIteration:
-                if restarted:
-                    raise ConfigError(
-                        "sweep(trainer): trainer.train_dataset yields no samples; "
-                        "give the Trainer samples to train on"
-                    ) from None
-                it[0], restarted = iter(dataset), True
-        return out
-
-    return draw
-
