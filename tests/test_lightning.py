@@ -382,3 +382,32 @@ def test_the_finders_bench_runs_on_the_cpu(tmp_path, monkeypatch):
     got = json.loads(out.read_text())
     assert [f["finder"] for f in got["finders"]] == ["lightning-power", "lightning-binsearch", "stepprof"]
     assert all(f["picked"] and f["wall_s"] > 0 and f["samples_per_s"] for f in got["finders"])
+
+
+def test_on_sync_raise_from_a_step_end_stops_the_fit_and_closes_the_profiler(tmp_path, monkeypatch):
+    """A SyncBudgetExceeded that the step raises at its end (the "trace" route's, deferred
+    there) is the user's: it ends the fit as any exception does, not as an internal failure."""
+    log = str(tmp_path / "run.jsonl")
+    cb = sl.StepprofCallback(log, max_syncs=0, on_sync="raise")
+    start = cb.on_train_start
+
+    def on_train_start(trainer, pl_module):
+        start(trainer, pl_module)
+        real = cb.profiler.end_step
+
+        def end_step(error=None):
+            real(error)
+            if len(records_seen) == 2:
+                raise stepprof.SyncBudgetExceeded("over budget", where="x.py:1", kind="item", count=1)
+            records_seen.append(1)
+
+        monkeypatch.setattr(cb.profiler, "end_step", end_step)
+
+    records_seen: list[int] = []
+    monkeypatch.setattr(cb, "on_train_start", on_train_start)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "stopped profiling" warning
+        with pytest.raises(stepprof.SyncBudgetExceeded, match="over budget"):
+            trainer(tmp_path, [cb]).fit(Tiny())
+    assert cb.profiler.closed and cb.summary.ended_by == "exception"
+    assert len(step_records(log)) == 3 and records(log)[-1]["kind"] == "summary"

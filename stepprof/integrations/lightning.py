@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - the standalone package
         ) from None
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, UsageError
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
@@ -93,6 +93,8 @@ class StepprofCallback(pl.Callback):
         active = self.profiler is not None and self._broken is None and not self.profiler.closed
         try:
             yield active
+        except SyncBudgetExceeded:
+            raise  # on_sync="raise": the user asked for it (Lightning's on_exception closes the run)
         except Exception as e:  # noqa: BLE001 - an internal failure must not stop training
             self._broken = f"{type(e).__name__}: {e}"
             warnings.warn(
