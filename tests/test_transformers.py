@@ -381,3 +381,27 @@ def test_sweep_batches_from_an_iterable_dataset_with_a_length_read_it_on(tmp_pat
     ids = [item["input_ids"] for item in data.items]
     assert torch.equal(make(2)["input_ids"], torch.stack(ids[:2]))
     assert torch.equal(make(3)["input_ids"], torch.stack([ids[2], ids[0], ids[1]]))  # on, then over
+
+
+def test_on_sync_raise_from_a_step_end_propagates_and_closes_the_profiler(tmp_path, monkeypatch):
+    """A SyncBudgetExceeded raised at a step's end (the "trace" route defers it there) reaches
+    the user, and the run is closed and the Trainer unwrapped first: the Trainer has no
+    exception hook that would do it later."""
+    log = tmp_path / "run.jsonl"
+    cb = StepprofCallback(log=str(log), max_syncs=0, on_sync="raise")
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(64), callbacks=[cb])
+    real = stepprof.Profiler.end_step
+    ended = []
+
+    def end_step(self, error=None):
+        real(self, error)
+        ended.append(1)
+        if len(ended) == 3:
+            raise stepprof.SyncBudgetExceeded("over budget", where="x.py:1", kind="item", count=1)
+
+    monkeypatch.setattr(stepprof.Profiler, "end_step", end_step)
+    with pytest.raises(stepprof.SyncBudgetExceeded, match="over budget"):
+        trainer.train()
+    assert cb.profiler.closed and cb.summary.ended_by == "exception"
+    assert "training_step" not in vars(trainer) and "get_batch_samples" not in vars(trainer)
+    assert len(_records(log)) == 3 and len(_records(log, "summary")) == 1

@@ -275,6 +275,7 @@ class StepprofCallback(TrainerCallback):
         try:
             fn(*args)
         except SyncBudgetExceeded:
+            self._close("exception")  # the Trainer has no exception hook to close the run later
             raise  # on_sync="raise": the user asked for it
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
