@@ -405,3 +405,21 @@ def test_on_sync_raise_from_a_step_end_propagates_and_closes_the_profiler(tmp_pa
     assert cb.profiler.closed and cb.summary.ended_by == "exception"
     assert "training_step" not in vars(trainer) and "get_batch_samples" not in vars(trainer)
     assert len(_records(log)) == 3 and len(_records(log, "summary")) == 1
+
+
+def test_a_training_step_set_on_the_trainer_instance_is_wrapped_and_put_back(tmp_path):
+    log = tmp_path / "run.jsonl"
+    trainer = Trainer(model=_model(), args=_args(tmp_path, max_steps=4), train_dataset=_dataset(32),
+                      callbacks=[StepprofCallback(log=str(log))])
+    calls = []
+    own = trainer.training_step  # the class's, bound
+
+    def patched(*args, **kwargs):  # as a library that patches the instance would
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    trainer.training_step = patched
+    trainer.train()
+    assert len(calls) == 4  # the wrapper called it
+    assert vars(trainer)["training_step"] is patched  # and put it back, not deleted it
+    assert all(r["phases"]["forward_backward"]["count"] == 1 for r in _records(log))

@@ -60,6 +60,7 @@ FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
 #: How far up the stack ``on_train_begin`` looks for the Trainer that called it.
 _FRAMES = 12
+_MISSING = object()
 _NO_TRAINER = (
     "not inferred: the callback's hooks were not called from a transformers.Trainer's training "
     "loop, so it could not see the batches"
@@ -97,7 +98,7 @@ class StepprofCallback(TrainerCallback):
         self._summary: Summary | None = None
         self._window = Window()
         self._trainer: Any = None  # the Trainer whose methods are wrapped, while training
-        self._wrapped: list[str] = []
+        self._wrapped: dict[str, Any] = {}  # name -> the instance attribute it replaced (_MISSING: none)
         self._in_step = False
         self._phase: str | None = None
         self._thread = 0  # the training thread: hooks and wrappers elsewhere record nothing
@@ -220,16 +221,20 @@ class StepprofCallback(TrainerCallback):
 
         wrapped_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
         wrapped_training_step._stepprof = True  # type: ignore[attr-defined]
+        own = vars(trainer)
+        self._wrapped = {name: own.get(name, _MISSING) for name in ("training_step", "get_batch_samples")}
         trainer.training_step = wrapped_training_step
         trainer.get_batch_samples = wrapped_get_batch_samples
-        self._wrapped = ["training_step", "get_batch_samples"]
 
     def _unwrap(self) -> None:
-        trainer, names = self._trainer, self._wrapped
-        self._trainer, self._wrapped = None, []
-        for name in names:
-            with contextlib.suppress(AttributeError):
-                delattr(trainer, name)  # the class's method shows through again
+        trainer, wrapped = self._trainer, self._wrapped
+        self._trainer, self._wrapped = None, {}
+        for name, before in wrapped.items():
+            if before is not _MISSING:
+                setattr(trainer, name, before)  # an instance attribute set before ours
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(trainer, name)  # the class's method shows through again
 
     def _note_batches(self, prof: Profiler, data_ns: int, out: Any) -> None:
         """The micro-batches of the next step: their summed size, for its ``batch_size``."""
