@@ -223,6 +223,9 @@ class StepprofCallback(pl.Callback):
         if self._window is None:
             return
         with self._guarded("logging") as _:
+            prof = self.profiler
+            if prof is not None and not prof.closed:
+                prof._drain()  # the steps whose device work has completed, now (never a wait)
             figs = figures(self._window.drain())  # every rank drains; rank zero logs
             if not figs or not getattr(trainer, "is_global_zero", True):
                 return
