@@ -279,6 +279,20 @@ def test_the_sweep_before_a_fit_uses_configure_optimizers_and_detaches_the_train
     assert _identical(before, _state(model, []))
 
 
+def test_the_sweep_restores_what_restore_adds_given_as_a_list_as_stepprof_sweep_takes_it(tmp_path):
+    model = Tiny()
+    other = torch.nn.Linear(2, 2)
+    before = other.weight.detach().clone()
+
+    def step(self, batch, batch_idx):  # a step that also trains a module outside the model
+        other.weight.data.add_(1.0)
+        return Tiny.training_step(self, batch, batch_idx)
+
+    model.training_step = step.__get__(model)
+    sl.sweep(trainer(tmp_path), model, max_batch=4, progress=False, restore=[other])
+    assert torch.equal(other.weight, before)
+
+
 def test_apply_sets_the_batch_size_where_lightning_reads_it(tmp_path):
     model, data = Tiny(batch_size=2), Data(batch_size=2)
     result = sl.sweep(trainer(tmp_path), model, data, max_batch=16, progress=False, apply=True)

@@ -32,7 +32,7 @@ from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
-from .._validate import check_option_names
+from .._validate import check_option_names, check_restore
 from ._samples import drawer
 from ._window import Window, figures
 
@@ -301,8 +301,7 @@ def sweep(
             f"{batch_arg_name} attribute, or pass apply=False and use result.recommended"
         )
     device = torch.device(device) if device is not None else torch.device(trainer.strategy.root_device)
-    extra = sweep_options.pop("restore", None)
-    extra = () if extra is None else extra if isinstance(extra, tuple) else (extra,)
+    extra = check_restore(sweep_options.pop("restore", None))  # one, or a list or tuple, as stepprof.sweep
 
     with _prepared(trainer, model, device) as (optimizers, scaler):
         loader = _train_loader(model, datamodule)
