@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config
 import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
-import stepprof
 from stepprof.integrations.transformers import StepprofCallback, sweep
 
 log = sys.argv[1] if len(sys.argv) > 1 else "hf.jsonl"

@@ -9,7 +9,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import lightning.pytorch as pl
-import stepprof
 from stepprof.integrations.lightning import StepprofCallback, sweep
 
 log = sys.argv[1] if len(sys.argv) > 1 else "lightning.jsonl"

@@ -360,3 +360,66 @@ def test_import_stepprof_leaves_the_frameworks_out():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_sweep_batches_from_an_iterable_dataset_with_a_length_read_it_on(tmp_path):
+    from stepprof.integrations.transformers import _batch_maker
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self) -> None:
+            self.items = _dataset(3)
+
+        def __iter__(self):
+            return iter(self.items)
+
+        def __len__(self) -> int:  # a length does not make it indexable
+            return 3
+
+    data = Stream()
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=data)
+    make = _batch_maker(trainer, data)
+    ids = [item["input_ids"] for item in data.items]
+    assert torch.equal(make(2)["input_ids"], torch.stack(ids[:2]))
+    assert torch.equal(make(3)["input_ids"], torch.stack([ids[2], ids[0], ids[1]]))  # on, then over
+
+
+def test_on_sync_raise_from_a_step_end_propagates_and_closes_the_profiler(tmp_path, monkeypatch):
+    """A SyncBudgetExceeded raised at a step's end (the "trace" route defers it there) reaches
+    the user, and the run is closed and the Trainer unwrapped first: the Trainer has no
+    exception hook that would do it later."""
+    log = tmp_path / "run.jsonl"
+    cb = StepprofCallback(log=str(log), max_syncs=0, on_sync="raise")
+    trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(64), callbacks=[cb])
+    real = stepprof.Profiler.end_step
+    ended = []
+
+    def end_step(self, error=None):
+        real(self, error)
+        ended.append(1)
+        if len(ended) == 3:
+            raise stepprof.SyncBudgetExceeded("over budget", where="x.py:1", kind="item", count=1)
+
+    monkeypatch.setattr(stepprof.Profiler, "end_step", end_step)
+    with pytest.raises(stepprof.SyncBudgetExceeded, match="over budget"):
+        trainer.train()
+    assert cb.profiler.closed and cb.summary.ended_by == "exception"
+    assert "training_step" not in vars(trainer) and "get_batch_samples" not in vars(trainer)
+    assert len(_records(log)) == 3 and len(_records(log, "summary")) == 1
+
+
+def test_a_training_step_set_on_the_trainer_instance_is_wrapped_and_put_back(tmp_path):
+    log = tmp_path / "run.jsonl"
+    trainer = Trainer(model=_model(), args=_args(tmp_path, max_steps=4), train_dataset=_dataset(32),
+                      callbacks=[StepprofCallback(log=str(log))])
+    calls = []
+    own = trainer.training_step  # the class's, bound
+
+    def patched(*args, **kwargs):  # as a library that patches the instance would
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    trainer.training_step = patched
+    trainer.train()
+    assert len(calls) == 4  # the wrapper called it
+    assert vars(trainer)["training_step"] is patched  # and put it back, not deleted it
+    assert all(r["phases"]["forward_backward"]["count"] == 1 for r in _records(log))

@@ -1,9 +1,10 @@
 """The figures a framework callback logs: medians over the steps finished since it last logged.
 
-Step records reach a :class:`Window` on the profiler's collector thread
-(``Profiler._watch``); the callback drains it at each of the framework's logging steps.
-Records arrive once their CUDA events have completed, so a window holds the steps
-finished by then, which lag the training loop by a step or two: never a wait.
+Step records reach a :class:`Window` as the profiler writes them (``Profiler._watch``), on
+its collector thread or on the training thread.  At each of the framework's logging steps
+the callback has the profiler write the steps whose CUDA events have completed, then
+drains the window: it holds the steps finished by then, which lag the training loop by a
+step or two on a GPU (never a wait).
 """
 
 from __future__ import annotations

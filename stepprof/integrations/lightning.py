@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -28,12 +27,13 @@ except ImportError:  # pragma: no cover - the standalone package
         ) from None
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, UsageError
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
-from .._validate import check_option_names
+from .._validate import check_option_names, check_restore
+from ._samples import drawer
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -93,6 +93,8 @@ class StepprofCallback(pl.Callback):
         active = self.profiler is not None and self._broken is None and not self.profiler.closed
         try:
             yield active
+        except SyncBudgetExceeded:
+            raise  # on_sync="raise": the user asked for it (Lightning's on_exception closes the run)
         except Exception as e:  # noqa: BLE001 - an internal failure must not stop training
             self._broken = f"{type(e).__name__}: {e}"
             warnings.warn(
@@ -221,6 +223,9 @@ class StepprofCallback(pl.Callback):
         if self._window is None:
             return
         with self._guarded("logging") as _:
+            prof = self.profiler
+            if prof is not None and not prof.closed:
+                prof._drain()  # the steps whose device work has completed, now (never a wait)
             figs = figures(self._window.drain())  # every rank drains; rank zero logs
             if not figs or not getattr(trainer, "is_global_zero", True):
                 return
@@ -296,8 +301,7 @@ def sweep(
             f"{batch_arg_name} attribute, or pass apply=False and use result.recommended"
         )
     device = torch.device(device) if device is not None else torch.device(trainer.strategy.root_device)
-    extra = sweep_options.pop("restore", None)
-    extra = () if extra is None else extra if isinstance(extra, tuple) else (extra,)
+    extra = check_restore(sweep_options.pop("restore", None))  # one, or a list or tuple, as stepprof.sweep
 
     with _prepared(trainer, model, device) as (optimizers, scaler):
         loader = _train_loader(model, datamodule)
@@ -461,28 +465,7 @@ def _batch_maker(loader: Any, model: Any, device: torch.device) -> Any:
             "the train dataloader has batch_size=None (its dataset yields whole batches); the sweep "
             "needs a dataset of samples to make batches of any size"
         )
-    lock = threading.Lock()
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-        state: dict[str, Any] = {"it": iter(dataset)}
-
-        def samples(n: int) -> list[Any]:
-            out: list[Any] = []
-            with lock:
-                while len(out) < n:
-                    try:
-                        out.append(next(state["it"]))
-                    except StopIteration:
-                        if not out:
-                            raise ConfigError("the train dataset yielded no sample") from None
-                        state["it"] = iter(dataset)
-            return out
-    else:
-        size = len(dataset)
-        if size == 0:
-            raise ConfigError("the train dataset is empty; the sweep needs real samples")
-
-        def samples(n: int) -> list[Any]:
-            return [dataset[i % size] for i in range(n)]
+    samples = drawer(dataset, "the train dataset has no sample; the sweep needs real samples")
 
     def make_batch(n: int) -> Any:
         batch = collate(samples(n))

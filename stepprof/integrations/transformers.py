@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -50,6 +50,7 @@ from .._records import Summary
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
+from ._samples import drawer
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -59,6 +60,7 @@ FORWARD_BACKWARD = "forward_backward"
 OPTIMIZER = "optimizer"
 #: How far up the stack ``on_train_begin`` looks for the Trainer that called it.
 _FRAMES = 12
+_MISSING = object()
 _NO_TRAINER = (
     "not inferred: the callback's hooks were not called from a transformers.Trainer's training "
     "loop, so it could not see the batches"
@@ -96,7 +98,7 @@ class StepprofCallback(TrainerCallback):
         self._summary: Summary | None = None
         self._window = Window()
         self._trainer: Any = None  # the Trainer whose methods are wrapped, while training
-        self._wrapped: list[str] = []
+        self._wrapped: dict[str, Any] = {}  # name -> the instance attribute it replaced (_MISSING: none)
         self._in_step = False
         self._phase: str | None = None
         self._thread = 0  # the training thread: hooks and wrappers elsewhere record nothing
@@ -219,16 +221,20 @@ class StepprofCallback(TrainerCallback):
 
         wrapped_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
         wrapped_training_step._stepprof = True  # type: ignore[attr-defined]
+        own = vars(trainer)
+        self._wrapped = {name: own.get(name, _MISSING) for name in ("training_step", "get_batch_samples")}
         trainer.training_step = wrapped_training_step
         trainer.get_batch_samples = wrapped_get_batch_samples
-        self._wrapped = ["training_step", "get_batch_samples"]
 
     def _unwrap(self) -> None:
-        trainer, names = self._trainer, self._wrapped
-        self._trainer, self._wrapped = None, []
-        for name in names:
-            with contextlib.suppress(AttributeError):
-                delattr(trainer, name)  # the class's method shows through again
+        trainer, wrapped = self._trainer, self._wrapped
+        self._trainer, self._wrapped = None, {}
+        for name, before in wrapped.items():
+            if before is not _MISSING:
+                setattr(trainer, name, before)  # an instance attribute set before ours
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(trainer, name)  # the class's method shows through again
 
     def _note_batches(self, prof: Profiler, data_ns: int, out: Any) -> None:
         """The micro-batches of the next step: their summed size, for its ``batch_size``."""
@@ -274,6 +280,7 @@ class StepprofCallback(TrainerCallback):
         try:
             fn(*args)
         except SyncBudgetExceeded:
+            self._close("exception")  # the Trainer has no exception hook to close the run later
             raise  # on_sync="raise": the user asked for it
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             self._fail(e)
@@ -449,39 +456,9 @@ def _batch_maker(trainer: Any, dataset: Any) -> Callable[[int], Any]:
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
-    draw = _drawer(dataset)
+    draw = drawer(dataset, "sweep(trainer): trainer.train_dataset has no sample; give the Trainer samples to train on")
 
     def make_batch(n: int) -> Any:
         return trainer._prepare_inputs(collate(draw(n)))
 
     return make_batch
-
-
-def _drawer(dataset: Any) -> Callable[[int], list[Any]]:
-    """``draw(n)``: the dataset's first ``n`` samples, cycling (an iterable dataset: the next
-    ``n``, starting over at its end)."""
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        size = len(dataset)
-        if size == 0:
-            raise ConfigError("sweep(trainer): trainer.train_dataset is empty; give the Trainer samples to train on")
-        return lambda n: [dataset[i % size] for i in range(n)]
-    it: list[Iterator[Any]] = [iter(dataset)]
-
-    def draw(n: int) -> list[Any]:
-        out: list[Any] = []
-        restarted = False
-        while len(out) < n:
-            try:
-                out.append(next(it[0]))
-                restarted = False
-            except StopIteration:
-                if restarted:
-                    raise ConfigError(
-                        "sweep(trainer): trainer.train_dataset yields no samples; "
-                        "give the Trainer samples to train on"
-                    ) from None
-                it[0], restarted = iter(dataset), True
-        return out
-
-    return draw
-
