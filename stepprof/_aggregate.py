@@ -16,6 +16,7 @@ What counts, in one place:
 - a *measured* step is past warm-up, without an error, with a numeric ``wall_ms``;
 - the step flagged ``flops_counted`` ran under ``FlopCounterMode`` (eagerly, with the
   counter's own cost): it counts as measured but is left out of every per-step figure;
+- so is the step flagged ``explained`` (``explain_peak`` recorded its allocator history);
 - so is a step flagged ``compiled`` (torch.compile compiled inside it): measured, left
   out of the figures like a warm-up step, and counted in ``compile_steps``;
 - the one MFU is the median of the steps' ``mfu``;
@@ -377,6 +378,8 @@ class RunAggregate:
         if get("flops_counted") is True:
             self.flops_counted_step = idx if idx >= 0 else None
             return  # its times include FlopCounterMode's cost
+        if get("explained") is True:
+            return  # its times include explain_peak's history and hooks
         if get("compiled") is True:
             self.compile_steps += 1
             if len(self.compile_step_list) < COMPILE_STEPS_NAMED:

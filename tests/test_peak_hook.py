@@ -101,6 +101,32 @@ def test_the_explained_step_gets_a_peak_record_after_its_own(log, gpu, history):
     assert rec["peak_allocated_bytes"] == first["peak_allocated_bytes"] == rec["live_bytes"]
 
 
+def test_the_explained_step_is_flagged_and_left_out_of_the_run_figures(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=1, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=4)
+    summary = prof.close()
+    recs = list(stepprof.read(log, kind="step"))
+    assert [r.get("explained") for r in recs] == [None, True, None, None]
+    assert summary.measured_steps == 4
+    # The figures come from the three steps that were not explained (as the report's do).
+    walls = sorted(r["wall_ms"] for r in recs if not r.get("explained"))
+    assert summary.wall_ms.median == walls[1]
+
+
+def test_with_flops_auto_the_explained_step_is_not_the_counted_one(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, flops="auto", warmup=1, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=4)
+    prof.close()
+    recs = list(stepprof.read(log, kind="step"))
+    assert [r["step"] for r in recs if r.get("flops_counted")] == [1]
+    assert [r["step"] for r in recs if r.get("explained")] == [2]
+    assert next(stepprof.read(log, kind="peak"))["step"] == 2
+
+
 def test_other_steps_pay_nothing_once_the_step_is_explained(log, gpu, history):
     model = Net(history)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

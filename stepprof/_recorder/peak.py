@@ -345,6 +345,7 @@ class PeakHook(Hook):
         self._pending: dict[str, Any] | None = None  # what the collector replays
         self._reason: str | None = None
         self._pid = os.getpid()  # a forked child leaves the parent's allocator alone
+        self._ran = False  # the target step ran under the history and the hooks
 
     # -- training thread --------------------------------------------------------------
 
@@ -392,6 +393,7 @@ class PeakHook(Hook):
             return
         t0 = time.perf_counter_ns()
         self._explaining = None
+        self._ran = True
         try:
             end, end_before = self._stop(ex, step.backend, observe=True)
         except Exception as e:  # noqa: BLE001 - a null record, never a broken step
@@ -436,6 +438,12 @@ class PeakHook(Hook):
         self._explaining = None
 
     # -- collector --------------------------------------------------------------------
+
+    def on_record(self, step: Step, record: dict[str, Any]) -> None:
+        """Flag the explained step: its times include the history's and the hooks' cost, so the
+        run's figures leave it out (like the step whose FLOPs were counted)."""
+        if self._ran and step.index == self.target:
+            record["explained"] = True
 
     def after_record(self, step: Step, write: Write) -> None:
         """The peak record, right after the explained step's record."""

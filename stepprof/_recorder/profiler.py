@@ -120,7 +120,8 @@ class Profiler:
             one; docs/measurement.md).  A step's record waits for the sample after it, so the
             log may lag by this much more.  None turns it off.
         explain_peak: explain where one step's peak memory comes from (docs/memory.md):
-            True explains the first step after warm-up, an int the step of that index.
+            True explains the first step after warm-up (the one after it with
+            ``flops="auto"``, whose counted step that is), an int the step of that index.
             For that step only, torch's allocator records its history; a ``kind: "peak"``
             record follows the step's with the live bytes at the peak by category
             (parameters, gradients, optimizer state, activations, temporaries, other),
@@ -245,7 +246,8 @@ class Profiler:
         self._compiles = CompileHook(b.step_of, lambda: b.next_index, b.retire)
         explain = options.explain_peak
         self._peak = (
-            PeakHook(self.warmup if explain is True else explain, model=options.model,
+            # True: the first measured step, or the next one if FLOPs are counted on the first.
+            PeakHook(self.warmup + (flops_mode == "auto") if explain is True else explain, model=options.model,
                      optimizer=options.optimizer, ensure_backend=b.ensure_backend,
                      watch_phases=b.watch_phases, retire=b.retire)
             if explain is not False else None

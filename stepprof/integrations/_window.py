@@ -36,8 +36,8 @@ class Window:
         """Take one finished step record (the collector thread)."""
         if record.get("kind") != "step" or record.get("warmup") or record.get("error") is not None:
             return
-        if record.get("compiled") or record.get("flops_counted"):
-            return  # left out of the run's figures too (their times hold compilation, counting)
+        if record.get("compiled") or record.get("flops_counted") or record.get("explained"):
+            return  # left out of the run's figures too (their times hold compilation, counting, explaining)
         kept = {k: record.get(k) for k in (*_MEDIANS, "peak_allocated_bytes", "step")}
         phases = record.get("phases")
         if phases:
