@@ -224,7 +224,7 @@ def test_steps_after_the_explained_one_are_not_slower():
     tiny = torch.zeros(16, device="cuda")
     for _ in range(3):
         _tiny_ops(tiny)
-    before = [_tiny_ops(tiny) for _ in range(21)]
+    before = [_tiny_ops(tiny) for _ in range(31)]
     with stepprof.Profiler(None, warmup=1, explain_peak=True, model=model, optimizer=opt) as prof:
         for _ in range(2):
             with prof.step():
@@ -232,7 +232,9 @@ def test_steps_after_the_explained_one_are_not_slower():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     assert prof._peak.explanation is not None and prof._peak.explanation.bytes_by_category is not None
-    after = [_tiny_ops(tiny) for _ in range(21)]
-    b, a = statistics.median(before), statistics.median(after)
+    after = [_tiny_ops(tiny) for _ in range(31)]
+    # The fastest run of each: a callback left registered slows every run, while the host's
+    # noise (other work on the machine) only ever adds, and moved the medians by 7% apart.
+    b, a = min(before), min(after)
     print(f"2000 tiny ops in ranges: before {b * 1e3:.2f} ms, after {a * 1e3:.2f} ms ({a / b - 1:+.1%})")
     assert a <= 1.05 * b, (b, a)
