@@ -8,7 +8,6 @@ split keep a remainder the replay sizes by the request).
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
@@ -206,13 +205,15 @@ def test_markers_from_the_autograd_thread_land_in_the_history_in_its_clock():
 
 
 def _tiny_ops(x, n=2000) -> float:
-    """Host seconds for ``n`` tiny ops, each in a record_function range (a RecordFunction
-    callback left registered would slow both)."""
+    """Host seconds for ``n`` tiny ops that allocate, each in a record_function range (a
+    RecordFunction callback left registered would slow the ranges and ops, a history left on
+    every allocation)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         with torch.autograd.profiler.record_function("tiny"):
-            x.add_(1)
+            y = x + 1
+    del y
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -232,9 +233,12 @@ def test_steps_after_the_explained_one_are_not_slower():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
     assert prof._peak.explanation is not None and prof._peak.explanation.bytes_by_category is not None
+    # The mechanism: the allocator's history is off again (its stacks would cost every allocation).
+    assert not torch._C._cuda_isHistoryEnabled()
     after = [_tiny_ops(tiny) for _ in range(31)]
-    # The fastest run of each: a callback left registered slows every run, while the host's
-    # noise (other work on the machine) only ever adds, and moved the medians by 7% apart.
     b, a = min(before), min(after)
     print(f"2000 tiny ops in ranges: before {b * 1e3:.2f} ms, after {a * 1e3:.2f} ms ({a / b - 1:+.1%})")
-    assert a <= 1.05 * b, (b, a)
+    # Two stretches of host time differ by up to ±7% on the shared H200 with nothing left on
+    # (three runs: +7.2%, -4.8%, -0.1%), so this bound catches only a gross leak; the
+    # interleaved bench (bench/overhead.py's full-explained) measures the later steps' cost.
+    assert a <= 1.25 * b, (b, a)
