@@ -280,30 +280,28 @@ def check_explain_peak(explain_peak: Any) -> bool | int:
 
 def check_model(model: Any, argument: str = "model") -> Any:
     """``model=``: None or a ``torch.nn.Module``."""
-    if model is None:
-        return None
     import torch
 
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"{argument!r} must be a torch.nn.Module or None (got {type(model).__name__}); pass the model "
-            f"whose parameters and modules explain_peak should name, e.g. {argument}=model"
-        )
-    return model
+    return _check_torch_object(model, argument, torch.nn.Module, "torch.nn.Module",
+                               "the model whose parameters and modules explain_peak should name", "model")
 
 
 def check_optimizer(optimizer: Any, argument: str = "optimizer") -> Any:
     """``optimizer=``: None or a ``torch.optim.Optimizer``."""
-    if optimizer is None:
-        return None
     import torch
 
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(
-            f"{argument!r} must be a torch.optim.Optimizer or None (got {type(optimizer).__name__}); pass "
-            f"the optimizer whose state explain_peak should name, e.g. {argument}=optimizer"
-        )
-    return optimizer
+    return _check_torch_object(optimizer, argument, torch.optim.Optimizer, "torch.optim.Optimizer",
+                               "the optimizer whose state explain_peak should name", "optimizer")
+
+
+def _check_torch_object(value: Any, argument: str, cls: type, cls_name: str, what: str, example: str) -> Any:
+    """None, or an instance of ``cls``; else a ConfigError naming the argument, the type and the fix."""
+    if value is None or isinstance(value, cls):
+        return value
+    raise ConfigError(
+        f"{argument!r} must be a {cls_name} or None (got {type(value).__name__}); pass {what}, "
+        f"e.g. {argument}={example}"
+    )
 
 
 def check_flops(flops: Any, flops_per_step: Any) -> tuple[str | None, float | None]:
