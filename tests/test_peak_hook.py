@@ -38,7 +38,12 @@ class Net(nn.Module):
         self.fc1 = nn.Linear(64, 256)
         self.fc2 = nn.Linear(256, 8)
         # The fake allocator sees fc1's output from inside fc1 (a hook registered before stepprof's).
-        self.fc1.register_forward_hook(lambda m, i, out: fake.alloc_tensor(out, [FORWARD]) and None)
+        # The fake never frees it, so the output is kept alive: freed, its host address could be
+        # reused by a later tensor (AdamW's step counter), which the fake block would then hold.
+        self.kept: list[torch.Tensor] = []
+        self.fc1.register_forward_hook(
+            lambda m, i, out: (self.kept.append(out), fake.alloc_tensor(out, [FORWARD])) and None
+        )
         self.fake = [fake]
 
     def forward(self, x):
