@@ -34,6 +34,7 @@ from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names, check_restore
 from ._samples import drawer
+from ._close import close_quietly
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -200,11 +201,7 @@ class StepprofCallback(pl.Callback):
         with self._guarded("the fit's end") as active:
             if active and self._open:
                 self._end_step(error)
-        try:
-            prof._end("close" if error is None else "exception")
-        except Exception as e:  # noqa: BLE001 - close must not raise into the trainer's shutdown
-            warnings.warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})", RuntimeWarning,
-                          stacklevel=2)
+        close_quietly(prof, "close" if error is None else "exception")
         self._log_window(trainer)
 
     # -- logging ---------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from .._records import Summary
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
+from ._close import close_quietly
 from ._samples import drawer
 from ._window import Window, figures
 
@@ -301,11 +302,9 @@ class StepprofCallback(TrainerCallback):
             self._unwrap()
         if prof is None or prof.closed:
             return
-        try:
-            self._summary = prof._end(ended_by)
-        except Exception as e:  # noqa: BLE001 - stepprof never breaks training
-            warnings.warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})",
-                          RuntimeWarning, stacklevel=3)
+        summary = close_quietly(prof, ended_by)
+        if summary is not None:
+            self._summary = summary
 
 
 def _note_batch(prof: Profiler, data_ns: int, size: tuple[int | None, str | None]) -> None:

@@ -1,0 +1,19 @@
+"""Closing a callback's profiler without breaking the framework's shutdown."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .._recorder.profiler import Profiler
+
+
+def close_quietly(prof: Profiler, ended_by: str) -> Any:
+    """Close ``prof`` (``ended_by``: ``"close"`` or ``"exception"``) and return its summary; a
+    failure to close becomes one warning and None: stepprof never breaks training."""
+    try:
+        return prof._end(ended_by)
+    except Exception as e:  # noqa: BLE001 - close must not raise into the trainer's shutdown
+        warnings.warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})",
+                      RuntimeWarning, stacklevel=3)
+        return None
