@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import orjson
 
+from ._aggregate import finite_number as _num  # a finite number as a float, else None
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
 from ._report.read import RunGrouper
@@ -54,14 +55,6 @@ class Exported:
 
 
 # -- reading --------------------------------------------------------------------------
-
-
-def _num(x: Any) -> float | None:
-    """A finite number as a float, anything else (null, a str, a bool, NaN) as None."""
-    if type(x) is int or type(x) is float:
-        v = float(x)
-        return v if math.isfinite(v) else None
-    return None
 
 
 def _ns(ms: float) -> int:
