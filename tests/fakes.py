@@ -64,7 +64,6 @@ class FakeGpu(BoundaryOps):
     has_device_memory = True
     gpu_reason = None
     memory_reason = None
-    reserved_reason = None
     sync_mechanism = "fake"
     sync_reason = None
 

@@ -110,8 +110,6 @@ class Backend(Protocol):
     gpu_reason: str | None
     #: Why allocator memory figures are unavailable, or None when they are real.
     memory_reason: str | None
-    #: Why ``reserved_bytes`` is unavailable (not a peak: a reason of its own), or None.
-    reserved_reason: str | None
     #: "python" (:class:`BoundaryOps`) or "compiled" (one C++ call per boundary).
     boundary: str
 

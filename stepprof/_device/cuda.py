@@ -53,7 +53,6 @@ class CudaBackend(BoundaryOps):
         self.device = f"cuda:{device_index}"
         self.gpu_reason = None
         self.memory_reason = None
-        self.reserved_reason = None
         self._pool: list[Any] = []
         self._torch_device = torch.device("cuda", device_index)
         self._event_cls = getattr(torch, "Event", None)

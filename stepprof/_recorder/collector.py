@@ -126,7 +126,7 @@ def build_step_record(
     if peak is None and "peak_allocated_bytes" not in unavailable:
         unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
     if s.reserved is None:
-        unavailable["reserved_bytes"] = b.reserved_reason or b.memory_reason or "not read"
+        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or "not read"
     gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
     if gpu_busy is None and gpu_ms is not None:
         unavailable["gpu_busy"] = "wall time was zero"
