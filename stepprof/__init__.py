@@ -11,7 +11,7 @@ recommends one.
 
 import typing
 
-from ._errors import BuildError, ConfigError, StepprofError, SyncBudgetExceeded, UsageError
+from ._errors import BuildError, ConfigError, StepprofError, StepprofWarning, SyncBudgetExceeded, UsageError
 from ._frame import frame
 from ._log import read
 from ._records import Percentiles, PhaseFigures, Summary
@@ -39,6 +39,7 @@ __all__ = [
     "Profiler",
     "SCHEMA_VERSION",
     "StepprofError",
+    "StepprofWarning",
     "Summary",
     "SweepPoint",
     "SweepResult",

@@ -11,7 +11,7 @@ import torch
 
 from . import _memory, _registry
 from ._device.select import memory_backend
-from ._errors import ConfigError
+from ._errors import ConfigError, warn
 from ._memory import MemoryReport
 from ._options import NAMES
 from ._recorder.profiler import Profiler
@@ -49,11 +49,10 @@ def _from_environment() -> Profiler:
     warmup = check_warmup_variable(os.environ.get("STEPPROF_WARMUP", "0"))
     log = os.environ.get("STEPPROF_LOG") or None
     if log is None and _registry.take_no_log_warning():
-        warnings.warn(
+        warn(
             "stepprof: no Profiler is active and no log is configured, so steps are timed "
             "but nothing is written. Use `with stepprof.Profiler(path):`, stepprof.configure(log=path) "
             "or set STEPPROF_LOG.",
-            UserWarning,
             stacklevel=4,  # the user's line that opened the step (through the scope and the registry)
         )
     try:

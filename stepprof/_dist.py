@@ -26,13 +26,12 @@ import math
 import os
 import threading
 import time
-import warnings
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ._stats import median
-from ._errors import raised_by_user
+from ._errors import raised_by_user, warn
 
 __all__ = [
     "CLOSE_WAIT_S",
@@ -421,8 +420,8 @@ class Exchange:
             if raised_by_user(e):
                 raise
             self.failed = f"the cross-rank exchange failed: {type(e).__name__}: {e}"
-            warnings.warn(f"stepprof: {self.failed}; exchanges stopped on this rank "
-                          f"(other ranks' exchanges will not complete)", RuntimeWarning, stacklevel=4)
+            warn(f"stepprof: {self.failed}; exchanges stopped on this rank "
+                          f"(other ranks' exchanges will not complete)", stacklevel=4)
             return
         with self._lock:
             self._outstanding.append((step, names, pending))

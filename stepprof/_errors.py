@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import sys
+import warnings
 from typing import Any
 
 
@@ -39,6 +41,45 @@ class SyncBudgetExceeded(StepprofError, RuntimeError):
 
 def _rebuild_sync_budget_exceeded(message: str, where: str, kind: str, count: int) -> SyncBudgetExceeded:
     return SyncBudgetExceeded(message, where=where, kind=kind, count=count)
+
+
+class StepprofWarning(RuntimeWarning):
+    """stepprof's own trouble, said while training goes on (a log that cannot be written,
+    recording that stopped after an internal error).
+
+    Filter it by class (``warnings.filterwarnings("ignore", category=stepprof.StepprofWarning)``).
+    A filter that turns warnings into errors (``-W error``, pytest's
+    ``filterwarnings = error``) does not turn this one into an exception: stepprof's trouble
+    never becomes the training's.  Under such a filter it is written to stderr instead.
+    """
+
+
+def warn(message: str, *, stacklevel: int = 1) -> None:
+    """Warn with a :class:`StepprofWarning`; never raises it, whatever the filters say.
+
+    ``stacklevel`` counts from the caller, as in :func:`warnings.warn`.  Under an ``error``
+    filter, or a ``showwarning`` hook that raises, the message goes to stderr instead.  An
+    exception of the user's (a signal handler's) still propagates.
+    """
+    try:
+        warnings.warn(message, StepprofWarning, stacklevel=stacklevel + 1)
+    except Exception as e:  # noqa: BLE001 - an error filter, or a showwarning hook that raised
+        if raised_by_user(e):
+            raise
+        _to_stderr(f"StepprofWarning: {message} (written here, not raised: a warnings filter "
+                   f"or hook turned it into {type(e).__name__})")
+
+
+def _to_stderr(text: str) -> None:
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        stream.write(text + "\n")
+        stream.flush()
+    except Exception as e:  # noqa: BLE001 - a closed or broken stderr: nothing left to tell
+        if raised_by_user(e):
+            raise
 
 
 class BuildError(StepprofError, RuntimeError):

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ._errors import ConfigError
+from ._errors import ConfigError, warn
 from ._schema import RECORD_KINDS, upgrade_record
 from ._validate import check_log, check_read_kind, check_read_path
 
@@ -315,16 +315,10 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, 
         elif not kept and len(kinds) < 50 and isinstance(k, str):
             kinds.add(k)
     if stats.skipped:
-        warnings.warn(
+        warn(
             f"stepprof.read: skipped {stats.skipped} line(s) of {os.fspath(path)!r} "
-            f"that are not JSON objects",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            f"that are not JSON objects", stacklevel=2)
     if kind is not None and not kept and kinds and kind not in RECORD_KINDS:  # a typo, likely
-        warnings.warn(
+        warn(
             f"stepprof.read: no record of kind {kind!r} in {os.fspath(path)!r}, and stepprof "
-            f"writes no such kind; its records are of kind {', '.join(map(repr, sorted(kinds)))}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+            f"writes no such kind; its records are of kind {', '.join(map(repr, sorted(kinds)))}", stacklevel=2)

@@ -52,7 +52,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ._errors import SyncBudgetExceeded, raised_by_user
+from ._errors import StepprofWarning, SyncBudgetExceeded, raised_by_user
 from ._registry import register_state
 
 __all__ = [
@@ -411,7 +411,7 @@ class SyncTracker:
             self._mute += 1
             try:
                 warnings.warn_explicit(
-                    f"stepprof: {msg}", RuntimeWarning, frame.f_code.co_filename, frame.f_lineno,
+                    f"stepprof: {msg}", StepprofWarning, frame.f_code.co_filename, frame.f_lineno,
                     module=frame.f_globals.get("__name__"),
                     registry=frame.f_globals.setdefault("__warningregistry__", {}),
                 )

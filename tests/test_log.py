@@ -182,3 +182,58 @@ def test_a_version_1_log_reads_with_the_current_names(tmp_path):
     assert list(summary).index("wall_ms_percentiles") == list(summary).index("device") + 1
     scanned = [r for r in scan(log, ScanStats()) if r["kind"] == "summary"]
     assert scanned == [summary]                                  # the report's reader too
+
+
+def test_a_full_log_disk_under_warnings_as_errors_trains_every_step(gpu, capfd):
+    """An error filter (``-W error``, pytest's ``filterwarnings = error``) does not turn
+    stepprof's "logging stopped" into the loop's exception: every step runs, and the
+    message goes to stderr."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    prof = make("/dev/full", gpu)
+    ran = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(50):
+            with prof.step():
+                ran += 1
+        s = prof.close()
+    assert ran == 50 and s.steps == 50 and "failed" in s.unavailable["log"]
+    err = capfd.readouterr().err
+    assert "StepprofWarning: stepprof: writing '/dev/full' failed" in err and "not raised" in err
+
+
+def test_a_full_log_disk_under_dash_w_error_in_a_fresh_process(tmp_path):
+    """The same as a user runs it: ``python -W error``, on the CPU, a plain loop."""
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    import subprocess
+    import sys
+
+    script = (
+        "import stepprof\n"
+        "with stepprof.Profiler('/dev/full', device='cpu', flush_every_s=0.01) as prof:\n"
+        "    for i in range(300):\n"
+        "        with prof.step(batch_size=1):\n"
+        "            sum(range(1000))\n"
+        "print('steps', prof.summary.steps)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "steps 300" in out.stdout
+    assert "StepprofWarning" in out.stderr
+
+
+def test_stepprof_warnings_can_be_filtered_by_class(gpu):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full")
+    prof = make("/dev/full", gpu)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=stepprof.StepprofWarning)
+        for _ in range(3):
+            with prof.step():
+                pass
+        prof.close()
+    assert not [w for w in seen if issubclass(w.category, stepprof.StepprofWarning)]

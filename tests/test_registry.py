@@ -46,7 +46,7 @@ def test_environment_configures_the_default_profiler(tmp_path, monkeypatch):
 
 
 def test_no_profiler_and_no_log_warns_once_and_still_runs():
-    with pytest.warns(UserWarning, match="no log is configured"):
+    with pytest.warns(stepprof.StepprofWarning, match="no log is configured"):
         with stepprof.profile_step():
             x = 1
     with warnings.catch_warnings():

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from typing import Any
 
 import torch
 
 from .. import _syncs
+from .._errors import warn
 from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, HistoryStart, Memory
 from .sync_routes import enable_gpu_trace, register_repeat_interleave_probe, trace_route, warn_route
 
@@ -133,12 +133,9 @@ class CudaBackend(BoundaryOps):
             why = enable_gpu_trace(self.index)
             if why is not None:
                 self.sync_mechanism = "warn"
-                warnings.warn(
+                warn(
                     f"stepprof: syncs='trace' is not usable here ({why}); counting syncs "
-                    f"with 'warn' (torch's sync-debug warnings) instead",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
+                    f"with 'warn' (torch's sync-debug warnings) instead", stacklevel=5)
         tracker.mechanism = self.sync_mechanism
         return self._sessions.watch(tracker, trace_route if self.sync_mechanism == "trace" else warn_route)
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +51,7 @@ from .. import _memory
 from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
 from .._device.select import upgrade_from_host
 from .._batch import NO_BATCH, infer_batch_size
-from .._errors import StepprofError, UsageError, raised_by_user
+from .._errors import StepprofError, UsageError, raised_by_user, warn
 from .._syncs import SyncTracker
 from .collector import Collector
 from .exchange import ExchangeHook
@@ -297,7 +296,7 @@ class Boundaries:
         if self.broken is not None:
             if self._warn_at_entry is not None:
                 why, self._warn_at_entry = self._warn_at_entry, None
-                warnings.warn(f"stepprof: {why}", RuntimeWarning, stacklevel=4)
+                warn(f"stepprof: {why}", stacklevel=4)
             ex = self._exchange
             return ex.enter_unrecorded() if ex is not None and self.context().hooked else None
         ctx = self.context()
@@ -723,7 +722,7 @@ class Boundaries:
         for why in (self._collector.error, self._collector.log.failed):
             if why is not None and why not in self._warned:
                 self._warned.add(why)
-                warnings.warn(f"stepprof: {why}; logging stopped", RuntimeWarning, stacklevel=4)
+                warn(f"stepprof: {why}; logging stopped", stacklevel=4)
 
     def _discard(self, ctx: ThreadSteps) -> None:
         """Drop this thread's open step and phases unrecorded: NVTX ranges and sync watch undone."""
@@ -753,7 +752,7 @@ class Boundaries:
             hook.on_fail(step_open and ctx.hooked, why)  # type: ignore[union-attr]
         if self.broken is None:
             self.broken = f"stepprof stopped recording after an internal error: {why}"
-            warnings.warn(self.broken, RuntimeWarning, stacklevel=3)
+            warn(self.broken, stacklevel=3)
         if ctx is not None:  # other threads' open steps are dropped at their own exits
             self._discard(ctx)
 

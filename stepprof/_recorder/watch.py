@@ -8,7 +8,7 @@ warning; recording goes on.
 
 from __future__ import annotations
 
-import warnings
+from .._errors import warn
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +34,5 @@ class WatchHook(Hook):
                 watcher(record)
             except Exception as exc:  # never break the run for a watcher
                 self.watchers = tuple(w for w in self.watchers if w is not watcher)
-                warnings.warn(
-                    f"stepprof: a step-record watcher ({watcher!r}) raised {exc!r}; it is no longer called",
-                    RuntimeWarning, stacklevel=2,
-                )
+                warn(
+                    f"stepprof: a step-record watcher ({watcher!r}) raised {exc!r}; it is no longer called", stacklevel=2)

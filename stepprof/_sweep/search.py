@@ -32,12 +32,12 @@ import os
 import secrets
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
+from .._errors import warn
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend
 from .._device.select import select_sweep_backend, upgrade_from_host
@@ -487,10 +487,8 @@ class BatchSearch:
             return
         writer.write({"schema_version": SCHEMA_VERSION, **record, "run_id": self.run_id})
         if writer.failed:
-            warnings.warn(
-                f"stepprof.sweep: {writer.failed}; logging stopped, the sweep goes on",
-                RuntimeWarning,
-                stacklevel=_caller_stacklevel(),
+            warn(
+                f"stepprof.sweep: {writer.failed}; logging stopped, the sweep goes on", stacklevel=_caller_stacklevel(),
             )
 
     def _measure(self, n: int, phase: str) -> SweepPoint:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
+from .._errors import warn
 from .._recorder.profiler import Profiler
 
 
@@ -14,6 +14,5 @@ def close_quietly(prof: Profiler, ended_by: str) -> Any:
     try:
         return prof._end(ended_by)
     except Exception as e:  # noqa: BLE001 - close must not raise into the trainer's shutdown
-        warnings.warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})",
-                      RuntimeWarning, stacklevel=3)
+        warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})", stacklevel=3)
         return None

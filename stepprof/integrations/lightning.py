@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,7 +26,7 @@ except ImportError:  # pragma: no cover - the standalone package
         ) from None
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, SyncBudgetExceeded, UsageError
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
@@ -98,10 +97,9 @@ class StepprofCallback(pl.Callback):
             raise  # on_sync="raise": the user asked for it (Lightning's on_exception closes the run)
         except Exception as e:  # noqa: BLE001 - an internal failure must not stop training
             self._broken = f"{type(e).__name__}: {e}"
-            warnings.warn(
+            warn(
                 f"stepprof: the Lightning callback stopped profiling after an error in {hook} "
-                f"({self._broken}); training goes on", RuntimeWarning, stacklevel=3,
-            )
+                f"({self._broken}); training goes on", stacklevel=3)
 
     def _begin(self, name: str) -> None:
         assert self.profiler is not None
@@ -309,8 +307,8 @@ def sweep(
 
     if apply:
         if result.recommended is None:
-            warnings.warn(f"stepprof: the sweep recommended no batch ({result.reason}); "
-                          f"{batch_arg_name} was left as it was", RuntimeWarning, stacklevel=2)
+            warn(f"stepprof: the sweep recommended no batch ({result.reason}); "
+                          f"{batch_arg_name} was left as it was", stacklevel=2)
         else:
             for holder in holders:
                 if isinstance(holder, dict):

@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - the extra is in dev
 import torch
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, SyncBudgetExceeded, UsageError
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._records import Summary
@@ -288,11 +288,9 @@ class StepprofCallback(TrainerCallback):
 
     def _fail(self, e: BaseException) -> None:
         """An internal failure: warn, and stop profiling this run (the log keeps what it has)."""
-        warnings.warn(
+        warn(
             f"stepprof: the Hugging Face callback stopped profiling after an internal error "
-            f"({type(e).__name__}: {e}); training goes on",
-            RuntimeWarning, stacklevel=3,
-        )
+            f"({type(e).__name__}: {e}); training goes on", stacklevel=3)
         self._close("exception")
 
     def _close(self, ended_by: str) -> None:
@@ -430,11 +428,9 @@ def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepRe
             trainer.optimizer = None
     if apply:
         if result.recommended is None:
-            warnings.warn(
+            warn(
                 f"stepprof: sweep(apply=True) left per_device_train_batch_size at "
-                f"{args.per_device_train_batch_size}: no batch size is recommended ({result.reason})",
-                RuntimeWarning, stacklevel=2,
-            )
+                f"{args.per_device_train_batch_size}: no batch size is recommended ({result.reason})", stacklevel=2)
         else:
             args.per_device_train_batch_size = result.recommended
             trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
