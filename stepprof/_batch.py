@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ._errors import raised_by_user
+
 __all__ = ["NO_BATCH", "infer_batch_size"]
 
 class _NoBatch:
@@ -31,9 +33,21 @@ _MAX_TENSORS = 64
 
 
 def infer_batch_size(batch: Any) -> tuple[int | None, str | None]:
-    """(the batch size, None), or (None, why it was not inferred)."""
-    sizes: dict[int, str] = {}
-    _collect(batch, "batch", _DEPTH, sizes)
+    """(the batch size, None), or (None, why it was not inferred).  Never raises.
+
+    It runs none of the user's code: containers are read through the built-in types'
+    own methods (a ``dict`` subclass's overridden ``items`` is not called), an object's
+    attributes through its ``__dict__`` (no ``__getattr__``), a tensor subclass's shape
+    with its ``__torch_function__`` disabled, and the keys named in a reason are shown
+    only when they are strings or ints.
+    """
+    sizes: dict[int, tuple[Any, ...]] = {}
+    try:
+        _collect(batch, (), _DEPTH, sizes)
+    except Exception as e:  # noqa: BLE001 - an odd batch is a missing figure, never a broken step
+        if raised_by_user(e):
+            raise
+        return None, f"not inferred: reading the batch raised {type(e).__name__}; pass batch_size=N"
     if len(sizes) == 1:
         return next(iter(sizes)), None
     if not sizes:
@@ -44,29 +58,65 @@ def infer_batch_size(batch: Any) -> tuple[int | None, str | None]:
     (a, where_a), (b, where_b) = list(sizes.items())[:2]
     return None, (
         f"not inferred: the batch's tensors disagree on their leading dimension "
-        f"({where_a} has {a}, {where_b} has {b}); pass batch_size=N"
+        f"({_where(where_a)} has {a}, {_where(where_b)} has {b}); pass batch_size=N"
     )
 
 
-def _collect(x: Any, where: str, depth: int, sizes: dict[int, str]) -> None:
+def _where(path: tuple[Any, ...]) -> str:
+    """``batch[0]['x'].y`` for a path of keys (int, str), attribute names (``.name``) and others."""
+    out = ["batch"]
+    for key in path:
+        if type(key) is _Attr:
+            out.append(f".{key.name}")
+        elif type(key) in (int, str):
+            out.append(f"[{key!r}]")
+        else:
+            out.append(f"[<{type(key).__name__}>]")
+    return "".join(out)
+
+
+class _Attr:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _leading(x: Any) -> int | None:
+    """A tensor's leading dimension (None for a 0-d one), running no subclass code."""
+    if type(x) is torch.Tensor or type(x) is torch.nn.Parameter:
+        return int(x.shape[0]) if x.dim() > 0 else None
+    with torch._C.DisableTorchFunctionSubclass():
+        shape = torch.Tensor.size(x)
+    return int(shape[0]) if len(shape) > 0 else None
+
+
+def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[Any, ...]]) -> None:
     if len(sizes) > 1:
         return  # already in disagreement
-    if isinstance(x, torch.Tensor):
-        if x.dim() > 0:
-            sizes.setdefault(int(x.shape[0]), where)
+    t = type(x)
+    if issubclass(t, torch.Tensor):
+        n = _leading(x)
+        if n is not None:
+            sizes.setdefault(n, where)
         return
-    if depth == 0 or isinstance(x, (str, bytes, int, float, bool)) or x is None:
+    if depth == 0 or x is None or issubclass(t, (str, bytes, int, float, bool)):
         return
-    if isinstance(x, dict):
-        items: Any = ((f"{where}[{k!r}]", v) for k, v in x.items())
-    elif isinstance(x, (tuple, list)):
-        items = ((f"{where}[{i}]", v) for i, v in enumerate(x))
+    if issubclass(t, dict):
+        items: Any = dict.items(x)
+    elif issubclass(t, tuple):
+        items = enumerate(tuple.__iter__(x))
+    elif issubclass(t, list):
+        items = enumerate(list.__iter__(x))
     else:
-        fields = getattr(x, "__dict__", None)
-        if not isinstance(fields, dict):
+        try:
+            fields = object.__getattribute__(x, "__dict__")
+        except AttributeError:
             return
-        items = ((f"{where}.{k}", v) for k, v in fields.items() if not k.startswith("_"))
-    for n, (w, v) in enumerate(items):
+        if type(fields) is not dict:
+            return
+        items = ((_Attr(k), v) for k, v in dict.items(fields) if type(k) is str and not k.startswith("_"))
+    for n, (k, v) in enumerate(items):
         if n >= _MAX_TENSORS:
             return
-        _collect(v, w, depth - 1, sizes)
+        _collect(v, (*where, k), depth - 1, sizes)

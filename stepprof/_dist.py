@@ -443,6 +443,8 @@ class Exchange:
                 rows = pending()
                 record = None if rows is None else self._record(rows, names, step)
             except Exception as e:  # noqa: BLE001 - a failed collective: say so, carry on
+                if raised_by_user(e):
+                    raise
                 rows, record = [], unjoined_record(
                     step, self._world(),
                     f"the exchange failed: {type(e).__name__}: {str(e)[:500]}")

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ._errors import ConfigError, warn
+from ._errors import ConfigError, from_signal_handler, raised_by_user, warn
 from ._schema import RECORD_KINDS, upgrade_record
 from ._validate import check_log, check_read_kind, check_read_path
 
@@ -36,6 +36,8 @@ class JsonlWriter:
                 self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
             )
         except OSError as e:
+            if raised_by_user(e):
+                raise
             raise ConfigError(
                 f"{argument!r} cannot be written: {self.path!r} ({e.strerror}). "
                 f"Pass a path in an existing, writable directory."
@@ -59,8 +61,9 @@ class JsonlWriter:
                 last = f.read(1)
             if last and last != b"\n":
                 os.write(self._fd, b"\n")
-        except OSError:  # unreadable (write-only), or not a regular file: append as before
-            pass
+        except OSError as e:  # unreadable (write-only), or not a regular file: append as before
+            if raised_by_user(e):
+                raise
 
     def write(self, record: dict[str, Any]) -> None:
         self.write_many((record,))
@@ -90,6 +93,8 @@ class JsonlWriter:
                 written += n
                 view = view[n:]
         except OSError as e:
+            if raised_by_user(e):
+                raise
             self.failed = f"writing {self.path!r} failed: {e.strerror}"
             self._cut_partial_line(line, written)
             self.close()
@@ -101,16 +106,18 @@ class JsonlWriter:
             return
         try:
             os.ftruncate(self._fd, os.fstat(self._fd).st_size - torn)
-        except OSError:  # pragma: no cover - not a regular file: nothing more to do
-            pass
+        except OSError as e:  # pragma: no cover - not a regular file: nothing more to do
+            if raised_by_user(e):
+                raise
 
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
                 os.close(fd)
-            except OSError:  # pragma: no cover - nothing useful to do
-                pass
+            except OSError as e:  # pragma: no cover - nothing useful to do
+                if raised_by_user(e):
+                    raise
 
 
 # -- records that orjson refuses ---------------------------------------------------------
@@ -131,6 +138,8 @@ def _encode(record: Any) -> bytes:
     try:
         return orjson.dumps(encodable(record), option=option)
     except Exception as e:  # noqa: BLE001 - a repair that fails must not cost the other records
+        if raised_by_user(e):
+            raise
         kind = record.get("kind") if isinstance(record, dict) else None
         return orjson.dumps(
             {
@@ -178,7 +187,9 @@ def _is_utf8(s: str) -> bool:
 def _str_of(value: Any) -> str:
     try:
         return _text(str(value))
-    except Exception:  # noqa: BLE001 - its __str__ failing (or an int too long to print)
+    except BaseException as e:  # noqa: BLE001 - its __str__ failing (or an int too long to print)
+        if from_signal_handler(e):
+            raise
         return f"<unprintable {type(value).__name__}>"
 
 

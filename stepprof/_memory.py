@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from ._errors import raised_by_user
 from ._device import nvml as _nvml
 from ._device.backend import AllocatorFigures, Backend
 from ._device.nvml import NvmlReading
@@ -175,14 +176,20 @@ def take_snapshot(b: Backend) -> Snapshot:
     try:
         allocator = b.read_allocator()
     except Exception as e:  # noqa: BLE001 - a missing figure, never a crash
+        if raised_by_user(e):
+            raise
         reasons["allocator"] = f"reading torch's allocator statistics failed: {type(e).__name__}: {e}"
     try:
         free_total = b.mem_get_info()
     except Exception as e:  # noqa: BLE001
+        if raised_by_user(e):
+            raise
         reasons["mem_get_info"] = f"torch.cuda.mem_get_info failed: {type(e).__name__}: {e}"
     try:
         uuid, pci = b.identity()
     except Exception as e:  # noqa: BLE001
+        if raised_by_user(e):
+            raise
         why = f"torch could not report the device's UUID or PCI bus id: {type(e).__name__}: {e}"
         nvml = NvmlReading(None, None, why, why)
     else:
@@ -433,6 +440,8 @@ def observe(b: Backend) -> None:
         residual, basis, why = residual_of(snap)
         mark = Mark(residual, basis, "when stepprof first saw CUDA initialised", why)
     except Exception as e:  # noqa: BLE001 - a missing figure, never a crash
+        if raised_by_user(e):
+            raise
         mark = Mark(None, None, "", f"{type(e).__name__}: {e}")
     with MEMORY_MARKS.lock:
         MEMORY_MARKS.baselines.setdefault(b.device, mark)
@@ -471,6 +480,8 @@ def report(b: Backend, *, trigger: str, step: int | None = None, peak_floor: int
         observe(b)
         return build(take_snapshot(b), trigger=trigger, step=step, peak_floor=peak_floor)
     except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        if raised_by_user(e):
+            raise
         return unavailable_report(
             b.device, f"stepprof's memory reading failed: {type(e).__name__}: {e}", trigger=trigger, step=step
         )

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from . import _signals
 from ._device import nvml as _nvml
+from ._errors import raised_by_user
 
 __all__ = [
     "HOST_RSS",
@@ -86,14 +87,18 @@ class HostRss:
             if self._fd is not None:
                 return int(os.pread(self._fd, 256, 0).split()[1]) * self._page
             return int(self._process.memory_info().rss)
-        except Exception:  # noqa: BLE001 - a missing figure, never a crash
+        except Exception as e:  # noqa: BLE001 - a missing figure, never a crash
+            if raised_by_user(e):
+                raise
             return None
 
     def _open(self) -> None:
         try:
             self._page = os.sysconf("SC_PAGE_SIZE")
             self._fd = os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except (OSError, AttributeError, ValueError):
+        except (OSError, AttributeError, ValueError) as e:
+            if raised_by_user(e):
+                raise
             import psutil  # optional: only where /proc is missing
 
             self._process = psutil.Process()
@@ -104,8 +109,9 @@ class HostRss:
         if fd is not None:
             try:
                 os.close(fd)
-            except OSError:
-                pass
+            except OSError as e:
+                if raised_by_user(e):
+                    raise
 
 
 class MemoryMarks:
@@ -236,8 +242,9 @@ def _flush_on_signal(name: str) -> None:
     for prof in list(_open):
         try:
             prof._on_signal(name)
-        except Exception:  # noqa: BLE001, S110 - the next profiler, and the signal, go on
-            pass
+        except Exception as e:  # noqa: BLE001, S110 - the next profiler, and the signal, go on
+            if raised_by_user(e):
+                raise
 
 
 def _forget_in_child() -> None:
@@ -256,8 +263,9 @@ def _close_all_at_exit() -> None:
     for prof in list(_open):
         try:
             prof._end("exit")
-        except Exception:  # noqa: BLE001 - at interpreter exit, nothing may raise
-            pass
+        except Exception as e:  # noqa: BLE001 - at interpreter exit, nothing may raise
+            if raised_by_user(e):
+                raise
 
 
 if hasattr(os, "register_at_fork"):

@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from ._errors import raised_by_user
+
 __all__ = [
     "CALIBRATED_DTYPES",
     "FlopCount",
@@ -119,6 +121,8 @@ class FlopCount:
                     try:
                         counter._tally(self, func_packet, out, args, kwargs, before, aliasing)
                     except Exception as e:  # noqa: BLE001 - a reason, never the user's op failing
+                        if raised_by_user(e):
+                            raise
                         counter.error = f"{type(e).__name__}: {e}"
                 return result
 
@@ -170,8 +174,9 @@ class FlopCount:
                     first = t
                 try:
                     nbytes += t.numel() * t.element_size()
-                except Exception:  # noqa: BLE001 - a tensor subclass without storage
-                    pass
+                except Exception as e:  # noqa: BLE001 - a tensor subclass without storage
+                    if raised_by_user(e):
+                        raise
         self.op_bytes += nbytes
         added = sum(mode.flop_counts["Global"].values()) - before
         if added and first is not None:
@@ -210,7 +215,9 @@ def _is_view(packet: Any) -> bool:
         overload = getattr(packet, packet.overloads()[0])
         returns = overload._schema.returns
         return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-    except Exception:  # noqa: BLE001 - unknown: count it
+    except Exception as e:  # noqa: BLE001 - unknown: count it
+        if raised_by_user(e):
+            raise
         return False
 
 
@@ -262,6 +269,8 @@ def load_calibration(device_name: str) -> tuple[dict[str, Any] | None, str | Non
             f"run `stepprof calibrate` once on this machine"
         )
     except (OSError, orjson.JSONDecodeError) as e:
+        if raised_by_user(e):
+            raise
         return None, f"the calibration file {path!r} cannot be read ({e}): run `stepprof calibrate` again"
     if (
         not isinstance(record, dict)

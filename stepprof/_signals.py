@@ -22,7 +22,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SIGNALS", "install", "installed", "uninstall"]
+from ._errors import raised_by_user
+
+__all__ = ["SIGNALS", "install", "installed", "start_thread", "uninstall"]
 
 #: The signals whose arrival ends a run: pre-emption (Slurm, Kubernetes) and Ctrl-C.
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None)) if s is not None)
@@ -39,8 +41,9 @@ def _handler(signum: int, frame: Any) -> Any:
     if on_signal is not None:
         try:
             on_signal(name)
-        except Exception:  # noqa: BLE001, S110 - the signal must proceed whatever happened here
-            pass
+        except Exception as e:  # noqa: BLE001, S110 - the signal must proceed whatever happened here
+            if raised_by_user(e):
+                raise
     previous = _previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         return previous(signum, frame)  # the user's, or Python's default_int_handler
@@ -66,7 +69,9 @@ def install(on_signal: Callable[[str], None]) -> None:
             if current is signal.SIG_IGN or current is _handler:
                 continue  # ignored: nothing ends the run, and it stays ignored
             signal.signal(signum, _handler)
-        except (ValueError, OSError, RuntimeError):  # not the main interpreter, say
+        except (ValueError, OSError, RuntimeError) as e:  # not the main interpreter, say
+            if raised_by_user(e):
+                raise
             continue
         _previous[signum] = current
 
@@ -77,7 +82,9 @@ def uninstall() -> None:
         try:
             if signal.getsignal(signum) is _handler:
                 signal.signal(signum, signal.SIG_DFL if previous is None else previous)
-        except (ValueError, OSError, RuntimeError):  # off the main thread: try again later
+        except (ValueError, OSError, RuntimeError) as e:  # off the main thread: try again later
+            if raised_by_user(e):
+                raise
             continue
         _previous.pop(signum, None)
 
@@ -85,3 +92,33 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether stepprof's handler is in front of any signal."""
     return bool(_previous)
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """``thread.start()``, with every signal blocked on the calling thread meanwhile.
+
+    A signal handler that raises inside ``Thread.start`` (a watchdog's ``TimeoutError``)
+    can leave the thread started but broken: CPython then removes it from its registry
+    while it runs, and it dies at its first line.  Blocked, the signal waits in the
+    kernel and its handler runs just after.  The thread inherits the mask: stepprof's
+    threads never take a signal (Python runs handlers on the main thread anyway).
+    """
+    mask = getattr(signal, "pthread_sigmask", None)
+    if mask is None:  # pragma: no cover - Windows
+        thread.start()
+        return
+    previous = mask(signal.SIG_BLOCK, _all_signals())
+    try:
+        thread.start()
+    finally:
+        mask(signal.SIG_SETMASK, previous)
+
+
+_ALL: set[int] | None = None
+
+
+def _all_signals() -> set[int]:
+    global _ALL
+    if _ALL is None:
+        _ALL = set(signal.valid_signals())
+    return _ALL

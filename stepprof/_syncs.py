@@ -510,6 +510,8 @@ def close_all(forget_trackers: bool = True) -> None:
             try:
                 route.uninstall()
             except Exception as e:  # noqa: BLE001 - restore the rest before reporting
+                if raised_by_user(e):
+                    raise
                 errors.append(e)
     if errors:
         raise errors[0]
@@ -696,16 +698,18 @@ def _after_fork_in_child() -> None:
     global LOCK
     try:
         close_all()
-    except Exception:  # noqa: BLE001, S110 - a forked child must start whatever happened here
-        pass
+    except Exception as e:  # noqa: BLE001, S110 - a forked child must start whatever happened here
+        if raised_by_user(e):
+            raise
     LOCK = threading.RLock()
 
 
 def _close_all_at_exit() -> None:
     try:
         close_all(forget_trackers=False)
-    except Exception:  # noqa: BLE001, S110 - at interpreter exit, nothing may raise
-        pass
+    except Exception as e:  # noqa: BLE001, S110 - at interpreter exit, nothing may raise
+        if raised_by_user(e):
+            raise
 
 
 class _HubState:

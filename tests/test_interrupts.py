@@ -26,6 +26,8 @@ import pytest
 import stepprof
 from stepprof import _syncs
 
+from stepprof._recorder.profiler import _make_profiler
+
 from .conftest import make
 from .fakes import FakeGpu
 
@@ -39,6 +41,17 @@ COLLECT_EVERY_S = 0.002
 
 class Injected(Exception):
     """What the test's signal handler raises: an ordinary exception, the user's."""
+
+
+class WatchdogError(OSError):
+    """A custom ``OSError`` subclass, as a watchdog library might raise."""
+
+
+#: What the signal handler raises, by ``how``: the classes a guard around stepprof's own
+#: I/O would catch if it looked at the class alone (TimeoutError and InterruptedError are
+#: OSErrors, like a failed read of /proc).
+RAISED_BY_HANDLER = {"signal": Injected, "timeout": TimeoutError, "interrupted": InterruptedError,
+                     "oserror": WatchdogError}
 
 
 def _ours(filename: str) -> bool:
@@ -79,6 +92,13 @@ def one_step(prof, form: str) -> None:
         with prof.step(batch_size=2):
             fwd()
             bwd()
+
+
+def _profiler(log: str, gpu):
+    """A profiler on the fake GPU, or (``gpu`` None) on the real host backend."""
+    if gpu is None:
+        return _make_profiler(log, device="cpu", collect_every_s=COLLECT_EVERY_S, energy_every_s=None)
+    return make(log, gpu, collect_every_s=COLLECT_EVERY_S)
 
 
 def _on_try_line(frame) -> bool:
@@ -124,8 +144,8 @@ class Injector:
         signal.raise_signal(signal.SIGUSR1)
 
 
-def count_events(form: str, log: str) -> int:
-    with make(log, FakeGpu(), collect_every_s=COLLECT_EVERY_S) as prof:
+def count_events(form: str, log: str, gpu) -> int:
+    with _profiler(log, FakeGpu() if gpu is not None else None) as prof:
         for _ in range(3):  # warm: the backend, the contexts, the first memory records
             one_step(prof, form)
         tracer = Injector(None, "keyboard")
@@ -137,15 +157,20 @@ def count_events(form: str, log: str) -> int:
     return tracer.events
 
 
-@pytest.mark.parametrize("how", ["keyboard", "signal"])
+@pytest.mark.parametrize("device", ["fake-gpu", "host"])
+@pytest.mark.parametrize("how", ["keyboard", *RAISED_BY_HANDLER])
 @pytest.mark.parametrize("form", ["with", "decorator", "mixed"])
-def test_an_interrupt_at_every_point_of_a_step_propagates_and_the_next_step_records(log, gpu, form, how):
-    n = count_events(form, log + ".count")
+def test_an_interrupt_at_every_point_of_a_step_propagates_and_the_next_step_records(log, gpu, form, how, device):
+    if device == "host":  # the host backend: the RSS read at each step's exit, no device events
+        gpu = None
+    if how in ("interrupted", "oserror") and form != "with":
+        pytest.skip("the handler's class matters only to the guards, which every form reaches")
+    n = count_events(form, log + ".count", gpu)
     assert n > 40, n  # the tracer sees stepprof's code
     raised: list[BaseException] = []
 
     def handler(signum, frame):
-        raised.append(Injected("timeout"))
+        raised.append(RAISED_BY_HANDLER.get(how, Injected)("timeout"))
         raise raised[-1]
 
     previous = signal.signal(signal.SIGUSR1, handler)
@@ -154,13 +179,13 @@ def test_an_interrupt_at_every_point_of_a_step_propagates_and_the_next_step_reco
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "stepprof stopped recording" would fail here
-            with make(log, gpu, collect_every_s=COLLECT_EVERY_S) as prof:
+            with _profiler(log, gpu) as prof:
                 for at in range(n):
                     tracer = Injector(at, how)
                     sys.settrace(tracer)
                     try:
                         one_step(prof, form)
-                    except (KeyboardInterrupt, Injected) as e:
+                    except (KeyboardInterrupt, Injected, OSError) as e:
                         assert tracer.where, at  # raised by the injector, nowhere else
                         # Compared here and let go: like a loop that catches and goes on, the
                         # test keeps no reference to the exception (or its frames).
@@ -187,7 +212,8 @@ def test_an_interrupt_at_every_point_of_a_step_propagates_and_the_next_step_reco
     for r in normal:
         assert set(r["phases"]) == PHASES, r
         assert all(p["count"] == 1 for p in r["phases"].values()), r
-    expected = {"KeyboardInterrupt", "Interrupted"} if how == "keyboard" else {"Injected", "Interrupted"}
+    raised_type = "KeyboardInterrupt" if how == "keyboard" else RAISED_BY_HANDLER[how].__name__
+    expected = {raised_type, "Interrupted"}
     assert {r["error"]["type"] for r in interrupted} <= expected
     # An interrupted step either never started or was recorded: never both, never twice.
     assert len(records) <= 2 * n

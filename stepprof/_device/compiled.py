@@ -28,7 +28,7 @@ import attrs
 import torch
 
 from .. import _registry
-from .._errors import BuildError
+from .._errors import BuildError, raised_by_user
 from .._records import COMPILED_SAVES_US
 from .._roofline import cache_dir as _stepprof_cache_dir
 from .backend import MARK, POP, PUSH, READ, RESET, Memory
@@ -162,6 +162,8 @@ def build(verbose: bool = False) -> BuildReport:
             verbose=verbose,
         )
     except Exception as e:  # noqa: BLE001 - the compiler's message, as one error
+        if raised_by_user(e):
+            raise
         raise BuildError(
             f"compiling {_SOURCE} for {_versions()} failed: {e}"
             + ("" if verbose else "\n(`stepprof build --verbose` shows every command)")
@@ -189,6 +191,8 @@ class _Loaded:
                     try:
                         self._answer = _load()
                     except Exception as e:  # noqa: BLE001 - load() never raises
+                        if raised_by_user(e):
+                            raise
                         self._answer = (None, f"the compiled boundary could not be loaded ({type(e).__name__}: {e})")
                 answer = self._answer
         return answer
@@ -231,6 +235,8 @@ def _load() -> tuple[ModuleType | None, str | None]:
         module = importlib.util.module_from_spec(spec)
         loader.exec_module(module)
     except Exception as e:  # noqa: BLE001 - a corrupt or foreign library: a reason, not a crash
+        if raised_by_user(e):
+            raise
         return None, (
             f"the compiled boundary for {_versions()} did not load ({type(e).__name__}: {e}): "
             f"run `stepprof build`"
@@ -337,5 +343,6 @@ class CompiledCudaBackend(CudaBackend):
         for ev in events:
             try:
                 self._destroy(ev)
-            except Exception:  # noqa: BLE001 - a dying context: nothing to free
-                pass
+            except Exception as e:  # noqa: BLE001 - a dying context: nothing to free
+                if raised_by_user(e):
+                    raise

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .. import _syncs
-from .._errors import warn
+from .._errors import raised_by_user, warn
 from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, HistoryStart, Memory
 from .sync_routes import enable_gpu_trace, register_repeat_interleave_probe, trace_route, warn_route
 
@@ -256,7 +256,9 @@ class CudaBackend(BoundaryOps):
         before = time.time_ns() / 1000
         try:
             start = snapshot()
-        except Exception:  # noqa: BLE001 - the end snapshot may still serve; end_history stops recording
+        except Exception as err:  # noqa: BLE001 - the end snapshot may still serve; end_history stops recording
+            if raised_by_user(err):
+                raise
             return HistoryStart(None, before, before, annotations)
         return HistoryStart(start, before, time.time_ns() / 1000, annotations)
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .._errors import raised_by_user
+
 __all__ = ["allocator_facts", "device_facts", "device_name"]
 
 
@@ -29,7 +31,9 @@ def allocator_facts() -> dict[str, Any]:
     backend = None
     try:
         backend = torch.cuda.get_allocator_backend() if torch.cuda.is_initialized() else None
-    except Exception:  # noqa: BLE001 - old torch
+    except Exception as e:  # noqa: BLE001 - old torch
+        if raised_by_user(e):
+            raise
         backend = None
     if backend is None:
         compact = (raw or "").replace(" ", "").lower()
@@ -47,5 +51,7 @@ def device_name(index: int) -> str | None:
     """The GPU model of CUDA device ``index`` (``torch.cuda.get_device_name``), or None."""
     try:
         return torch.cuda.get_device_name(index)
-    except Exception:  # noqa: BLE001 - a missing name, never a crash
+    except Exception as e:  # noqa: BLE001 - a missing name, never a crash
+        if raised_by_user(e):
+            raise
         return None

@@ -35,6 +35,8 @@ from typing import Any
 
 import attrs
 
+from .._errors import raised_by_user
+
 __all__ = ["NVML", "NvmlReading", "energy_counter", "read", "shutdown", "status"]
 
 
@@ -184,6 +186,8 @@ def _query(m: Any, fn: str, *args: Any, **kwargs: Any) -> tuple[Any, str | None]
     try:
         return getattr(m, fn)(*args, **kwargs), None
     except Exception as e:  # noqa: BLE001 - every failure becomes a reason
+        if raised_by_user(e):
+            raise
         error_cls = getattr(m, "NVMLError", None)
         if isinstance(error_cls, type) and isinstance(e, error_cls):
             return None, f"{fn}: {_translate(e, m)}"
@@ -207,6 +211,8 @@ def _load() -> tuple[Any, str | None]:
             state.unavailable = f"nvidia-ml-py is not installed ({e}); `pip install nvidia-ml-py`"
             return None, state.unavailable
         except Exception as e:  # noqa: BLE001 - a broken install is a reason too
+            if raised_by_user(e):
+                raise
             state.unavailable = f"importing pynvml failed: {type(e).__name__}: {e}"
             return None, state.unavailable
         state.package_note = _check_package(m)
@@ -293,6 +299,8 @@ def read(uuid: str | None, pci: str | None, pid: int | None = None) -> NvmlReadi
     try:
         return _read(uuid, pci, os.getpid() if pid is None else pid)
     except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        if raised_by_user(e):
+            raise
         why = f"stepprof's NVML reading failed: {type(e).__name__}: {e}"
         return NvmlReading(None, None, why, why)
 
@@ -411,6 +419,8 @@ def energy_counter(uuid: str | None, pci: str | None) -> tuple[EnergyRead | None
             return None, why
         return read_mj, None
     except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+        if raised_by_user(e):
+            raise
         return None, f"stepprof's NVML energy reading failed: {type(e).__name__}: {e}"
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .. import _syncs
-from .._errors import SyncBudgetExceeded
+from .._errors import SyncBudgetExceeded, raised_by_user
 from .._registry import register_state
 
 __all__ = [
@@ -289,6 +289,8 @@ def enable_gpu_trace(index: int) -> str | None:
         finally:
             ROUTES.trace_probe = None
     except Exception as e:  # noqa: BLE001 - a private API: any failure means "not available"
+        if raised_by_user(e):
+            raise
         return f"torch's GPU-trace callbacks are unavailable ({type(e).__name__}: {e})"
     if "event_synchronize" not in probe:
         return "torch's GPU-trace callbacks did not fire in the start-up self-test"

@@ -51,7 +51,7 @@ from .. import _memory
 from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
 from .._device.select import upgrade_from_host
 from .._batch import NO_BATCH, infer_batch_size
-from .._errors import StepprofError, UsageError, raised_by_user, warn
+from .._errors import StepprofError, UsageError, from_signal_handler, raised_by_user, warn
 from .._syncs import SyncTracker
 from .collector import Collector
 from .exchange import ExchangeHook
@@ -85,7 +85,9 @@ def error_message(exc: BaseException) -> str:
     """The user's exception's message for a step's ``error``, truncated to 2000 characters."""
     try:
         return str(exc)[:2000]
-    except Exception as e:  # noqa: BLE001 - its own __str__ failing is the user's, not ours
+    except BaseException as e:  # noqa: BLE001 - its __str__ failing (even with a KeyboardInterrupt) is the user's
+        if from_signal_handler(e):
+            raise
         return f"<unprintable {type(exc).__name__}: its __str__ raised {type(e).__name__}>"
 
 
@@ -402,6 +404,8 @@ class Boundaries:
             else:
                 self._pop_phases(ctx, depth)
         except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
+            if raised_by_user(e):
+                raise
             self.fail(e)
 
     def _finish_exit(self, token: Any, exc: BaseException) -> None:
@@ -437,6 +441,8 @@ class Boundaries:
             elif token in ctx.stack:
                 self._pop_phases(ctx, ctx.stack.index(token))
         except Exception as e:  # noqa: BLE001 - the user's exception goes on; recording stops
+            if raised_by_user(e):
+                raise
             self.fail(e)
 
     def _pop_phases(self, ctx: ThreadSteps, depth: int) -> None:

@@ -19,6 +19,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import raised_by_user
+from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
 from .._units import per_s
@@ -277,7 +279,7 @@ class Collector:
     def start(self) -> None:
         """Start the collector thread (once, at the first step's exit)."""
         self.thread = threading.Thread(target=self._loop, name="stepprof-collector", daemon=True)
-        self.thread.start()
+        start_thread(self.thread)
 
     def _loop(self) -> None:
         """The collector thread: every ``every_s``, write completed steps."""
@@ -287,6 +289,8 @@ class Collector:
                 try:
                     self.harvest()
                 except Exception as e:  # noqa: BLE001 - reported from the training thread
+                    if raised_by_user(e):
+                        raise
                     self.error = (
                         f"stepprof stopped writing records after an internal error: "
                         f"{type(e).__name__}: {e}"
@@ -294,10 +298,14 @@ class Collector:
                     return
 
     def stop(self) -> None:
-        """Stop the thread and wait for it (unless it is the caller)."""
+        """Stop the thread and wait for it (unless it is the caller).
+
+        A thread whose ``start()`` an interrupt cut short may never have started: it is
+        not waited for (one that starts late sees the stop and ends at once).
+        """
         self._stop.set()
         thread = self.thread
-        if thread is not None and thread is not threading.current_thread():
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
             thread.join()
 
     def forget(self) -> None:

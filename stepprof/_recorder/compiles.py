@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import raised_by_user
 from .._registry import register_state
 from .hooks import Closing, Hook
 from .sinks import Write
@@ -56,7 +57,9 @@ def _graph_breaks() -> int | None:
     utils = sys.modules.get(_UTILS_MODULE)
     try:
         return sum(utils.counters["graph_break"].values())  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - a private counter: any failure means "unknown"
+    except Exception as e:  # noqa: BLE001 - a private counter: any failure means "unknown"
+        if raised_by_user(e):
+            raise
         return None
 
 
@@ -109,6 +112,8 @@ class _Watch:
             handler.register_end_callback(_on_end)  # type: ignore[union-attr]
             _keep_after_clear(handler)
         except Exception as e:  # noqa: BLE001 - no compile figures, never a broken step
+            if raised_by_user(e):
+                raise
             self.listeners = tuple(h for h in self.listeners if h is not hook)
             self._remove(handler)
             return f"torch._dynamo's compile callbacks are unavailable ({type(e).__name__}: {e})"
@@ -177,8 +182,9 @@ def _on_start(*args: Any) -> None:
         event = _Event(trigger, compile_id if isinstance(compile_id, str) else None,
                        [(h, h.open_step(tid)) for h in listeners])
         WATCH.open.setdefault(tid, []).append(event)
-    except Exception:  # noqa: BLE001, S110 - never break the user's compile
-        pass
+    except Exception as e:  # noqa: BLE001, S110 - never break the user's compile
+        if raised_by_user(e):
+            raise
 
 
 def _on_end(*_: Any) -> None:
@@ -196,8 +202,9 @@ def _on_end(*_: Any) -> None:
         breaks = after - event.breaks if after is not None and event.breaks is not None else None
         for hook, step in event.steps:
             hook.add(step, event, t1 - event.t0, breaks)
-    except Exception:  # noqa: BLE001, S110 - never break the user's compile
-        pass
+    except Exception as e:  # noqa: BLE001, S110 - never break the user's compile
+        if raised_by_user(e):
+            raise
 
 
 class _Tally:
@@ -262,7 +269,9 @@ class CompileHook(Hook):
         utils = sys.modules.get(_UTILS_MODULE)
         try:
             compiled_before = utils.counters["stats"]["unique_graphs"] > 0  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - unknown: the fields start at the first compile
+        except Exception as e:  # noqa: BLE001 - unknown: the fields start at the first compile
+            if raised_by_user(e):
+                raise
             compiled_before = False
         if compiled_before and self.from_index is None:
             self.from_index = -1
@@ -372,7 +381,9 @@ def _metrics_reasons(ids: list[str]) -> dict[str, str] | None:
             break
         except RuntimeError:
             continue
-        except Exception:  # noqa: BLE001 - a private API: any failure means "unreadable"
+        except Exception as e:  # noqa: BLE001 - a private API: any failure means "unreadable"
+            if raised_by_user(e):
+                raise
             return None
     else:
         return None

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import raised_by_user
+from .._signals import start_thread
 from .._device import nvml
 from .._device.backend import Backend
 from .hooks import Closing, Hook
@@ -68,7 +70,7 @@ class Sampler:
         self._stop = threading.Event()
         self._final = False
         self.thread = threading.Thread(target=self._loop, name="stepprof-energy", daemon=True)
-        self.thread.start()
+        start_thread(self.thread)
 
     @property
     def running(self) -> bool:
@@ -79,6 +81,8 @@ class Sampler:
         try:
             read, why = self._open(self._backend)
         except Exception as e:  # noqa: BLE001 - no energy, never a broken run
+            if raised_by_user(e):
+                raise
             read, why = None, f"opening NVML's energy counter failed: {type(e).__name__}: {e}"
         if read is None:
             self.reason = f"NVML's energy counter is unavailable: {why}"
@@ -94,6 +98,8 @@ class Sampler:
         try:
             value, why = read()
         except Exception as e:  # noqa: BLE001
+            if raised_by_user(e):
+                raise
             value, why = None, f"{type(e).__name__}: {e}"
         t = (t0 + self._clock()) // 2  # the read takes milliseconds: date it at its middle
         if value is None:
@@ -132,8 +138,8 @@ class Sampler:
         """Stop the thread (after a last sample if ``final``) and wait for it."""
         self._final = final
         self._stop.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join()
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join()  # one whose start() an interrupt cut short never started
 
 
 def _at(ts: list[int], mj: list[int], t: int) -> float:

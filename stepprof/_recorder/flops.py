@@ -91,8 +91,9 @@ class FlopsHook(Hook):
             fc, self._count = self._count, None
             try:
                 fc.stop()
-            except Exception:  # noqa: BLE001, S110 - recording already failed; the reason says so
-                pass
+            except Exception as e:  # noqa: BLE001, S110 - recording already failed; the reason says so
+                if raised_by_user(e):
+                    raise
             self._give_up(f"recording stopped during the counted step: {why}")
 
     def _finish_count(self, step: Step, exc: BaseException | None) -> None:

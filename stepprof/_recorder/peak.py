@@ -71,7 +71,9 @@ def _storage(t: Any, index: int) -> tuple[int, int] | None:
             return None
         s = t.untyped_storage()
         return s.data_ptr(), s.nbytes()
-    except Exception:  # noqa: BLE001 - a subclass or fake tensor without a storage
+    except Exception as e:  # noqa: BLE001 - a subclass or fake tensor without a storage
+        if raised_by_user(e):
+            raise
         return None
 
 
@@ -263,8 +265,9 @@ class Explaining:
             self._backward_open = True
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            except Exception:  # noqa: BLE001, S110 - then backward allocations stay with the last module
-                pass
+            except Exception as e:  # noqa: BLE001, S110 - then backward allocations stay with the last module
+                if raised_by_user(e):
+                    raise
         self.hook_ns += time.perf_counter_ns() - t0
 
     def _on_backward_end(self) -> None:
@@ -429,8 +432,9 @@ class PeakHook(Hook):
         if ex is not None:
             try:
                 self._stop(ex, self._backend, observe=False)
-            except Exception:  # noqa: BLE001, S110 - recording already failed; the reason says so
-                pass
+            except Exception as e:  # noqa: BLE001, S110 - recording already failed; the reason says so
+                if raised_by_user(e):
+                    raise
             self._abandon(f"recording stopped during the explained step: {why}")
 
     def _abandon(self, why: str) -> None:

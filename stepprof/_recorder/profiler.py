@@ -27,7 +27,7 @@ from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_op
 from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._syncs import NOT_WATCHED
-from .._errors import UsageError
+from .._errors import UsageError, raised_by_user
 from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
 from .boundaries import Boundaries
 from .collector import Collector
@@ -414,12 +414,16 @@ class Profiler:
             if ctx.step is not None:
                 b.end_step(ctx, ctx.step, RuntimeError("profiler closed while the step was open"))
         except Exception as e:  # noqa: BLE001 - close must always produce a summary
+            if raised_by_user(e):
+                raise
             b.fail(e)
         collector.stop()
         with collector.lock:
             try:
                 collector.finish()
             except Exception as e:  # noqa: BLE001 - close must always produce a summary
+                if raised_by_user(e):
+                    raise
                 b.fail(e)
             collector.pending.clear()
             closing = Closing(collector.write, b.backend, b.next_index - 1 if b.next_index else None,
@@ -444,6 +448,8 @@ class Profiler:
             if b is not None:
                 b.end_syncs()
         except Exception as e:  # noqa: BLE001 - close must always produce a summary
+            if raised_by_user(e):
+                raise
             if report:
                 self._boundaries.fail(e)
 
@@ -488,8 +494,9 @@ class Profiler:
             if locked:
                 try:
                     collector.harvest()  # completed steps only: never waits on the device
-                except Exception:  # noqa: BLE001, S110 - the summary still goes out
-                    pass
+                except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
+                    if raised_by_user(e):
+                        raise
             self._log.write_now(self._build_summary(self._ended_by).to_record())
             self._signal_written = self._log.count
         finally:
@@ -527,8 +534,9 @@ class Profiler:
             with self._collector.lock:
                 try:
                     self._collector.harvest()  # completed steps first, so the log stays in order
-                except Exception:  # noqa: BLE001, S110 - the collector meets and reports it too
-                    pass
+                except Exception as e:  # noqa: BLE001, S110 - the collector meets and reports it too
+                    if raised_by_user(e):
+                        raise
                 self._collector.write(rep.to_record())
         return rep
 

@@ -8,7 +8,7 @@ warning; recording goes on.
 
 from __future__ import annotations
 
-from .._errors import warn
+from .._errors import raised_by_user, warn
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +33,8 @@ class WatchHook(Hook):
             try:
                 watcher(record)
             except Exception as exc:  # never break the run for a watcher
+                if raised_by_user(exc):
+                    raise
                 self.watchers = tuple(w for w in self.watchers if w is not watcher)
                 warn(
                     f"stepprof: a step-record watcher ({watcher!r}) raised {exc!r}; it is no longer called", stacklevel=2)

@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 import torch
 
+from .._errors import from_signal_handler, raised_by_user
 from .._stats import quantile
 from .._units import format_bytes, per_s
 from .._validate import check_batch
@@ -69,7 +70,9 @@ def is_oom(exc: BaseException, *, smaller_batch_ran: bool = False) -> bool:
         return False
     try:
         msg = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ is not an OOM
+    except BaseException as e:  # noqa: BLE001 - a broken __str__ (whatever it raises) is not an OOM
+        if from_signal_handler(e):
+            raise
         return False
     if any(m in msg for m in _OOM_MARKERS):
         return True
@@ -97,7 +100,9 @@ def _annotate(exc: BaseException, note: str) -> None:
 def _first_line(exc: BaseException) -> str:
     try:
         text = str(exc).strip().splitlines()
-    except Exception:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - the user's __str__, whatever it raises
+        if from_signal_handler(e):
+            raise
         text = []
     return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
@@ -138,6 +143,8 @@ class TrialRunner:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - a missing figure, never a failed sweep
+            if raised_by_user(e):
+                raise
             self.unavailable.setdefault(what, f"reading it failed: {type(e).__name__}: {e}")
             return None
 
@@ -206,6 +213,8 @@ class TrialRunner:
         try:
             backend.reset_peak()
         except Exception as e:  # noqa: BLE001 - a missing figure, never a failed sweep
+            if raised_by_user(e):
+                raise
             peak_reason = f"resetting the peak counter failed: {type(e).__name__}: {e}"
             self.unavailable.setdefault("peak_allocated_bytes", peak_reason)
         return base, peak_reason
@@ -252,6 +261,8 @@ class TrialRunner:
             stage = "synchronize"
             backend.synchronize()
         except Exception as e:
+            if raised_by_user(e):
+                raise
             if stage == "check" or not is_oom(e, smaller_batch_ran=smaller_batch_ran):
                 if stage != "check":
                     where = f"make_batch({n}) raised" if stage == "make_batch" else f"{stage} raised at batch size {n}"

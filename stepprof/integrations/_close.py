@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._errors import warn
+from .._errors import raised_by_user, warn
 from .._recorder.profiler import Profiler
 
 
@@ -14,5 +14,7 @@ def close_quietly(prof: Profiler, ended_by: str) -> Any:
     try:
         return prof._end(ended_by)
     except Exception as e:  # noqa: BLE001 - close must not raise into the trainer's shutdown
+        if raised_by_user(e):
+            raise
         warn(f"stepprof: closing the profiler failed ({type(e).__name__}: {e})", stacklevel=3)
         return None

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - the standalone package
         ) from None
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, SyncBudgetExceeded, UsageError, warn
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError, raised_by_user, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
@@ -96,6 +96,8 @@ class StepprofCallback(pl.Callback):
         except SyncBudgetExceeded:
             raise  # on_sync="raise": the user asked for it (Lightning's on_exception closes the run)
         except Exception as e:  # noqa: BLE001 - an internal failure must not stop training
+            if raised_by_user(e):
+                raise
             self._broken = f"{type(e).__name__}: {e}"
             warn(
                 f"stepprof: the Lightning callback stopped profiling after an error in {hook} "
@@ -440,6 +442,8 @@ def _train_loader(model: Any, datamodule: Any) -> Any:
     try:
         return model.train_dataloader()
     except Exception as e:  # noqa: BLE001 - said with the fix
+        if raised_by_user(e):
+            raise
         raise ConfigError(
             f"sweep found no data: no datamodule was given and model.train_dataloader() raised "
             f"{type(e).__name__}: {e}; pass datamodule=..."

@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - the extra is in dev
 import torch
 
 from .._batch import infer_batch_size
-from .._errors import ConfigError, SyncBudgetExceeded, UsageError, warn
+from .._errors import ConfigError, SyncBudgetExceeded, UsageError, raised_by_user, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._records import Summary
@@ -131,6 +131,8 @@ class StepprofCallback(TrainerCallback):
                 self._wrap(trainer)
                 _move_first(trainer.callback_handler.callbacks, self)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
             self._fail(e)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -147,6 +149,8 @@ class StepprofCallback(TrainerCallback):
             if self._trainer is None:  # the hooks alone: the phase starts with the step
                 self._begin_phase(FORWARD_BACKWARD)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
             self._fail(e)
 
     def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -184,6 +188,8 @@ class StepprofCallback(TrainerCallback):
                 last.update(got)
             logs.update(got)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
             self._fail(e)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -284,6 +290,8 @@ class StepprofCallback(TrainerCallback):
             self._close("exception")  # the Trainer has no exception hook to close the run later
             raise  # on_sync="raise": the user asked for it
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
+            if raised_by_user(e):
+                raise
             self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
