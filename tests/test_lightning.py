@@ -424,3 +424,23 @@ def test_on_sync_raise_from_a_step_end_stops_the_fit_and_closes_the_profiler(tmp
             trainer(tmp_path, [cb]).fit(Tiny())
     assert cb.profiler.closed and cb.summary.ended_by == "exception"
     assert len(step_records(log)) == 3 and records(log)[-1]["kind"] == "summary"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("with_stepprof", [False, True])
+def test_a_full_log_disk_under_warnings_as_errors_trains_every_step(tmp_path, capfd, with_stepprof):
+    """Warnings as errors (pytest's ``filterwarnings = error``), Lightning's own warnings let
+    through as a project would: the same fit trains every step without stepprof (the control)
+    and with a callback whose log is on a full disk."""
+    model = Tiny()
+    callbacks = [sl.StepprofCallback("/dev/full")] if with_stepprof else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", module="lightning")
+        warnings.filterwarnings("ignore", message=".*(LeafSpec|num_workers|litlogger).*")
+        t = trainer(tmp_path, callbacks)
+        t.fit(model)
+    assert t.global_step == STEPS
+    if with_stepprof:
+        err = capfd.readouterr().err
+        assert "StepprofWarning" in err and "/dev/full" in err

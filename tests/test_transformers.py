@@ -423,3 +423,25 @@ def test_a_training_step_set_on_the_trainer_instance_is_wrapped_and_put_back(tmp
     assert len(calls) == 4  # the wrapper called it
     assert vars(trainer)["training_step"] is patched  # and put it back, not deleted it
     assert all(r["phases"]["forward_backward"]["count"] == 1 for r in _records(log))
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("with_stepprof", [False, True])
+def test_a_full_log_disk_under_warnings_as_errors_trains_every_step(tmp_path, capfd, with_stepprof):
+    """Warnings as errors, the Trainer's own warnings let through as a project would: the same
+    train() runs every step without stepprof (the control) and with a callback whose log is on a
+    full disk, and leaves training_step unwrapped."""
+    import warnings
+
+    callbacks = [StepprofCallback(log="/dev/full")] if with_stepprof else []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", module="(transformers|accelerate|torch)")
+        trainer = Trainer(model=_model(), args=_args(tmp_path, max_steps=12), train_dataset=_dataset(64),
+                          callbacks=callbacks)
+        trainer.train()
+    assert trainer.state.global_step == 12
+    assert "training_step" not in vars(trainer)  # the callback's wrapper is gone
+    if with_stepprof:
+        err = capfd.readouterr().err
+        assert "StepprofWarning" in err and "/dev/full" in err
