@@ -74,7 +74,8 @@ class JsonlWriter:
         The collector thread writes all the steps it harvests at once: each system call
         drops and retakes the GIL, which the training thread may then have to give up.
         """
-        if self._fd is None:
+        fd = self._fd  # read once: a close from another thread leaves this call a closed fd, never None
+        if fd is None:
             return
         if not isinstance(records, (list, tuple)):
             records = list(records)
@@ -89,7 +90,7 @@ class JsonlWriter:
         try:
             view = memoryview(line)
             while view:
-                n = os.write(self._fd, view)
+                n = os.write(fd, view)
                 written += n
                 view = view[n:]
         except OSError as e:

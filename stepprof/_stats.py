@@ -56,7 +56,7 @@ class QuantileSketch:
         self.lo = math.inf
         self.hi = -math.inf
         self._flip = 0
-        self._cache: tuple[int, list[float], list[int]] | None = None
+        self._cache: tuple[int, list[float], list[int] | None] | None = None
 
     def add(self, x: float) -> None:
         self.buf.append(x)
@@ -121,29 +121,33 @@ class QuantileSketch:
         """True while every value is kept (no compaction yet)."""
         return not any(self.levels)
 
-    def _sorted(self) -> tuple[list[float], list[int]]:
-        """The values, sorted, and the cumulative weight up to each (cached until the next add)."""
+    def _sorted(self) -> tuple[list[float], list[int] | None]:
+        """The values, sorted, and the cumulative weight up to each, None while every weight
+        is 1 (cached until the next add).  C-level work only: ``sorted``, or numpy's argsort."""
         key = self.count + 1_000_003 * len(self.levels)
         if self._cache is None or self._cache[0] != key:
-            items = [(x, 1) for x in self.buf]
-            for i, level in enumerate(self.levels):
-                items.extend((x, 2**i) for x in level)
-            items.sort()
-            xs = [x for x, _ in items]
-            cum, seen = [], 0
-            for _, weight in items:
-                seen += weight
-                cum.append(seen)
-            self._cache = (key, xs, cum)
+            if self.exact:
+                self._cache = (key, sorted(self.buf), None)
+            else:
+                import numpy as np
+
+                parts = [np.asarray(self.buf, dtype=np.float64)]
+                weights = [np.ones(len(self.buf), dtype=np.int64)]
+                for i, level in enumerate(self.levels):
+                    parts.append(np.frombuffer(level, dtype=np.float64))
+                    weights.append(np.full(len(level), 2**i, dtype=np.int64))
+                values = np.concatenate(parts)
+                order = np.argsort(values, kind="stable")
+                self._cache = (key, values[order].tolist(), np.cumsum(np.concatenate(weights)[order]).tolist())
         return self._cache[1], self._cache[2]
 
     def quantile(self, q: float) -> float | None:
         """The ``q`` quantile, or None for an empty stream."""
         if self.count == 0:
             return None
-        if self.exact:
-            return quantile(self._sorted()[0], q)
         xs, cum = self._sorted()
+        if cum is None:
+            return quantile(xs, q)
         i = bisect.bisect_right(cum, q * (cum[-1] - 1))
         return xs[min(i, len(xs) - 1)]
 
@@ -159,6 +163,8 @@ class QuantileSketch:
         if not xs:
             return 0
         i = bisect.bisect_right(xs, threshold)
+        if cum is None:
+            return len(xs) - i
         return cum[-1] - (cum[i - 1] if i else 0)
 
     def percentiles(self) -> dict[str, float] | None:

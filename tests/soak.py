@@ -68,6 +68,14 @@ def read_side(side: str) -> tuple[list[tuple[int, float]], list[str]]:
             data = f.read()
     except FileNotFoundError:
         return steps, signals
+    if side.endswith(".mmap"):  # (index + 1, unix ns) pairs; zeros past the last step
+        import struct
+
+        for idx1, ns in struct.iter_unpack("<qq", data[: len(data) // 16 * 16]):
+            if idx1 == 0:
+                break
+            steps.append((idx1 - 1, ns / 1e9))
+        return steps, signals
     for line in data.split(b"\n"):
         parts = line.split()
         if len(parts) == 3 and parts[0] == b"step":
@@ -81,12 +89,8 @@ def wait_for_steps(proc: subprocess.Popen, side: str, n: int = 1, timeout_s: flo
     """Wait until the child has finished ``n`` steps; raise if it exits or takes too long."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            with open(side, "rb") as f:
-                if f.read().count(b"step ") >= n:
-                    return
-        except FileNotFoundError:
-            pass
+        if len(read_side(side)[0]) >= n:
+            return
         if proc.poll() is not None:
             raise RuntimeError(f"the child exited with {proc.returncode} before step {n}")
         if time.monotonic() > deadline:
@@ -162,12 +166,16 @@ def _median_rate(times: list[float]) -> float | None:
     return 1.0 / mid if mid > 0 else None
 
 
-def kill_run(log: str, side: str, delay_s: float, *, flush_s: float | None = None,
-             stderr: Any = subprocess.DEVNULL) -> KillResult:
-    """Run a child on ``log`` (appended to) and SIGKILL it ``delay_s`` after its first finished step."""
+def kill_run(log: str, side: str, delay_s: float, *, flush_s: float | None = None, grace_s: float = 0.0,
+             args: tuple[str, ...] = (), stderr: Any = subprocess.DEVNULL) -> KillResult:
+    """Run a child on ``log`` (appended to) and SIGKILL it ``delay_s`` after its first finished step.
+
+    ``grace_s``: the time beyond ``flush_s`` a step may go unwritten (a loaded machine's
+    scheduling), in ``late_steps`` and ``bound_steps``.
+    """
     flush_s = flush_every_s() if flush_s is None else flush_s
     start = os.path.getsize(log) if os.path.exists(log) else 0
-    proc = start_train(side, log=log, stderr=stderr)
+    proc = start_train(side, *args, log=log, stderr=stderr)
     wait_for_steps(proc, side)
     t_first = time.time()
     time.sleep(delay_s)
@@ -189,10 +197,28 @@ def kill_run(log: str, side: str, delay_s: float, *, flush_s: float | None = Non
         steps_logged=steps_logged,
         indices_in_order=logged == list(range(steps_logged)),
         rate_steps_per_s=rate,
-        bound_steps=(rate or 0.0) * flush_s + SLACK_STEPS,
-        late_steps=sum(1 for i, t in steps if t < t_kill - flush_s and i >= steps_logged),
+        bound_steps=(rate or 0.0) * (flush_s + grace_s) + SLACK_STEPS,
+        late_steps=sum(1 for i, t in steps if t < t_kill - flush_s - grace_s and i >= steps_logged),
         log=rng,
     )
+
+
+class CpuHogs:
+    """``n`` processes that spin on a CPU each while the block runs (a loaded machine)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> CpuHogs:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
 
 
 def tear_last_line(log: str) -> bool:

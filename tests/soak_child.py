@@ -14,6 +14,10 @@ to the side file, then:
 - ``reraise``: restores the default action and sends itself the signal (dies of it);
 - ``keyboard``: raises ``KeyboardInterrupt`` (what Python's own SIGINT handler does).
 
+``--empty`` runs empty steps with the same two phases instead (the most records a second).
+A side path ending in ``.mmap`` is a memory-mapped file of ``(index + 1, unix time)`` pairs
+(two int64s, time in ns) written with a memory store, not a system call: a loop that never
+lets go of the GIL, as most training loops do not on the CPU (a starved collector thread).
 ``--kbint-exit CODE`` catches a ``KeyboardInterrupt`` around the loop and exits with CODE
 (130, say).  ``--no-stepprof`` runs the same loop without stepprof: the exit code a
 signal gives without it.
@@ -36,10 +40,20 @@ import sys
 import time
 
 HANDLERS = ("none", "exit", "reraise", "keyboard")
+#: Steps a ``.mmap`` side file holds (16 bytes each).
+MMAP_SLOTS = 1 << 20
 
 
 def _train(args: argparse.Namespace) -> int:
-    side = os.open(args.side, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    side = os.open(args.side, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+    mapped = None
+    if args.side.endswith(".mmap"):
+        import mmap
+        import struct
+
+        os.ftruncate(side, MMAP_SLOTS * 16)
+        mapped = mmap.mmap(side, MMAP_SLOTS * 16)
+        pack_into = struct.Struct("<qq").pack_into
 
     def handler(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -84,13 +98,22 @@ def _train(args: argparse.Namespace) -> int:
         with prof_cm:
             while args.steps <= 0 or i < args.steps:
                 with step():
-                    with measure("forward"):
-                        loss = model(x).square().mean()
-                    with measure("backward"):
-                        loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                os.write(side, b"step %d %.6f\n" % (i, time.time()))
+                    if args.empty:  # the fastest loop: the most steps for the collector to write
+                        with measure("forward"):
+                            pass
+                        with measure("backward"):
+                            pass
+                    else:
+                        with measure("forward"):
+                            loss = model(x).square().mean()
+                        with measure("backward"):
+                            loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                if mapped is None:
+                    os.write(side, b"step %d %.6f\n" % (i, time.time()))
+                elif i < MMAP_SLOTS:
+                    pack_into(mapped, 16 * i, i + 1, time.time_ns())
                 i += 1
 
     if args.kbint_exit is None:
@@ -153,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--exit-code", type=int, default=3, help="the code of --handler exit")
     t.add_argument("--kbint-exit", type=int, default=None)
     t.add_argument("--no-stepprof", action="store_true")
+    t.add_argument("--empty", action="store_true", help="empty steps (two empty phases), no torch work")
     t.add_argument("--flush-every-s", type=float, default=None, help="passed to the Profiler if given")
     r = sub.add_parser("rss")
     r.add_argument("--log", default=None)

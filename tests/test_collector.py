@@ -153,3 +153,55 @@ def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
     assert [orjson.loads(x)["step"] for x in lines if b'"kind":"step"' in x] == [0, 1, 2, 3]
     assert calls[0].endswith(b"\n")
     prof.close()
+
+
+@pytest.mark.parametrize("starved", ["never runs", "slow mid-harvest"])
+def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tmp_path, monkeypatch, starved):
+    """The collector thread never runs, or runs slowly while it holds its lock (as when other
+    processes starve it of CPU): the training thread writes each step within
+    ``flush_every_s``, and never lets more than ``PENDING_MAX`` steps wait (the memory they
+    hold)."""
+    import threading
+
+    from stepprof._recorder import collector as collector_module
+    from stepprof._recorder.profiler import _make_profiler
+
+    monkeypatch.setattr(collector_module, "PENDING_MAX", 300)
+    monkeypatch.setattr("stepprof._recorder.boundaries.PENDING_MAX", 300)
+    if starved == "never runs":
+        monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
+    else:
+        build = collector_module.Collector._build
+
+        def slow_build(self, s):
+            if threading.current_thread().name == "stepprof-collector":
+                time.sleep(0.002)  # 2 ms a record, the lock held: 256 records would be 0.5 s
+            return build(self, s)
+
+        monkeypatch.setattr(collector_module.Collector, "_build", slow_build)
+    log = str(tmp_path / "starved.jsonl")
+    prof = _make_profiler(log, device="cpu", energy_every_s=None, flush_every_s=0.05)
+    most_pending = 0
+    oldest_s = slowest_s = 0.0
+    t_end = time.perf_counter() + 0.6
+    n = 0
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        with prof.step(batch_size=1):
+            with prof.measure("p"):
+                pass
+        slowest_s = max(slowest_s, time.perf_counter() - t0)
+        n += 1
+        pending = prof._collector.pending
+        most_pending = max(most_pending, len(pending))
+        if pending:
+            oldest_s = max(oldest_s, (time.perf_counter_ns() - pending[0].t1) / 1e9)
+    with open(log, "rb") as f:
+        written = sum(b'"kind":"step"' in line for line in f)
+    prof.close()
+    assert prof._collector.thread is not None and n > 1000
+    assert most_pending <= 301  # the step just appended, then written
+    assert oldest_s < 0.05 + 0.05  # flush_every_s, and a check every quarter of it
+    assert written >= n - 301
+    assert slowest_s < 0.1  # the training thread waited one slow record, never a chunk
+    assert len(steps(log)) == n

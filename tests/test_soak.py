@@ -83,6 +83,31 @@ def test_kill_soak_loses_at_most_a_flush_interval_and_leaves_a_readable_log(tmp_
     assert [run["measured_steps"] for run in logrep["runs"]] == steps_per_run
 
 
+#: What a loaded machine's scheduling may add to ``flush_every_s`` before a step is written.
+LOADED_GRACE_S = 0.5
+
+
+def test_kill_soak_under_two_cpu_hogs_loses_at_most_a_flush_interval_and_a_half_second(tmp_path):
+    """The same kills, with two processes spinning on the two cores and the fastest loop
+    (empty steps, two phases, the side file a memory map: the most records for a collector
+    thread starved of the GIL and of CPU to write).
+    Each run loses at most the steps of ``flush_every_s`` + 0.5 s: the training thread
+    writes when the collector thread cannot."""
+    seed = int(os.environ.get("STEPPROF_SOAK_SEED", random.SystemRandom().randrange(2**32)))
+    rng = random.Random(seed)
+    log = str(tmp_path / "hogs.jsonl")
+    flush_s = soak.flush_every_s()
+    with soak.CpuHogs(2):
+        for k in range(KILLS):
+            r = soak.kill_run(log, str(tmp_path / f"side{k}.mmap"), rng.uniform(0.5, 2.5), flush_s=flush_s,
+                              grace_s=LOADED_GRACE_S, args=("--empty",))
+            why = f"seed {seed}, kill {k}: {r}"
+            assert r.returncode == -signal.SIGKILL, why
+            assert r.log.bad_lines == () and r.indices_in_order, why
+            assert r.late_steps == 0, why  # nothing older than flush_every_s + 0.5 s is missing
+            assert -1 <= r.lost_steps <= r.bound_steps, why
+
+
 class EndedByMissing(AssertionError):
     """The log's last summary has no ``ended_by`` (or there is no summary)."""
 
@@ -135,3 +160,17 @@ def test_rss_is_flat_between_100k_and_1m_steps():
     lo, hi = out["rss_bytes"]
     if hi - lo > RSS_BOUND_BYTES:
         raise RssOverBound(f"RSS grew {(hi - lo) / 2**20:.2f} MiB from 100k to 1M steps: {out}")
+
+
+def test_rss_with_a_log_is_flat_between_100k_and_1m_steps():
+    """The same 1M empty steps with two phases, written to a log (about 60 s on 2 cores): the
+    steps waiting for the collector are bounded (``PENDING_MAX``), so RSS at 1M steps is
+    within 10 MiB of RSS at 100k."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        out = soak.rss_run((100_000, 1_000_000), log=os.path.join(d, "rss.jsonl"), phases=2)
+    assert out["measured_steps"] == 1_000_000
+    lo, hi = out["rss_bytes"]
+    if hi - lo > RSS_BOUND_BYTES:
+        raise RssOverBound(f"RSS grew {(hi - lo) / 2**20:.2f} MiB from 100k to 1M steps with a log: {out}")

@@ -213,3 +213,48 @@ def fake_torch_file() -> str:
     from . import fake_torch
 
     return fake_torch.__file__
+
+
+def test_close_returns_within_a_second_while_four_threads_keep_stepping(tmp_path, switch_every_1us):
+    """close() writes what was pending when it began and returns; the threads stepping
+    meanwhile are refused new steps (as after close) and never write into the closing log."""
+    log = str(tmp_path / "closing.jsonl")
+    prof = stepprof.Profiler(log, device="cpu")
+    stop = threading.Event()
+    refused: list[int] = []
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            while not stop.is_set():
+                try:
+                    with prof.step(f"t{i}", batch_size=1):
+                        with prof.measure("p"):
+                            pass
+                except stepprof.UsageError:
+                    refused.append(i)
+                    return
+        except BaseException as e:  # noqa: BLE001 - the test fails on any
+            errors.append(e)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+    for t in workers:
+        t.start()
+    time.sleep(0.5)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stopped recording"
+        summary = prof.close()
+    took_s = time.perf_counter() - t0
+    stop.set()
+    for t in workers:
+        t.join()
+    assert took_s < 1.0, took_s
+    assert not errors, errors[:3]
+    assert sorted(refused) == list(range(THREADS))
+    records = list(stepprof.read(log))
+    assert records[-1]["kind"] == "summary"
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(steps) == summary.steps > 0
+    assert all(r["error"] is None for r in steps)
+    assert not _syncs._trackers

@@ -53,7 +53,7 @@ from .._device.select import upgrade_from_host
 from .._batch import NO_BATCH, infer_batch_size
 from .._errors import StepprofError, UsageError, from_signal_handler, raised_by_user, warn
 from .._syncs import SyncTracker
-from .collector import Collector
+from .collector import PENDING_MAX, Collector
 from .exchange import ExchangeHook
 from .hooks import Hook
 from .step import OpenPhase, PhaseTotals, Step
@@ -151,6 +151,7 @@ class Boundaries:
         self._boundary = boundary
         self._budget = collector.budget
         self.closed = False
+        self.closing = False  # close() has begun: no step starts, no step exit writes
         self.broken: str | None = None  # why recording stopped
         self.next_index = 0
         self._collector = collector
@@ -158,7 +159,7 @@ class Boundaries:
         self._writer = collector.log.writer  # read at each step exit: whether writing failed
         self._inline = collector.every_s is None
         self._flush_every_ns = flush_every_ns
-        self._catch_up_at = 0  # the clock reading before which the training thread does not check
+        self._catch_up_at = 0 if flush_every_ns is not None else 2**63  # before it, the age is not checked
         self._clock = clock
         self._device_arg = device
         self._pinned = backend is not None or device is not None
@@ -291,7 +292,7 @@ class Boundaries:
         not be inferred.  ``batch``: a measured function's batch, whose size a step it opens
         infers when it has none.
         """
-        if self.closed:
+        if self.closed or self.closing:
             raise UsageError(
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
             )
@@ -682,6 +683,9 @@ class Boundaries:
         self._open.pop(ctx.tid, None)
         collector = self._collector
         step.queued = True
+        if self.closing:  # another thread is closing: it writes what was pending when it began
+            self._pending.append(step)
+            return
         if self._inline:  # inline mode: harvest older steps here (the harvest times itself)
             step.overhead_ns += self._clock() - t_in
             collector.harvest()
@@ -694,32 +698,36 @@ class Boundaries:
             self.warn_async()
         now = self._clock()
         step.overhead_ns += now - t_in
-        self._pending.append(step)
+        pending = self._pending
+        pending.append(step)
         ctx.last_exit = now
         if collector.thread is None:
             collector.start()
             ctx.last_exit = self._clock()
-        elif now >= self._catch_up_at and self._flush_every_ns is not None:
-            self._catch_up(now)
+        elif (now >= self._catch_up_at or len(pending) > PENDING_MAX) and self._catch_up(now):
+            ctx.last_exit = self._clock()  # the harvest is stepprof's time, not the data wait
 
-    def _catch_up(self, now: int) -> None:
-        """Keep the log within ``flush_every_s`` of the training thread.
+    def _catch_up(self, now: int) -> bool:
+        """Keep the log within ``flush_every_s`` of the training thread, and the steps
+        waiting to be written under ``PENDING_MAX``.
 
-        The collector thread writes every 20 ms, but it needs the GIL, which a busy
-        training thread may hold for long stretches.  When the oldest step still
-        waiting left its exit more than ``flush_every_s`` ago, the training thread
-        writes the completed steps itself (query only, never a wait).  Checked at most
-        four times per ``flush_every_s``.
+        The collector thread writes every 20 ms, but it needs the GIL and a CPU, which a
+        busy training thread or other processes may hold for long stretches.  When the
+        oldest step still waiting left its exit more than ``flush_every_s`` ago, or more
+        than ``PENDING_MAX`` steps wait, the training thread writes the completed steps
+        itself (query only, never a wait on the device), taking over from the collector
+        thread (:meth:`Collector.take_over`).  The age is checked at most four times per
+        ``flush_every_s``.  Returns whether it wrote.
         """
         every = self._flush_every_ns
-        assert every is not None
-        self._catch_up_at = now + every // 4
         pending = self._pending
-        if pending and now - pending[0].t1 > every:
-            self._collector.harvest_if_free()  # its time goes to the records it writes
-            ctx = self._main
-            if ctx is not None:
-                ctx.last_exit = self._clock()  # the harvest is stepprof's time, not the data wait
+        if every is not None:
+            self._catch_up_at = now + every // 4
+        overdue = every is not None and bool(pending) and now - pending[0].t1 > every
+        if not overdue and len(pending) <= PENDING_MAX:
+            return False
+        self._collector.take_over()  # its time goes to the records it writes
+        return True
 
     # -- failure ---------------------------------------------------------------------
 

@@ -31,6 +31,12 @@ from .step import Step, elapsed_ms
 
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
+#: The most steps the collector thread writes before it lets go of its lock (it also
+#: stops early when a training thread asks for the lock: :meth:`Collector.take_over`).
+HARVEST_CHUNK = 256
+#: Steps waiting past which the training thread writes them itself, whatever their age:
+#: the bound on the memory they hold when the collector thread is starved of CPU.
+PENDING_MAX = 2048
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
 _INTERRUPTED = "an exception interrupted stepprof's boundary before its CUDA event was recorded"
@@ -262,6 +268,7 @@ class Collector:
         self._not_sampled_why: tuple[int, str] | None = None
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
+        self._wanted = threading.Event()  # a training thread waits for the lock
         self.use(())
 
     def use(self, hooks: Sequence[Hook]) -> None:
@@ -285,17 +292,19 @@ class Collector:
         """The collector thread: every ``every_s``, write completed steps."""
         assert self.every_s is not None
         while not self._stop.wait(self.every_s):
-            with self.lock:
-                try:
-                    self.harvest()
-                except Exception as e:  # noqa: BLE001 - reported from the training thread
-                    if raised_by_user(e):
-                        raise
-                    self.error = (
-                        f"stepprof stopped writing records after an internal error: "
-                        f"{type(e).__name__}: {e}"
-                    )
-                    return
+            more = True
+            while more and not self._stop.is_set():  # in chunks: the lock is let go between them
+                with self.lock:
+                    try:
+                        more = self.harvest(HARVEST_CHUNK, self._wanted)
+                    except Exception as e:  # noqa: BLE001 - reported from the training thread
+                        if raised_by_user(e):
+                            raise
+                        self.error = (
+                            f"stepprof stopped writing records after an internal error: "
+                            f"{type(e).__name__}: {e}"
+                        )
+                        return
 
     def stop(self) -> None:
         """Stop the thread and wait for it (unless it is the caller).
@@ -328,6 +337,17 @@ class Collector:
         with self.lock:
             self.harvest()
 
+    def take_over(self) -> None:
+        """Write the completed steps from the calling thread now, whoever was writing.
+
+        The collector thread, mid-harvest, stops at its next record and lets go of the
+        lock, so the wait is one record's work, however starved that thread is of CPU.
+        """
+        self._wanted.set()
+        with self.lock:
+            self._wanted.clear()
+            self.harvest()
+
     def harvest_if_free(self) -> None:
         """Harvest now unless a harvest is under way (then it is as good as done)."""
         if self.lock.acquire(blocking=False):
@@ -345,7 +365,7 @@ class Collector:
         # exchange, or the user's own) would hold a device-wide synchronize forever, and
         # sync-debug mode "error" would refuse it.
         waits: dict[int, tuple[Backend, list[Any]]] = {}
-        for s in self.pending:
+        for s in list(self.pending):  # other threads may still be appending
             marks = waits.setdefault(id(s.backend), (s.backend, []))[1]
             marks.append(s.end_mark)
             for total in s.phases.values():
@@ -356,18 +376,22 @@ class Collector:
             hook.on_finish()
         self.harvest()
 
-    def harvest(self) -> None:
-        """Write every pending step, oldest first, whose events have all completed.
+    def harvest(self, max_steps: int | None = None, until: threading.Event | None = None) -> bool:
+        """Write the pending steps, oldest first, whose events have all completed.
 
-        The records are written together at the end, in one system call.  The harvest's
-        own time is stepprof's too: each record's ``overhead_us`` includes the collector's
-        time per record, as the previous harvest measured it (:attr:`ns_per_record`).
+        At most ``max_steps`` of them; None: at most those pending when it began, so that a
+        harvest ends while other threads keep stepping.  It also stops once ``until`` is
+        set.  Returns whether it stopped early (more may be ready).  The records are written together at the end,
+        in one system call.  The harvest's own time is stepprof's too: each record's
+        ``overhead_us`` includes the collector's time per record, as the previous harvest
+        measured it (:attr:`ns_per_record`).
         """
         for hook in self._harvest_hooks:
             hook.on_harvest(self.write)
         pending = self.pending
         if not pending:
-            return
+            return False
+        limit = len(pending) if max_steps is None else max_steps
         clock = self._clock
         t0 = clock()
         share_us = self.ns_per_record / 1e3
@@ -377,17 +401,19 @@ class Collector:
         self.log.begin_batch()
         try:
             while pending:
+                if written == limit or (until is not None and until.is_set()):
+                    return max_steps is not None or until is not None
                 s = pending[0]
                 b = s.backend
                 if not b.is_done(s.end_mark):
-                    return
+                    return False
                 for total in s.phases.values():
                     for _, end in total.marks:
                         if not b.is_done(end):  # a phase on another stream, still running
-                            return
+                            return False
                 for hook in self._hold_hooks:  # a figure not known yet (energy): a later harvest
                     if hook.holds(s):
-                        return
+                        return False
                 pending.popleft()
                 record = self._build(s)
                 record["overhead_us"] += share_us
@@ -398,6 +424,7 @@ class Collector:
                 for hook in self._after_hooks:
                     hook.after_record(s, self.write)
                 written += 1
+            return False
         finally:
             self.log.end_batch()
             if written:

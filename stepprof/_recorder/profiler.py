@@ -417,8 +417,11 @@ class Profiler:
             if raised_by_user(e):
                 raise
             b.fail(e)
+        # From here on, other threads' steps neither start nor write: close writes what
+        # was pending when it began, and returns while they go on.
+        b.closing = True
         collector.stop()
-        with collector.lock:
+        with collector.lock:  # held to the end: no harvest writes to a log being closed
             try:
                 collector.finish()
             except Exception as e:  # noqa: BLE001 - close must always produce a summary
@@ -430,12 +433,12 @@ class Profiler:
                               b.broken is not None)
             for hook in self._hooks:
                 hook.on_close(closing)
-        self._end_syncs()
-        self._summary = self._build_summary(ended_by)
-        b.closed = True
-        if self._log.count != self._signal_written:  # else the signal's summary says it all
-            self._log.write(self._summary.to_record())
-        self._log.close()
+            self._end_syncs()
+            self._summary = self._build_summary(ended_by)
+            b.closed = True
+            if self._log.count != self._signal_written:  # else the signal's summary says it all
+                self._log.write(self._summary.to_record())
+            self._log.close()
         b.warn_async()
         forget_open(self)
         return self._summary
