@@ -10,6 +10,10 @@ tests/test_soak.py runs the same cases, shorter; both drive tests/soak_child.py 
            Then a normal run is appended; ``after kills`` fails unless its lines are whole,
            ``stepprof.read`` and ``stepprof report`` skip exactly the torn lines, and the
            report exits 0.
+  kill, 2 hogs
+           ``--hog-kills`` runs, the same, with two processes spinning on the CPUs and the
+           fastest loop (empty steps with two phases, a memory-mapped side file): a collector
+           thread starved of the GIL and of CPU.  Bound: ``flush_every_s`` + 0.5 s.
   sigterm, sigint
            ``--signals`` runs each, 0.1-1 s after the first step, cycling through the user's
            handlers (none, sys.exit(3), re-raise, KeyboardInterrupt; for SIGINT also a
@@ -20,7 +24,7 @@ tests/test_soak.py runs the same cases, shorter; both drive tests/soak_child.py 
   rss      ``Profiler(None, device="cpu")``, empty steps with two phases: RSS growth between
            the two ``--rss-steps`` counts (bound 10 MiB); "rss, log" the same with a log file.
 
-    python bench/soak.py [--kills 50] [--signals 20] [--rss-steps 100000,1000000]
+    python bench/soak.py [--kills 50] [--hog-kills 10] [--signals 20] [--rss-steps 100000,1000000]
                          [--seed N] [--quick] [--json PATH]
 
 ``--quick`` (3 kills, 2 signals each, RSS at 10k and 100k steps) takes about 25 s on 2
@@ -58,14 +62,21 @@ def case(runs: int, failures: int, bound: str, worst: str, details: list, skippe
             "details": details}
 
 
-def kill_case(tmp: str, kills: int, rng: random.Random) -> tuple[dict, dict]:
-    """The kill case and the 'after kills' check of the same log."""
-    log = os.path.join(tmp, "kill.jsonl")
+def kills(log: str, tmp: str, n: int, rng: random.Random, *, hogs: int = 0) -> tuple[dict, list]:
+    """``n`` SIGKILLed runs on ``log``; with ``hogs``, under that many spinning processes,
+    empty steps and a memory-mapped side file (a starved collector thread), and
+    ``flush_every_s`` + 0.5 s allowed."""
     flush_s = soak.flush_every_s()
+    grace_s = 0.5 if hogs else 0.0
     details, ranges = [], []
-    for k in range(kills):
-        r = soak.kill_run(log, os.path.join(tmp, f"kill{k}.side"), rng.uniform(0.0, 1.5), flush_s=flush_s)
-        ranges.append(r.log)
+    with soak.CpuHogs(hogs):
+        for k in range(n):
+            if hogs:
+                r = soak.kill_run(log, os.path.join(tmp, f"hogs{k}.mmap"), rng.uniform(0.5, 2.5), flush_s=flush_s,
+                                  grace_s=grace_s, args=("--empty",))
+            else:
+                r = soak.kill_run(log, os.path.join(tmp, f"kill{k}.side"), rng.uniform(0.0, 1.5), flush_s=flush_s)
+            ranges.append(r.log)
         details.append({
             "ok": r.ok, "returncode": r.returncode, "killed_after_s": round(r.killed_after_s, 3),
             "steps_done": r.steps_done, "steps_logged": r.steps_logged, "lost_steps": r.lost_steps,
@@ -74,11 +85,17 @@ def kill_case(tmp: str, kills: int, rng: random.Random) -> tuple[dict, dict]:
             "bad_lines": len(r.log.bad_lines), "torn": r.log.torn,
         })
     worst = max(details, key=lambda d: d["lost_steps"] / d["bound_steps"]) if details else None
-    kill = case(
-        kills, sum(not d["ok"] for d in details), f"lost <= rate x {flush_s:g} s + {soak.SLACK_STEPS} steps",
+    return case(
+        n, sum(not d["ok"] for d in details), f"lost <= rate x {flush_s + grace_s:g} s + {soak.SLACK_STEPS} steps",
         f"lost {worst['lost_steps']} of bound {worst['bound_steps']:.0f} steps; "
         f"late {max(d['late_steps'] for d in details)}; torn {sum(d['torn'] for d in details)}"
-        if worst else "-", details)
+        if worst else "-", details), ranges
+
+
+def kill_case(tmp: str, n: int, rng: random.Random) -> tuple[dict, dict]:
+    """The kill case and the 'after kills' check of the same log."""
+    log = os.path.join(tmp, "kill.jsonl")
+    kill, ranges = kills(log, tmp, n, rng)
     torn = sum(r.torn for r in ranges)
     start = os.path.getsize(log) if os.path.exists(log) else 0
     proc = soak.start_train(os.path.join(tmp, "normal.side"), "--steps", "50", log=log)
@@ -143,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=None, help="SIGKILLed runs (default 50; --quick 3)")
     ap.add_argument("--signals", type=int, default=None, help="runs per signal (default 20; --quick 2)")
+    ap.add_argument("--hog-kills", type=int, default=None,
+                    help="SIGKILLed runs under two CPU hogs (default 10; --quick 2)")
     ap.add_argument("--rss-steps", default=None, help="the two step counts (default 100000,1000000)")
     ap.add_argument("--no-rss-log", action="store_true", help="skip the RSS case with a log")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a smoke run: fewer runs, fewer steps")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results here (bench/results/...)")
     args = ap.parse_args(argv)
-    kills = args.kills if args.kills is not None else (3 if args.quick else 50)
+    n_kills = args.kills if args.kills is not None else (3 if args.quick else 50)
+    n_hog_kills = args.hog_kills if args.hog_kills is not None else (2 if args.quick else 10)
     nsig = args.signals if args.signals is not None else (2 if args.quick else 20)
     at = tuple(int(x) for x in (args.rss_steps or ("10000,100000" if args.quick else "100000,1000000")).split(","))
     if len(at) != 2 or not 0 < at[0] < at[1]:
@@ -159,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     cases: dict[str, dict] = {}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="stepprof-soak-") as tmp:
-        if kills:
-            cases["kill"], cases["after kills"] = kill_case(tmp, kills, rng)
+        if n_kills:
+            cases["kill"], cases["after kills"] = kill_case(tmp, n_kills, rng)
+        if n_hog_kills:
+            cases["kill, 2 hogs"] = kills(os.path.join(tmp, "hogs.jsonl"), tmp, n_hog_kills, rng, hogs=2)[0]
         for sig in ("SIGTERM", "SIGINT"):
             if nsig:
                 cases[sig.lower()] = signal_case(tmp, sig, nsig, rng)

@@ -129,12 +129,12 @@ def test_soak_runs_every_case_and_writes_its_json(monkeypatch, tmp_path, capsys)
     monkeypatch.syspath_prepend(BENCH)
     mod = importlib.import_module("soak")
     out = tmp_path / "soak.json"
-    rc = mod.main(["--quick", "--kills", "1", "--signals", "1", "--rss-steps", "1000,2000",
+    rc = mod.main(["--quick", "--kills", "1", "--hog-kills", "1", "--signals", "1", "--rss-steps", "1000,2000",
                    "--no-rss-log", "--json", str(out)])
     table = capsys.readouterr().out
     assert rc == 0, table
     cases = json.loads(out.read_text())["cases"]
-    assert list(cases) == ["kill", "after kills", "sigterm", "sigint", "rss"]
+    assert list(cases) == ["kill", "after kills", "kill, 2 hogs", "sigterm", "sigint", "rss"]
     assert all(c["runs"] == 1 and c["failures"] == 0 for c in cases.values()), table
     for sig in ("sigterm", "sigint"):
         skipped = cases[sig]["skipped"]
