@@ -1,0 +1,141 @@
+"""stepprof's floor: the CPU it spends per step on a near-empty step, all threads counted.
+
+The step is one tiny kernel on CUDA (an in-place add on 16 floats), nothing on the CPU.  Each
+variant is a whole run as a user pays it: ``Profiler`` construction, ``--steps`` steps, and
+``close()`` (which writes every record and the summary), timed with the process's CPU clock
+(every thread: the training thread and the collector's), between two synchronisations.  Every
+round runs the bare loop and each variant once, in a shuffled order; a variant's figure for a
+round is its CPU time less the bare loop's of that round, over the steps.  The table gives the
+median over rounds and the range (min-max).
+
+Variants:
+  step        ``prof.step(batch_size=8)``, the default settings;
+  3 phases    the same with three ``prof.measure`` phases inside;
+  python      ``step`` with ``boundary="python"`` (CUDA only: the compiled boundary is CUDA's);
+  no log      ``step`` with ``log=None`` (what writing the lines costs, by difference).
+
+    python bench/floor.py [--steps 3000] [--rounds 7] [--device auto|cpu|cuda] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
+import stepprof  # noqa: E402
+from _common import run_info  # noqa: E402
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+def variants(cuda: bool) -> dict[str, tuple[dict, tuple[str, ...], bool]]:
+    """name -> (Profiler settings, phase names, whether it writes a log)."""
+    out = {
+        "step": ({}, (), True),
+        "3 phases": ({}, PHASES, True),
+        "no log": ({}, (), False),
+    }
+    if cuda:
+        out["python"] = ({"boundary": "python"}, (), True)
+    return out
+
+
+def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], settings: dict | None,
+             phases: tuple[str, ...], log: str | None, device: str) -> float:
+    """Process CPU seconds of one whole run (``settings`` None: the bare loop)."""
+    sync()
+    c0 = time.process_time()
+    if settings is None:
+        for _ in range(steps):
+            work()
+    else:
+        prof = stepprof.Profiler(log, device=device, **settings)
+        step, measure = prof.step, prof.measure
+        if phases:
+            for _ in range(steps):
+                with step(batch_size=8):
+                    for name in phases:
+                        with measure(name):
+                            work()
+        else:
+            for _ in range(steps):
+                with step(batch_size=8):
+                    work()
+        sync()
+        prof.close()
+    sync()
+    return time.process_time() - c0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, metavar="PATH", help="write the results here (bench/results/...)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        x = torch.zeros(16, device="cuda")
+        work: Callable[[], None] = lambda: x.add_(1.0)  # noqa: E731
+        sync: Callable[[], None] = torch.cuda.synchronize
+    else:
+        work = lambda: None  # noqa: E731
+        sync = lambda: None  # noqa: E731
+    table = variants(cuda)
+    rng = random.Random(args.seed)
+    per_step: dict[str, list[float]] = {name: [] for name in table}
+    bare_us: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="stepprof-floor-") as tmp:
+        # Warm-up: imports, the backend, the first compile of anything lazy.
+        for name, (settings, phases, logged) in table.items():
+            run_once(200, work, sync, settings, phases, os.path.join(tmp, "warm.jsonl") if logged else None, device)
+        for r in range(args.rounds):
+            order = ["bare", *table]
+            rng.shuffle(order)
+            cpu: dict[str, float] = {}
+            for name in order:
+                if name == "bare":
+                    cpu[name] = run_once(args.steps, work, sync, None, (), None, device)
+                    continue
+                settings, phases, logged = table[name]
+                log = os.path.join(tmp, f"{r}-{name.replace(' ', '_')}.jsonl") if logged else None
+                cpu[name] = run_once(args.steps, work, sync, settings, phases, log, device)
+                if log is not None:
+                    os.remove(log)
+            bare_us.append(cpu["bare"] / args.steps * 1e6)
+            for name in table:
+                per_step[name].append((cpu[name] - cpu["bare"]) / args.steps * 1e6)
+    gpu = torch.cuda.get_device_name() if cuda else "none (CPU)"
+    print(f"stepprof floor on {gpu}: {args.steps} steps a run, {args.rounds} rounds, construction and "
+          f"close included, process CPU (all threads) less the bare loop's")
+    print(f"  bare loop: {statistics.median(bare_us):.2f} µs/step")
+    print(f"  {'variant':10s} {'µs/step median':>15s} {'min':>8s} {'max':>8s}")
+    results = {}
+    for name, xs in per_step.items():
+        med = statistics.median(xs)
+        results[name] = {"median_us": med, "min_us": min(xs), "max_us": max(xs), "rounds_us": xs}
+        print(f"  {name:10s} {med:15.1f} {min(xs):8.1f} {max(xs):8.1f}")
+    if args.json:
+        out = {**run_info("floor.py", gpu=gpu), "steps": args.steps, "rounds": args.rounds,
+               "device": device, "bare_us_per_step": bare_us, "variants": results}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
