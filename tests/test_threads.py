@@ -258,3 +258,41 @@ def test_close_returns_within_a_second_while_four_threads_keep_stepping(tmp_path
     assert len(steps) == summary.steps > 0
     assert all(r["error"] is None for r in steps)
     assert not _syncs._trackers
+
+
+def test_a_step_open_while_close_runs_keeps_measuring_its_phases(tmp_path):
+    """close() refuses new steps, not the phases of a step already open on another thread:
+    that step ends as the user wrote it, with no error of stepprof's."""
+    log = str(tmp_path / "closing.jsonl")
+    prof = stepprof.Profiler(log, device="cpu")
+    entered, go, done = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with prof.step("open", batch_size=1):
+                entered.set()
+                go.wait(5)
+                with prof.measure("p"):
+                    pass
+        except BaseException as e:  # noqa: BLE001 - the test fails on any
+            errors.append(e)
+        done.set()
+
+    t = threading.Thread(target=work)
+    t.start()
+    assert entered.wait(5)
+    collector = prof._collector
+    finish = collector.finish
+
+    def finish_after_the_phase() -> None:  # close() has begun: the phase runs now
+        go.set()
+        assert done.wait(5)
+        finish()
+
+    collector.finish = finish_after_the_phase
+    prof.close()
+    t.join()
+    assert not errors, errors
+    steps = list(stepprof.read(log, kind="step"))
+    assert [(s["error"], list(s["phases"])) for s in steps] == [(None, ["p"])]

@@ -292,7 +292,9 @@ class Boundaries:
         not be inferred.  ``batch``: a measured function's batch, whose size a step it opens
         infers when it has none.
         """
-        if self.closed or self.closing:
+        if self.closed or (self.closing and (step or self.context().step is None)):
+            # While close() runs, a step already open on another thread goes on: its
+            # phases are measured, and its exit only queues it (close wrote what it had).
             raise UsageError(
                 "this Profiler is closed; open a new stepprof.Profiler(...) for more steps"
             )
