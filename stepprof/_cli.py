@@ -165,6 +165,9 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if done.skipped:
         print(f"stepprof: skipped {format_count(done.skipped)} step record(s) without a usable "
               f"step, start_unix_s or wall_ms", file=sys.stderr)
+    if done.runs_left_out:
+        print(f"stepprof: left out the first {format_count(done.runs_left_out)} run(s): --tensorboard writes "
+              f"at most the last {export.TB_RUNS_KEPT} runs, a directory each", file=sys.stderr)
     return 0
 
 

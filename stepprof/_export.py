@@ -22,6 +22,7 @@ import orjson
 from ._aggregate import finite_number as _num  # a finite number as a float, else None
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
+from ._paths import component, components, inside
 from ._report.read import RunGrouper
 
 __all__ = ["Exported", "export_chrome", "export_tensorboard"]
@@ -35,6 +36,9 @@ TB_FIGURES = (
 )
 #: Each phase's figures, under ``stepprof/phases/<name>/<figure>``.
 TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")
+#: Runs ``--tensorboard`` writes, one directory each: the last ones, in the order they begin
+#: in the logs (the report, too, keeps a log's last runs).  The rest are counted.
+TB_RUNS_KEPT = 100
 
 # Short notes in the events' args; the trace's otherData and docs/export.md explain them.
 _GPU_ALIGNED = "starts at the host start (aligned); length exact"
@@ -52,6 +56,7 @@ class Exported:
     ranks: int  # distinct ranks among the runs (0: no run carries one)
     runs: int
     skipped: int  # step records without a usable index, start time or wall time
+    runs_left_out: int = 0  # runs with steps that were not written (--tensorboard keeps the last TB_RUNS_KEPT)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -155,7 +160,11 @@ def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
 
 
 def _label_runs(per_log: list[list[_Run]]) -> list[_Run]:
-    """Give each run with steps its process label, pid and TensorBoard subdirectory."""
+    """Give each run with steps its process label, pid and TensorBoard subdirectory.
+
+    A subdirectory is made of :func:`~stepprof._paths.component`\\ s only (a run's ``run_id``
+    comes from the log, which may hold anything), unique among the runs.
+    """
     runs = [run for runs in per_log for run in runs if run.steps]
     multi_rank = len({run.rank for run in runs if run.rank is not None}) > 1
 
@@ -166,20 +175,14 @@ def _label_runs(per_log: list[list[_Run]]) -> list[_Run]:
         return groups
 
     def names(members: list[_Run]) -> list[str]:
-        taken: set[str] = set()
-        out = []
-        for k, run in enumerate(members, 1):
-            name = run.run_id if run.run_id is not None and run.run_id not in taken else f"run{k}"
-            taken.add(name)
-            out.append(name)
-        return out
+        return components(run.run_id if run.run_id is not None else f"run{k}" for k, run in enumerate(members, 1))
 
     for base, members in grouped(lambda r: f"rank {r.rank}" if r.rank is not None
                                  else os.path.basename(r.log)).items():
         for run, name in zip(members, names(members), strict=True):
             run.label = base if len(members) == 1 else f"{base} · run {name}"
-    for part, members in grouped(lambda r: (f"rank{r.rank}" if r.rank is not None else
-                                            os.path.splitext(os.path.basename(r.log))[0])
+    for part, members in grouped(lambda r: component(f"rank{r.rank}" if r.rank is not None else
+                                                     os.path.splitext(os.path.basename(r.log))[0])
                                  if multi_rank else "").items():
         for run, name in zip(members, names(members), strict=True):
             parts = [part] + ([name] if len(members) > 1 else [])
@@ -212,10 +215,10 @@ def _steps(paths: Sequence[str], per_log: list[list[_Run]]) -> Iterator[tuple[_R
                 yield run, r
 
 
-def _summary(runs: list[_Run], skipped: int, out: str) -> Exported:
+def _summary(runs: list[_Run], skipped: int, out: str, left_out: int = 0) -> Exported:
     ranks = {run.rank for run in runs if run.rank is not None}
     return Exported(path=out, steps=sum(run.steps for run in runs), ranks=len(ranks), runs=len(runs),
-                    skipped=skipped)
+                    skipped=skipped, runs_left_out=left_out)
 
 
 # -- Chrome trace ----------------------------------------------------------------------
@@ -501,11 +504,14 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     """Write the steps of the logs at ``paths`` as TensorBoard scalars under ``out_dir``.
 
     Each step is one event holding all its scalars (what ``SummaryWriter.add_scalar`` writes,
-    one value per call), by step index, at the step's ``start_unix_s``.
+    one value per call), by step index, at the step's ``start_unix_s``.  Each run (of the last
+    :data:`TB_RUNS_KEPT`) has a directory of its own when there are several, named from its rank
+    or log and its ``run_id``, made safe as path components; every path is checked to lie
+    inside ``out_dir`` before anything is written there.
 
     Raises:
-        ConfigError: a log is missing or has no step records, or ``out_dir`` already holds
-            event files.
+        ConfigError: a log is missing or has no step records, ``out_dir`` already holds
+            event files, or a run's directory would resolve outside it (a symbolic link).
         MissingExtraError: tensorboard is not installed.
     """
     out_dir = os.fspath(out_dir)
@@ -518,13 +524,17 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
         )
     FileWriter, Summary = _tensorboard()
     paths, per_log, runs, skipped = _read(paths)
+    kept = {id(run) for run in runs[-TB_RUNS_KEPT:]}
     writers: dict[int, Any] = {}
     try:
         for run, r in _steps(paths, per_log):
+            if id(run) not in kept:
+                continue
             w = writers.get(id(run))
             if w is None:
+                where = inside(out_dir, os.path.join(out_dir, run.subdir), "--tensorboard")
                 # A deep queue: with the default (10), each write waits on the writer's thread.
-                w = writers[id(run)] = FileWriter(os.path.join(out_dir, run.subdir), max_queue=8192, flush_secs=30)
+                w = writers[id(run)] = FileWriter(where, max_queue=8192, flush_secs=30)
             values = [Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(r)]
             if values:
                 w.add_summary(Summary(value=values), global_step=r["step"], walltime=float(r["start_unix_s"]))
@@ -533,7 +543,8 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     finally:
         for w in writers.values():
             w.close()
-    return _summary(runs, skipped, out_dir)
+    written = [run for run in runs if id(run) in kept]
+    return _summary(written, skipped, out_dir, len(runs) - len(written))
 
 
 def _scalars(r: dict[str, Any]) -> Iterator[tuple[str, float]]:

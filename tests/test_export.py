@@ -518,6 +518,19 @@ def test_tensorboard_one_directory_per_rank_and_per_run(tmp_path, capsys):
     assert [e.value for e in _scalars(os.path.join(out, "rank1"))["stepprof/gpu_ms"]] == pytest.approx([10.0] * 4)
 
 
+def test_tensorboard_writes_the_last_runs_and_says_how_many_it_left_out(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setattr(_export, "TB_RUNS_KEPT", 3)
+    recs = [dict(fx.step_record(0, warmup=False, wall=5.0, gpu=4.0), run_id=f"{k:012x}") for k in range(5)]
+    log = fx.write(str(tmp_path / "many.jsonl"), recs)
+    out = str(tmp_path / "tb")
+    rc, stdout, err = cli(capsys, "export", "--tensorboard", out, log)
+    assert rc == 0, err
+    assert "wrote 3 steps (3 runs)" in stdout
+    assert "left out the first 2 run(s): --tensorboard writes at most the last 3 runs" in err
+    assert sorted(os.listdir(out)) == [f"{k:012x}" for k in (2, 3, 4)]
+
+
 def test_tensorboard_refuses_a_directory_with_event_files(log, gpu, tmp_path):
     pytest.importorskip("tensorboard")
     run_training(log, gpu)
