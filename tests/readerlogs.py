@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from stepprof._schema import SCHEMA_VERSION
+from stepprof._schema import RECORD_KINDS, SCHEMA_VERSION
 
 from . import logfixtures as fx
 
@@ -117,7 +117,7 @@ def run_tool(tool: str, logs: list[str], out: str) -> Any:
         if tool == "read":
             return sum(1 for log in logs for _ in stepprof.read(log))
         if tool == "frame":
-            return [len(stepprof.frame(logs, kind=k)) for k in ("step", "summary", "peak", "ranks", "sweep_point")]
+            return [len(stepprof.frame(logs, kind=k)) for k in sorted(RECORD_KINDS)]
         if tool == "report":
             return _quietly(lambda: main(["report", *logs]))
         if tool == "report --json":
@@ -129,3 +129,56 @@ def run_tool(tool: str, logs: list[str], out: str) -> Any:
         flags = {"plot": [], "plot --peak": ["--peak"], "plot --sweep": ["--sweep"]}[tool]
         return [_quietly(lambda log=log, i=i: main(["plot", *flags, log, "-o", os.path.join(out, f"{i}.png")]))
                 for i, log in enumerate(logs)]
+
+
+# -- large logs of one shape, for the readers' time and memory bounds --------------------------
+
+
+def write_lines(path: str, records: Any) -> str:
+    """``records`` (an iterable of dicts) as JSON lines, written in blocks."""
+    import orjson
+
+    with open(path, "wb") as f:
+        block = []
+        for r in records:
+            block.append(orjson.dumps(r))
+            if len(block) >= 10_000:
+                f.write(b"\n".join(block) + b"\n")
+                block = []
+        if block:
+            f.write(b"\n".join(block) + b"\n")
+    return path
+
+
+def _step(i: int, **changes: Any) -> dict[str, Any]:
+    r = fx.step_record(i, warmup=False, wall=7.0, gpu=7.0)
+    r.update(changes)
+    return r
+
+
+def overlapping_steps(n: int) -> Any:
+    """``n`` steps that never nest: each starts 1 ms after the previous one and lasts 20 s, on the
+    host and the GPU, its phases at its end."""
+    def step(i: int) -> dict[str, Any]:
+        r = _step(i, start_unix_s=1796012940.0 + i / 1e3, wall_ms=20_000.0, gpu_ms=20_000.0, run_id="a" * 12)
+        for k, ph in enumerate(r["phases"].values()):
+            ph.update(start_ms=19_990.0 + 3 * k, wall_ms=2.0, gpu_ms=2.0)
+        return r
+
+    return map(step, range(n))
+
+
+def distinct_runs(n: int) -> Any:
+    """``n`` runs of one step each, each with its own ``run_id``."""
+    return (_step(0, start_unix_s=1796012940.0 + i / 1e3, run_id=f"{i:012x}") for i in range(n))
+
+
+def distinct_threads(n: int) -> Any:
+    """``n`` steps, each on a thread of its own name."""
+    return (_step(i, start_unix_s=1796012940.0 + i / 1e2, thread=f"worker-{i}", run_id="b" * 12) for i in range(n))
+
+
+def changing_phases(n: int, names: int = 50) -> Any:
+    """``n`` steps, each with ``names`` phases of names no other step has."""
+    phase = {"wall_ms": 0.1, "gpu_ms": 0.1, "peak_allocated_bytes": 1024, "count": 1, "syncs": 0, "start_ms": 0.0}
+    return (_step(i, phases={f"p{i}.{k}": phase for k in range(names)}, run_id="c" * 12) for i in range(n))
