@@ -10,6 +10,7 @@ event is written.  torch is imported only for ``--tensorboard``.
 from __future__ import annotations
 
 import glob
+import heapq
 import math
 import os
 import tempfile
@@ -224,16 +225,24 @@ def _summary(runs: list[_Run], skipped: int, out: str, left_out: int = 0) -> Exp
 # -- Chrome trace ----------------------------------------------------------------------
 
 
+#: Lanes of a track searched in order for one where a slice nests; past them, lanes are reused
+#: only once they are free (a heap of the times they are free from), so that placing a slice
+#: costs O(log lanes) however many slices overlap it (steps that never nest, out of order).
+LANES_SEARCHED = 4
+
+
 class _Lanes:
     """The lanes of one drawn track.  A slice goes on the first lane where it nests properly
     (inside the open slice, after the closed ones): trace viewers require it on one thread,
     and a GPU span that outlasts the next step's start, or a repeated phase's summed slice,
-    would break it."""
+    would break it.  Past :data:`LANES_SEARCHED` lanes, a slice takes a lane whose slices all
+    ended by its start, else a new one."""
 
-    __slots__ = ("lanes",)
+    __slots__ = ("lanes", "free")
 
     def __init__(self) -> None:
         self.lanes: list[tuple[list[tuple[int, int]], list[int]]] = []  # (open slices, [closed until])
+        self.free: list[tuple[int, int]] = []  # (free from, lane) of the lanes past LANES_SEARCHED
 
     def place(self, s: int, e: int) -> int:
         for i, (stack, closed) in enumerate(self.lanes):
@@ -242,8 +251,17 @@ class _Lanes:
             if s >= closed[0] and (not stack or (stack[-1][0] <= s and e <= stack[-1][1])):
                 stack.append((s, e))
                 return i
-        self.lanes.append(([(s, e)], [-(2**62)]))
-        return len(self.lanes) - 1
+        if len(self.lanes) < LANES_SEARCHED:
+            self.lanes.append(([(s, e)], [-(2**62)]))
+            return len(self.lanes) - 1
+        free = self.free
+        if free and free[0][0] <= s:  # every slice on that lane ended by s: this one follows them
+            lane = free[0][1]
+            heapq.heapreplace(free, (e, lane))
+            return lane
+        lane = LANES_SEARCHED + len(free)
+        heapq.heappush(free, (e, lane))
+        return lane
 
 
 class _Trace:
@@ -258,6 +276,7 @@ class _Trace:
         self._tids: dict[tuple[int, str | None, str, int], int] = {}
         self._threads: dict[tuple[int, str | None], int] = {}  # (pid, thread) -> its order in the process
         self._next_tid: dict[int, int] = {}
+        self._thread_count: dict[int, int] = {}  # pid -> threads seen in it
 
     def emit(self, event: dict[str, Any]) -> None:
         self._buf.append(orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
@@ -277,7 +296,10 @@ class _Trace:
         if tid is None:
             tid = self._tids[key] = self._next_tid.get(pid, 0) + 1
             self._next_tid[pid] = tid
-            order = self._threads.setdefault((pid, thread), len([k for k in self._threads if k[0] == pid]))
+            order = self._threads.get((pid, thread))
+            if order is None:
+                order = self._threads[(pid, thread)] = self._thread_count.get(pid, 0)
+                self._thread_count[pid] = order + 1
             label = name if lane == 0 else f"{name} (lane {lane + 1})"
             self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
             # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and

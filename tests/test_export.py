@@ -662,3 +662,33 @@ def test_start_ms_is_present_and_ordered_on_cuda(boundary, built_boundary, tmp_p
     out = str(tmp_path / "t.json")
     _export.export_chrome([log], out)
     assert_properly_nested(load(out))
+
+
+# -- linear in the log: steps that never nest, many runs, many threads --------------------------
+
+
+@pytest.mark.parametrize("shape, n, bound_s", [("overlapping_steps", 20_000, 6.0), ("distinct_runs", 20_000, 8.0),
+                                               ("distinct_threads", 20_000, 8.0)])
+def test_the_trace_takes_time_linear_in_the_log(tmp_path, shape, n, bound_s):
+    """The acceptance is 20,000 steps that never nest in under 2 s; the bound here leaves room
+    for a loaded CI machine (bench/readers.py measures it)."""
+    import time
+
+    from . import readerlogs
+
+    log = readerlogs.write_lines(str(tmp_path / f"{shape}.jsonl"), getattr(readerlogs, shape)(n))
+    t0 = time.perf_counter()
+    done = _export.export_chrome([log], str(tmp_path / "t.json"))
+    took = time.perf_counter() - t0
+    assert done.steps == n and took < bound_s, took
+
+
+def test_steps_that_never_nest_are_drawn_properly_nested_on_lanes(tmp_path):
+    from . import readerlogs
+
+    log = readerlogs.write_lines(str(tmp_path / "o.jsonl"), readerlogs.overlapping_steps(300))
+    out = str(tmp_path / "t.json")
+    _export.export_chrome([log], out)
+    trace = load(out)
+    assert_properly_nested(trace)
+    assert len(slices(trace, cat="step")) == 2 * 300  # the host and the GPU slices
