@@ -15,6 +15,7 @@ from ._log import ScanStats, scan
 from ._report.read import RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
+from ._units import printable
 
 __all__ = ["default_png", "plot_log"]
 
@@ -169,7 +170,7 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    title = f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}"
+    title = printable(f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}")
     if n_runs > 1:
         title += f" (run {run % n_runs + 1} of {n_runs})"
     fig.suptitle(title, fontsize=13)

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .._errors import MissingExtraError
-from .._units import GiB, MiB
+from .._units import GiB, MiB, printable
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotation only; result.py imports this module
     from .result import SweepResult
@@ -40,7 +40,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
         ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     else:
         ax, mem = fig.subplots(1, 1), None
-    title = f"stepprof.sweep on {result.device}"
+    title = printable(f"stepprof.sweep on {result.device}")  # read back from a log, it may hold anything
     if result.recommended is not None:
         title += f": recommended batch {result.recommended:,}"
     fig.suptitle(title, fontsize=13)
