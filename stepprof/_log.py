@@ -278,7 +278,8 @@ def _lines(f: Any, pos: int, end: int | None) -> Iterator[bytes]:
 
 
 def scan(
-    path: str | os.PathLike[str], stats: ScanStats, start: int = 0, end: int | None = None
+    path: str | os.PathLike[str], stats: ScanStats, start: int = 0, end: int | None = None, *,
+    kind: str | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Stream the records of a log, made safe for the readers, counting the lines that are none into ``stats``.
 
@@ -291,9 +292,13 @@ def scan(
     (:func:`stepprof._schema.upgrade_record`).
 
     ``start`` and ``end`` (byte offsets) read the lines that *begin* in ``[start, end)``,
-    so that consecutive ranges read every line exactly once.
+    so that consecutive ranges read every line exactly once.  ``kind``: only records of this
+    kind are given; a line that cannot hold one (it has neither the kind's JSON string nor a
+    ``\\u`` escape that could spell it) is passed over unparsed, and other records unsanitised,
+    neither counted.
     """
     loads, error = orjson.loads, orjson.JSONDecodeError
+    needle = orjson.dumps(kind) if kind is not None else None
     with open(path, "rb") as f:
         pos = 0
         if start > 0:
@@ -307,6 +312,8 @@ def scan(
                 if line.lstrip()[:1] != b"{":
                     stats.skipped += 1
                     continue
+            if needle is not None and needle not in line and b"\\u" not in line:
+                continue
             if len(line) > _LONG_LINE and (line.count(b",") + line.count(b"{") + line.count(b"[")) > VALUES_MAX:
                 stats.skipped += 1
                 continue
@@ -315,7 +322,10 @@ def scan(
             except error:
                 stats.skipped += 1
                 continue
-            if record.get("kind") == "summary":  # only a summary can need upgrading
+            k = record.get("kind")
+            if kind is not None and k != kind:
+                continue
+            if k == "summary":  # only a summary can need upgrading
                 record = upgrade_record(record)
             record = sanitise(record)
             if record is None:
@@ -362,7 +372,9 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, 
     stats = ScanStats()
     kinds: set[Any] = set()
     kept = 0
-    for record in scan(path, stats):
+    # Records of another kind are passed over unsanitised, unless the kind is one stepprof
+    # never writes: then the kinds the log holds are named, in case it was a typo.
+    for record in scan(path, stats, kind=kind if kind is None or kind in RECORD_KINDS else None):
         k = record.get("kind")
         if kind is None or k == kind:
             kept += 1
