@@ -79,12 +79,13 @@ def sweep_records() -> list[dict[str, Any]]:
 def every_kind(rank: int = 0, world: int = 2, run_id: str | None = None, steps: int = 30) -> list[dict[str, Any]]:
     """One run of every run kind (rank ``rank`` of ``world``), then a sweep."""
     recs = fx.training_log(steps=steps)
-    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and r["step"] == 10)
-    recs.insert(at + 1, peak_record(10))
+    explained = steps * 2 // 3
+    at = next(i for i, r in enumerate(recs) if r["kind"] == "step" and r["step"] == explained)
+    recs.insert(at + 1, peak_record(explained))
     recs[at]["explained"] = True
     if rank == 0:
-        recs.insert(-1, ranks_record(steps - 10))
-        recs.insert(-1, ranks_record(steps - 5))
+        recs.insert(-1, ranks_record(steps - 3))
+        recs.insert(-1, ranks_record(steps - 1))
     for r in recs:  # as the writer adds them: the profiler's id, then the rank fields
         r["run_id"] = run_id if run_id is not None else f"{rank:012x}"
         r.update({k: v for k, v in (("rank", rank), ("local_rank", rank), ("world_size", world)) if k not in r})
