@@ -12,7 +12,7 @@ from typing import Any
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
-from ._report.read import RunGrouper
+from ._report.read import SWEEP_RECORDS_KEPT, RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
 from ._units import printable
@@ -70,7 +70,8 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
     for r in scan(path, stats):
         kind = r.get("kind")
         if kind in ("sweep_point", "sweep_result"):
-            sweep_records.append(r)
+            if len(sweep_records) < SWEEP_RECORDS_KEPT:
+                sweep_records.append(r)
             continue
         if kind not in ("step", "memory", "summary", "ranks", "flops"):
             continue
