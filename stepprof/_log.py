@@ -262,15 +262,27 @@ def _rest_of_line(f: Any) -> int:
             return size
 
 
-def _lines(f: Any, pos: int, end: int | None) -> Iterator[bytes]:
-    """The file's lines from byte ``pos``, those that begin before ``end``; a line longer than
-    :data:`LINE_MAX_BYTES` is read in pieces (never whole into memory) and given as :data:`_TOO_LONG`."""
-    readline = f.readline
+def _lines(f: Any, pos: int, end: int | None, stats: ScanStats) -> Iterator[bytes]:
+    """The file's lines from byte ``pos``, those that begin before ``end``, counted into ``stats``;
+    a line longer than :data:`LINE_MAX_BYTES` is read in pieces (never whole into memory) and
+    given as :data:`_TOO_LONG`; empty lines are passed over in runs, as one read of the buffer."""
+    readline, peek, read = f.readline, f.peek, f.read
     while end is None or pos < end:
         line = readline(LINE_MAX_BYTES + 1)
         if not line:
             return
         pos += len(line)
+        stats.lines += 1
+        if line == b"\n":
+            ahead = peek(1)[:65536]
+            run = len(ahead) - len(ahead.lstrip(b"\n"))
+            if end is not None:
+                run = min(run, max(0, end - pos))
+            if run:
+                read(run)
+                pos += run
+                stats.lines += run
+            continue
         if len(line) > LINE_MAX_BYTES and not line.endswith(b"\n"):
             pos += _rest_of_line(f)
             line = _TOO_LONG
@@ -304,10 +316,9 @@ def scan(
         if start > 0:
             f.seek(start - 1)
             pos = start if f.read(1) == b"\n" else start + _rest_of_line(f)
-        for line in _lines(f, pos, end):
-            stats.lines += 1
+        for line in _lines(f, pos, end, stats):
             if line[:1] != b"{":  # a record's first byte, tested before anything is parsed
-                if line == b"\n" or line.isspace():
+                if line.isspace():
                     continue
                 if line.lstrip()[:1] != b"{":
                     stats.skipped += 1
