@@ -8,7 +8,7 @@ which ``stepprof.read`` and every tool use):
   (``stepprof._fields.UNITS``; negative where the field is not signed), is read as null,
   and the record's ``unavailable`` says that the log held an invalid value there;
 - a record whose ``kind`` is not a string, or without a usable value in a required field
-  (a step's ``step``, a sweep point's ``batch_size`` and ``oom``), is dropped;
+  (a step's ``step``), is dropped;
 - strings are cut to :data:`STR_MAX` characters, keys to :data:`KEY_MAX`; a container
   over its declared size is invalid;
 - fields this version does not declare are kept as scalars and containers at most
@@ -95,7 +95,7 @@ def _spec(f: Field, t: Type, key: str, depth: int) -> _Spec:
         code = _STR if t.name == "str" else _BOOL
         return (code, 0, 0, None, None, key, f"a {t.name}")
     if t is FREE:
-        return (_NEST, 0, 0, None, None, key, "")
+        return (_NEST, 0, 0, None, None, key, f"at most {FREE_DEPTH} levels of at most {FREE_ITEMS} items")
     check, ctype, expected = _container(f, t, key, depth)
     return (_NEST, 0, 0, check, ctype, key, expected)
 
@@ -127,8 +127,10 @@ def _value(spec: _Spec, v: Any, bad: _Bad) -> Any:
     elif code == _BOOL:
         if t is bool:
             return v
-    elif sub is None:
-        return _free(v, FREE_DEPTH)
+    elif sub is None:  # free-form (a calibration): kept unless too deep or too large
+        w = _free(v, FREE_DEPTH)
+        if w is not None:
+            return w
     elif t is ctype and sub(v, bad):
         return v
     bad.append((key, expected, v))
@@ -137,9 +139,6 @@ def _value(spec: _Spec, v: Any, bad: _Bad) -> Any:
 
 class _Odd(Exception):
     """A value the fast check cannot pass (of another type, out of range, undeclared): check slowly."""
-
-
-_ODD = _Odd()
 
 
 def _obj(fields: tuple[Field, ...], prefix: str, depth: int) -> Callable[[dict[str, Any], _Bad], bool]:
@@ -194,7 +193,7 @@ def _obj(fields: tuple[Field, ...], prefix: str, depth: int) -> Callable[[dict[s
                         continue
                 elif k in bools:
                     continue
-                raise _ODD
+                raise _Odd
         except (_Odd, KeyError):
             full(d, bad)  # a container checked above is checked again: it is valid by now
         return True

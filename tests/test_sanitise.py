@@ -128,3 +128,10 @@ def test_a_kind_this_version_does_not_write_keeps_its_small_fields():
     out = sanitise({"kind": "from_the_future", "x": 1, "deep": _deep(10), "run_id": ["a"]})
     assert out == {"kind": "from_the_future", "x": 1, "deep": None, "run_id": None,
                    "unavailable": {"run_id": out["unavailable"]["run_id"]}}
+
+
+def test_a_free_form_field_too_deep_is_null_with_the_reason_and_a_shallow_one_is_kept():
+    flops = fx.flops_record(3)
+    assert sanitise(copy.deepcopy(flops))["calibration"] == fx.CALIBRATION
+    out = sanitise(dict(flops, calibration={"matmul_tflops": {"bf16": {"deeper": 1}}}))
+    assert out["calibration"] is None and out["unavailable"]["calibration"].startswith(INVALID)
