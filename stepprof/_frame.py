@@ -174,7 +174,8 @@ def frame(
     # columns (allocator.num_device_alloc...); its own column would be null throughout.
     spread = {key.split(".", 1)[0] for key in columns if "." in key}
     data = {}
-    for key, values in columns.items():
+    for key in list(columns):
+        values = columns.pop(key)  # each list freed once its column is made
         if len(values) < n:
             values.extend([None] * (n - len(values)))
         if key not in spread or any(v is not None for v in values):
