@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 import orjson
 
-from ._aggregate import finite_number as _num  # a finite number as a float, else None
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
 from ._paths import component, components, inside
+from ._units import printable
 from ._report.read import RunGrouper
 
 __all__ = ["Exported", "export_chrome", "export_tensorboard"]
@@ -86,17 +86,10 @@ class _Run:
         self.written = 0
 
 
-def _nonneg(x: Any) -> float | None:
-    """A finite number >= 0 as a float, else None."""
-    v = _num(x)
-    return v if v is not None and v >= 0 else None
-
-
 def _usable(r: dict[str, Any]) -> bool:
-    """Whether a step record can be placed: an int index, a start time and a wall time."""
-    return type(r.get("step")) is int and _num(r.get("start_unix_s")) is not None and (
-        _nonneg(r.get("wall_ms")) is not None
-    )
+    """Whether a step record can be placed: a start time and a wall time (its index is an int:
+    the records come through ``scan``, where a value of the wrong type or out of range is null)."""
+    return r.get("start_unix_s") is not None and r.get("wall_ms") is not None
 
 
 def _walk(path: str, new_run: Callable[[str | None], _Run]) -> Iterator[tuple[_Run, dict[str, Any]]]:
@@ -269,54 +262,58 @@ class _Trace:
 
     def __init__(self, f: Any, t0_s: float) -> None:
         self._f = f
-        self._buf: list[bytes] = []
+        self._events: list[dict[str, Any]] = []
         self._first = True
         self.t0_s = t0_s
-        self._lanes: dict[tuple[int, str | None, str], _Lanes] = {}
-        self._tids: dict[tuple[int, str | None, str, int], int] = {}
+        # (pid, thread, track) -> its lanes, and the tid of each lane
+        self._tracks: dict[tuple[int, str | None, str], tuple[_Lanes, list[int]]] = {}
         self._threads: dict[tuple[int, str | None], int] = {}  # (pid, thread) -> its order in the process
         self._next_tid: dict[int, int] = {}
         self._thread_count: dict[int, int] = {}  # pid -> threads seen in it
 
     def emit(self, event: dict[str, Any]) -> None:
-        self._buf.append(orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
-        if len(self._buf) >= 4096:
+        self._events.append(event)
+        if len(self._events) >= 4096:
             self.flush()
 
     def flush(self) -> None:
-        if self._buf:
-            sep = b",\n"
-            self._f.write((b"" if self._first else sep) + sep.join(self._buf))
+        """Write the events buffered: one ``orjson.dumps`` of the list, without its brackets."""
+        if self._events:
+            text = orjson.dumps(self._events, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+            self._f.write((b"" if self._first else b",\n") + text[1:-1])
             self._first = False
-            self._buf = []
+            self._events = []
 
-    def tid(self, pid: int, thread: str | None, track: str, lane: int, name: str) -> int:
-        key = (pid, thread, track, lane)
-        tid = self._tids.get(key)
-        if tid is None:
-            tid = self._tids[key] = self._next_tid.get(pid, 0) + 1
-            self._next_tid[pid] = tid
-            order = self._threads.get((pid, thread))
-            if order is None:
-                order = self._threads[(pid, thread)] = self._thread_count.get(pid, 0)
-                self._thread_count[pid] = order + 1
-            label = name if lane == 0 else f"{name} (lane {lane + 1})"
-            self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
-            # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and
-            # their GPU tracks; each group in order of appearance.
-            kind, _, repeated = track.partition(":")
-            sort = order * 40_000 + (2 if kind == "gpu" else 0) * 10_000 + (10_000 if repeated else 0) + tid
-            self.emit({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+    def _new_tid(self, pid: int, thread: str | None, track: str, lane: int, name: str) -> int:
+        tid = self._next_tid.get(pid, 0) + 1
+        self._next_tid[pid] = tid
+        order = self._threads.get((pid, thread))
+        if order is None:
+            order = self._threads[(pid, thread)] = self._thread_count.get(pid, 0)
+            self._thread_count[pid] = order + 1
+        label = name if lane == 0 else f"{name} (lane {lane + 1})"
+        self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+        # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and
+        # their GPU tracks; each group in order of appearance.
+        kind, _, repeated = track.partition(":")
+        sort = order * 40_000 + (2 if kind == "gpu" else 0) * 10_000 + (10_000 if repeated else 0) + tid
+        self.emit({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
         return tid
 
     def slice(self, pid: int, thread: str | None, track: str, name: str, track_name: str,
               s: int, e: int, *, cat: str, args: dict[str, Any]) -> int:
         """Draw [s, e) ns on a lane of ``track`` of the thread; return its tid."""
-        lanes = self._lanes.get((pid, thread, track))
-        if lanes is None:
-            lanes = self._lanes[(pid, thread, track)] = _Lanes()
+        key = (pid, thread, track)
+        found = self._tracks.get(key)
+        if found is None:
+            found = self._tracks[key] = (_Lanes(), [])
+        lanes, tids = found
         lane = lanes.place(s, e)
-        tid = self.tid(pid, thread, track, lane, track_name)
+        if lane < len(tids):
+            tid = tids[lane]
+        else:  # lanes are made one at a time: this is the next
+            tid = self._new_tid(pid, thread, track, lane, track_name)
+            tids.append(tid)
         self.emit({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
                    "pid": pid, "tid": tid, "args": args})
         return tid
@@ -329,12 +326,11 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool]]:
     """The phases as (key, figures, host start ns from the step's start, wall ns, approximate),
     ordered by start (longest first at one start)."""
-    if type(phases) is not dict:
+    if not phases:
         return []
-    valid = [(k, f) for k, f in phases.items()
-             if type(k) is str and type(f) is dict and _nonneg(f.get("wall_ms")) is not None]
+    valid = [(k, f) for k, f in phases.items() if f is not None and f.get("wall_ms") is not None]
     out: list[tuple[str, dict[str, Any], int, int, bool]] = []
-    if all(_nonneg(f.get("start_ms")) is not None for _, f in valid):
+    if all(f.get("start_ms") is not None for _, f in valid):
         out = [(k, f, _ns(f["start_ms"]), _ns(f["wall_ms"]), False) for k, f in valid]
     else:  # an older log: back to back from the start of the step or the enclosing phase
         starts: dict[str, int] = {"": 0}
@@ -352,15 +348,18 @@ def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool
 
 def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     pid = run.pid
-    thread = r.get("thread") if type(r.get("thread")) is str else None
+    get = r.get
+    thread = get("thread")
     host_name = "host" if thread is None else f"host: {thread}"
-    s = round((float(r["start_unix_s"]) - tr.t0_s) * 1e9)
-    e = s + _ns(float(r["wall_ms"]))
+    s = round((r["start_unix_s"] - tr.t0_s) * 1e9)
+    e = s + _ns(r["wall_ms"])
     index = r["step"]
-    warmup = r.get("warmup") is True
-    error = r.get("error") if type(r.get("error")) is dict else None
+    warmup = get("warmup") is True
+    error = get("error")
     cat = "step" + (",warmup" if warmup else "") + (",error" if error else "")
-    name = r.get("name") if type(r.get("name")) is str else "step"
+    name = get("name")
+    if name is None:
+        name = "step"
     args = _clean({
         "step": index, "warmup": warmup, "error": error, "batch_size": r.get("batch_size"),
         "wall_ms": r.get("wall_ms"), "gpu_ms": r.get("gpu_ms"), "gpu_busy": r.get("gpu_busy"),
@@ -369,9 +368,9 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
         "run_id": r.get("run_id"),
     })
     host_tid = tr.slice(pid, thread, "host", name, host_name, s, e, cat=cat, args=args)
-    device = r.get("device") if type(r.get("device")) is str else run.device
+    device = get("device") or run.device
     gpu_name = f"GPU {device or ''}".rstrip() + ("" if thread is None else f": {thread}")
-    gpu_ms = _nonneg(r.get("gpu_ms"))
+    gpu_ms = get("gpu_ms")
     if gpu_ms is not None:
         gpu_end = s + _ns(gpu_ms)
         tr.slice(pid, thread, "gpu", name, gpu_name, s, gpu_end, cat=cat,
@@ -379,14 +378,14 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     phases = _phase_layout(r.get("phases"))
     top = [p for p in phases if "/" not in p[0]]
     tile = gpu_ms is not None and bool(top) and all(
-        p[1].get("count") == 1 and _nonneg(p[1].get("gpu_ms")) is not None for p in top)
+        p[1].get("count") == 1 and p[1].get("gpu_ms") is not None for p in top)
     tiled: dict[str, tuple[int, int]] = {}
     if tile:
         cum = 0.0
         gpu_end = s + _ns(gpu_ms)  # type: ignore[arg-type]
         for key, fig, *_ in top:
             a = s + _ns(cum)
-            cum += float(fig["gpu_ms"])
+            cum += fig["gpu_ms"]
             # The last top-level end event precedes the step's: an excess is the events' rounding.
             tiled[key] = (a, min(s + _ns(cum), gpu_end))
     for key, fig, start, wall, approx in phases:
@@ -405,7 +404,7 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
         track = "" if type(count) is not int or count <= 1 else f":{key}"
         tr.slice(pid, thread, "host" + track, label, host_name + (f" · {key} (repeated)" if track else ""),
                  s + start, s + start + wall, cat=pcat, args=pargs)
-        pg = _nonneg(fig.get("gpu_ms"))
+        pg = fig.get("gpu_ms")
         if pg is None:
             continue
         if key in tiled:
@@ -424,7 +423,7 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
                  phases: list[tuple[str, dict[str, Any], int, int, bool]]) -> None:
     """One instant per sync site: at the start of the phase that holds all of the step's syncs
     (the deepest that ran once and counted them all), else at the step's start."""
-    if type(syncs) is not dict or type(syncs.get("sites")) is not list or not syncs["sites"]:
+    if not syncs or not syncs.get("sites"):
         return
     total = syncs.get("count")
     at, where = s, "at the step's start (sync sites carry no time)"
@@ -435,9 +434,9 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
         at = s + start
         where = f"at the start of phase {key!r}, which holds all of the step's syncs (sites carry no time)"
     for site in syncs["sites"]:
-        if type(site) is not dict:
+        if site is None:
             continue
-        kind = site.get("kind") if type(site.get("kind")) is str else "sync"
+        kind = site.get("kind") or "sync"
         tr.emit({"name": f"sync: {kind}", "cat": "sync", "ph": "i", "s": "t", "ts": at / 1e3,
                  "pid": pid, "tid": tid,
                  "args": _clean({"step": index, "where": site.get("where"), "code": site.get("code"),
@@ -445,8 +444,7 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
 
 
 def _memory_event(tr: _Trace, pid: int, s: int, r: dict[str, Any]) -> None:
-    args = {k: r[k] for k in ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
-            if _num(r.get(k)) is not None}
+    args = {k: r[k] for k in ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes") if r.get(k) is not None}
     if args:
         tr.emit({"name": "memory", "ph": "C", "ts": s / 1e3, "pid": pid, "tid": 0, "args": args})
 
@@ -572,18 +570,16 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
 def _scalars(r: dict[str, Any]) -> Iterator[tuple[str, float]]:
     """A step record's scalars: (tag, value), nulls left out."""
     for name in TB_FIGURES:
-        v = _num(r.get(name))
+        v = r.get(name)
         if v is not None:
-            yield f"stepprof/{name}", v
+            yield f"stepprof/{name}", float(v)
     syncs = r.get("syncs")
-    if type(syncs) is dict and _num(syncs.get("count")) is not None:
+    if syncs and syncs.get("count") is not None:
         yield "stepprof/syncs", float(syncs["count"])
-    phases = r.get("phases")
-    if type(phases) is dict:
-        for key, fig in phases.items():
-            if type(key) is not str or type(fig) is not dict:
-                continue
-            for name in TB_PHASE_FIGURES:
-                v = _num(fig.get(name))
-                if v is not None:
-                    yield f"stepprof/phases/{key}/{name}", v
+    for key, fig in (r.get("phases") or {}).items():
+        if fig is None:
+            continue
+        for name in TB_PHASE_FIGURES:
+            v = fig.get(name)
+            if v is not None:
+                yield f"stepprof/phases/{printable(key)}/{name}", float(v)

@@ -667,20 +667,23 @@ def test_start_ms_is_present_and_ordered_on_cuda(boundary, built_boundary, tmp_p
 # -- linear in the log: steps that never nest, many runs, many threads --------------------------
 
 
-@pytest.mark.parametrize("shape, n, bound_s", [("overlapping_steps", 20_000, 6.0), ("distinct_runs", 20_000, 8.0),
-                                               ("distinct_threads", 20_000, 8.0)])
-def test_the_trace_takes_time_linear_in_the_log(tmp_path, shape, n, bound_s):
-    """The acceptance is 20,000 steps that never nest in under 2 s; the bound here leaves room
-    for a loaded CI machine (bench/readers.py measures it)."""
+@pytest.mark.parametrize("shape", ["overlapping_steps", "distinct_runs", "distinct_threads"])
+def test_the_trace_takes_time_linear_in_the_log(tmp_path, shape):
+    """Four times the steps take at most eight times as long (quadratic: sixteen), and 20,000
+    well under 30 s.  The acceptance, 20,000 steps that never nest in under 2 s, is measured by
+    bench/readers.py: a CI machine shared with other jobs cannot promise a wall time."""
     import time
 
     from . import readerlogs
 
-    log = readerlogs.write_lines(str(tmp_path / f"{shape}.jsonl"), getattr(readerlogs, shape)(n))
-    t0 = time.perf_counter()
-    done = _export.export_chrome([log], str(tmp_path / "t.json"))
-    took = time.perf_counter() - t0
-    assert done.steps == n and took < bound_s, took
+    took = {}
+    for n in (5_000, 20_000):
+        log = readerlogs.write_lines(str(tmp_path / f"{shape}{n}.jsonl"), getattr(readerlogs, shape)(n))
+        t0 = time.process_time()
+        done = _export.export_chrome([log], str(tmp_path / "t.json"))
+        took[n] = time.process_time() - t0
+        assert done.steps == n
+    assert took[20_000] < 8 * took[5_000] + 0.5 and took[20_000] < 30, took
 
 
 def test_steps_that_never_nest_are_drawn_properly_nested_on_lanes(tmp_path):

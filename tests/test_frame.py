@@ -134,10 +134,10 @@ def test_steps_that_each_bring_new_phase_names_are_framed_linearly_in_bounded_co
     from . import readerlogs
 
     log = readerlogs.write_lines(str(tmp_path / "p.jsonl"), readerlogs.changing_phases(2000, names=50))
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     with pytest.warns(stepprof.StepprofWarning, match=r"left out 100,000\+ field\(s\) first seen after the first 1,024"):
         df = stepprof.frame(log)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert df.shape == (2000, COLUMNS_KEPT) and took < 15, (df.shape, took)
     assert df["phase.p0.0.wall_ms"][0] == 0.1 and pd.isna(df["phase.p0.0.wall_ms"][1])
     assert df["step"].dtype == "int64" and df["wall_ms"].tolist() == [7.0] * 2000
