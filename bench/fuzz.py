@@ -9,7 +9,7 @@ its own, one log each, whose mutations hit the kinds it draws.  A crash is any e
 a tool (a refusal with exit status 2, such as "no step records to export", is not one); it is
 traced back to its case.
 
-    python bench/fuzz.py [--cases 20000] [--seed 0] [--plot-cases 600] [--out bench/results/fuzz.json]
+    python bench/fuzz.py [--cases 20000] [--seed 0] [--plot-cases 600] [--out bench/results/fuzz-cpu-DATE.json]
 
 Exits 1 if any tool crashed.
 """
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot-cases", type=int, default=None, help="cases per plot (default: cases / 33)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", f"fuzz-cpu-{time.strftime('%Y-%m-%d')}.json"),
+                    help="write the results as JSON here (default: bench/results/fuzz-cpu-<date>.json)")
     args = ap.parse_args(argv)
     plot_n = args.plot_cases if args.plot_cases is not None else max(30, args.cases // 33)
     t0 = time.perf_counter()

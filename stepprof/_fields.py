@@ -60,8 +60,8 @@ FLOAT_GREATEST: Final = 1e24
 
 @attrs.frozen
 class Scalar:
-    """A JSON scalar: ``int``, ``float`` (an int is a float too: JSON has one kind of number),
-    ``str`` or ``bool``."""
+    """A JSON scalar: ``int``, ``float``, ``str`` or ``bool``.  JSON has one kind of number, so
+    an int is a float too, and an integral float (``4096.0``) is read as an int."""
 
     name: str
 

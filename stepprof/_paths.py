@@ -28,7 +28,7 @@ def component(text: str) -> str:
 
     Example:
         >>> component("../../etc/passwd"), component("/abs/run"), component("5f0c2e9a41b7")
-        ('_.._.._etc_passwd', '_abs_run', '5f0c2e9a41b7')
+        ('_._.._etc_passwd', '_abs_run', '5f0c2e9a41b7')
     """
     out = "".join(c if c in _SAFE else "_" for c in text[:COMPONENT_MAX])
     if out.startswith("."):

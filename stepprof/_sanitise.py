@@ -6,7 +6,8 @@ which ``stepprof.read`` and every tool use):
 
 - a declared field whose value has the wrong type, or a number outside its unit's range
   (``stepprof._fields.UNITS``; negative where the field is not signed), is read as null,
-  and the record's ``unavailable`` says that the log held an invalid value there;
+  and the record's ``unavailable`` says that the log held an invalid value there (an int
+  field takes an integral float as its int: JSON has one kind of number);
 - a record whose ``kind`` is not a string, or without a usable value in a required field
   (a step's ``step``), is dropped;
 - strings are cut to :data:`STR_MAX` characters, keys to :data:`KEY_MAX`; a container
@@ -121,6 +122,8 @@ def _value(spec: _Spec, v: Any, bad: _Bad) -> Any:
     elif code == _INT:
         if t is int and lo <= v <= hi:
             return v
+        if t is float and lo <= v <= hi and v.is_integer():  # JSON has one kind of number: 4096.0 is 4096
+            return int(v)
     elif code == _STR:
         if t is str:
             return v if len(v) <= STR_MAX else _cut(v)

@@ -27,13 +27,21 @@ def _deep(n: int):
 @pytest.mark.parametrize("field, value", [
     ("wall_ms", "7"), ("wall_ms", [7.0]), ("wall_ms", True), ("wall_ms", 1e305), ("wall_ms", -1.0),
     ("overhead_us", 1e306), ("data_wait_ms", 1e303), ("start_unix_s", 1e300), ("start_unix_s", -1e300),
-    ("batch_size", 2**64 - 1), ("batch_size", 4096.0), ("batch_size", -1), ("peak_allocated_bytes", 2**63),
+    ("batch_size", 2**64 - 1), ("batch_size", 4096.5), ("batch_size", -1), ("peak_allocated_bytes", 2**63),
+    ("peak_allocated_bytes", 1e300),
     ("gpu_busy", {"a": 1}), ("name", 5), ("warmup", 1), ("phases", 3), ("syncs", [1]), ("error", "boom"),
 ])
 def test_a_declared_field_of_the_wrong_type_or_out_of_range_is_null_with_the_reason(field, value):
     r = sanitise(_step(**{field: value}))
     assert r[field] is None
     assert r["unavailable"][field].startswith(INVALID + " (")
+
+
+def test_an_integral_float_in_an_int_field_is_read_as_its_int():
+    r = sanitise(_step(batch_size=4096.0, step=7.0, peak_allocated_bytes=2.5e9))
+    assert (r["batch_size"], r["step"], r["peak_allocated_bytes"]) == (4096, 7, 2_500_000_000)
+    assert all(type(r[k]) is int for k in ("batch_size", "step", "peak_allocated_bytes"))
+    assert r["unavailable"] == {}
 
 
 def test_a_nested_field_is_null_and_its_reason_is_keyed_by_its_declared_path():
@@ -56,6 +64,7 @@ def test_a_signed_field_takes_a_negative_number_and_an_unsigned_one_does_not():
 @pytest.mark.parametrize("line", [
     {"kind": ["step"]}, {"kind": {"a": 1}}, {"kind": 3}, {"step": 1}, {},
     {"kind": "step", "step": "3"}, {"kind": "step", "step": 2**64 - 1}, {"kind": "step", "step": -1},
+    {"kind": "step", "step": 3.5},
     {"kind": "step", "wall_ms": 1.0},
 ])
 def test_a_record_without_a_usable_kind_or_step_index_is_dropped(line):
