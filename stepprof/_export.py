@@ -228,32 +228,45 @@ class _Lanes:
     """The lanes of one drawn track.  A slice goes on the first lane where it nests properly
     (inside the open slice, after the closed ones): trace viewers require it on one thread,
     and a GPU span that outlasts the next step's start, or a repeated phase's summed slice,
-    would break it.  Past :data:`LANES_SEARCHED` lanes, a slice takes a lane whose slices all
-    ended by its start, else a new one."""
+    would break it.  The lane of the latest slice is tried first, for a slice that nests in it
+    (a phase in the step just drawn).  Past :data:`LANES_SEARCHED` lanes, a slice takes a lane
+    whose slices all ended by its start, else a new one."""
 
-    __slots__ = ("lanes", "free")
+    __slots__ = ("lanes", "free", "last")
 
     def __init__(self) -> None:
         self.lanes: list[tuple[list[tuple[int, int]], list[int]]] = []  # (open slices, [closed until])
         self.free: list[tuple[int, int]] = []  # (free from, lane) of the lanes past LANES_SEARCHED
+        self.last = -1
 
     def place(self, s: int, e: int) -> int:
-        for i, (stack, closed) in enumerate(self.lanes):
+        lanes = self.lanes
+        if self.last >= 0:  # nested in the latest slice's lane: its free time (in the heap) holds
+            stack, closed = lanes[self.last]
+            while stack and stack[-1][1] <= s:
+                closed[0] = max(closed[0], stack.pop()[1])
+            if stack and s >= closed[0] and stack[-1][0] <= s and e <= stack[-1][1]:
+                stack.append((s, e))
+                return self.last
+        for i in range(min(len(lanes), LANES_SEARCHED)):
+            stack, closed = lanes[i]
             while stack and stack[-1][1] <= s:
                 closed[0] = max(closed[0], stack.pop()[1])
             if s >= closed[0] and (not stack or (stack[-1][0] <= s and e <= stack[-1][1])):
                 stack.append((s, e))
+                self.last = i
                 return i
-        if len(self.lanes) < LANES_SEARCHED:
-            self.lanes.append(([(s, e)], [-(2**62)]))
-            return len(self.lanes) - 1
         free = self.free
-        if free and free[0][0] <= s:  # every slice on that lane ended by s: this one follows them
+        if len(lanes) >= LANES_SEARCHED and free and free[0][0] <= s:  # all its slices ended by s
             lane = free[0][1]
             heapq.heapreplace(free, (e, lane))
-            return lane
-        lane = LANES_SEARCHED + len(free)
-        heapq.heappush(free, (e, lane))
+            lanes[lane] = ([(s, e)], [-(2**62)])
+        else:
+            lane = len(lanes)
+            lanes.append(([(s, e)], [-(2**62)]))
+            if lane >= LANES_SEARCHED:
+                heapq.heappush(free, (e, lane))
+        self.last = lane
         return lane
 
 
@@ -279,7 +292,7 @@ class _Trace:
     def flush(self) -> None:
         """Write the events buffered: one ``orjson.dumps`` of the list, without its brackets."""
         if self._events:
-            text = orjson.dumps(self._events, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+            text = orjson.dumps(self._events)  # every key is a str (the records are sanitised)
             self._f.write((b"" if self._first else b",\n") + text[1:-1])
             self._first = False
             self._events = []
@@ -301,21 +314,23 @@ class _Trace:
         return tid
 
     def slice(self, pid: int, thread: str | None, track: str, name: str, track_name: str,
-              s: int, e: int, *, cat: str, args: dict[str, Any]) -> int:
+              s: int, e: int, cat: str, args: dict[str, Any]) -> int:
         """Draw [s, e) ns on a lane of ``track`` of the thread; return its tid."""
-        key = (pid, thread, track)
-        found = self._tracks.get(key)
+        found = self._tracks.get((pid, thread, track))
         if found is None:
-            found = self._tracks[key] = (_Lanes(), [])
-        lanes, tids = found
-        lane = lanes.place(s, e)
+            found = self._tracks[(pid, thread, track)] = (_Lanes(), [])
+        lane = found[0].place(s, e)
+        tids = found[1]
         if lane < len(tids):
             tid = tids[lane]
         else:  # lanes are made one at a time: this is the next
             tid = self._new_tid(pid, thread, track, lane, track_name)
             tids.append(tid)
-        self.emit({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
-                   "pid": pid, "tid": tid, "args": args})
+        events = self._events
+        events.append({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
+                       "pid": pid, "tid": tid, "args": args})
+        if len(events) >= 4096:
+            self.flush()
         return tid
 
 
@@ -346,9 +361,17 @@ def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool
     return out
 
 
+#: The step record's fields shown in its slice's args (those that are not null).
+_STEP_ARGS = ("batch_size", "wall_ms", "gpu_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "overhead_us",
+              "sampled", "compiled", "run_id")
+#: A phase's, likewise.
+_PHASE_ARGS = ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms")
+
+
 def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     pid = run.pid
     get = r.get
+    draw = tr.slice
     thread = get("thread")
     host_name = "host" if thread is None else f"host: {thread}"
     s = round((r["start_unix_s"] - tr.t0_s) * 1e9)
@@ -360,50 +383,51 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     name = get("name")
     if name is None:
         name = "step"
-    args = _clean({
-        "step": index, "warmup": warmup, "error": error, "batch_size": r.get("batch_size"),
-        "wall_ms": r.get("wall_ms"), "gpu_ms": r.get("gpu_ms"), "gpu_busy": r.get("gpu_busy"),
-        "samples_per_s": r.get("samples_per_s"), "data_wait_ms": r.get("data_wait_ms"),
-        "overhead_us": r.get("overhead_us"), "sampled": r.get("sampled"), "compiled": r.get("compiled"),
-        "run_id": r.get("run_id"),
-    })
-    host_tid = tr.slice(pid, thread, "host", name, host_name, s, e, cat=cat, args=args)
+    args: dict[str, Any] = {"step": index, "warmup": warmup}
+    if error is not None:
+        args["error"] = error
+    for k in _STEP_ARGS:
+        v = get(k)
+        if v is not None:
+            args[k] = v
+    host_tid = draw(pid, thread, "host", name, host_name, s, e, cat, args)
     device = get("device") or run.device
     gpu_name = f"GPU {device or ''}".rstrip() + ("" if thread is None else f": {thread}")
     gpu_ms = get("gpu_ms")
     if gpu_ms is not None:
-        gpu_end = s + _ns(gpu_ms)
-        tr.slice(pid, thread, "gpu", name, gpu_name, s, gpu_end, cat=cat,
-                 args={"step": index, "gpu_ms": gpu_ms, "placement": _GPU_ALIGNED})
-    phases = _phase_layout(r.get("phases"))
-    top = [p for p in phases if "/" not in p[0]]
-    tile = gpu_ms is not None and bool(top) and all(
-        p[1].get("count") == 1 and p[1].get("gpu_ms") is not None for p in top)
+        draw(pid, thread, "gpu", name, gpu_name, s, s + _ns(gpu_ms), cat,
+             {"step": index, "gpu_ms": gpu_ms, "placement": _GPU_ALIGNED})
+    phases = _phase_layout(get("phases"))
     tiled: dict[str, tuple[int, int]] = {}
-    if tile:
-        cum = 0.0
-        gpu_end = s + _ns(gpu_ms)  # type: ignore[arg-type]
-        for key, fig, *_ in top:
-            a = s + _ns(cum)
-            cum += fig["gpu_ms"]
-            # The last top-level end event precedes the step's: an excess is the events' rounding.
-            tiled[key] = (a, min(s + _ns(cum), gpu_end))
+    if gpu_ms is not None and phases:
+        top = [p for p in phases if "/" not in p[0]]
+        if top and all(p[1].get("count") == 1 and p[1].get("gpu_ms") is not None for p in top):
+            cum = 0.0
+            gpu_end = s + _ns(gpu_ms)
+            for key, fig, *_ in top:
+                a = s + _ns(cum)
+                cum += fig["gpu_ms"]
+                # The last top-level end event precedes the step's: an excess is the events' rounding.
+                tiled[key] = (a, min(s + _ns(cum), gpu_end))
+    pcat = "phase,warmup" if warmup else "phase"
     for key, fig, start, wall, approx in phases:
         count = fig.get("count")
-        label = key if type(count) is not int or count <= 1 else f"{key} ×{count}"
-        pargs = _clean({
-            "step": index, "wall_ms": fig.get("wall_ms"), "gpu_ms": fig.get("gpu_ms"),
-            "peak_allocated_bytes": fig.get("peak_allocated_bytes"), "count": count,
-            "syncs": fig.get("syncs"), "start_ms": fig.get("start_ms"),
-            "summed": _SUMMED.format(n=count) if type(count) is int and count > 1 else None,
-            "start": _APPROXIMATE if approx else None,
-        })
-        pcat = "phase" + (",warmup" if warmup else "")
+        repeated = type(count) is int and count > 1
+        label = f"{key} ×{count}" if repeated else key
+        pargs: dict[str, Any] = {"step": index}
+        for k in _PHASE_ARGS:
+            v = fig.get(k)
+            if v is not None:
+                pargs[k] = v
+        if repeated:
+            pargs["summed"] = _SUMMED.format(n=count)
+        if approx:
+            pargs["start"] = _APPROXIMATE
         # A phase that ran several times is drawn on a track of its own: its summed slice would
         # seem to contain, or to be contained in, the phases its runs alternated with.
-        track = "" if type(count) is not int or count <= 1 else f":{key}"
-        tr.slice(pid, thread, "host" + track, label, host_name + (f" · {key} (repeated)" if track else ""),
-                 s + start, s + start + wall, cat=pcat, args=pargs)
+        track = f":{key}" if repeated else ""
+        own = f" · {key} (repeated)" if repeated else ""
+        draw(pid, thread, "host" + track, label, host_name + own, s + start, s + start + wall, pcat, pargs)
         pg = fig.get("gpu_ms")
         if pg is None:
             continue
@@ -413,9 +437,11 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
         else:
             a, b = s + start, s + start + _ns(pg)
             placement = _GPU_ALIGNED
-        tr.slice(pid, thread, "gpu" + track, label, gpu_name + (f" · {key} (repeated)" if track else ""), a, b, cat=pcat,
-                 args=_clean({"step": index, "gpu_ms": pg, "count": count, "placement": placement}))
-    _sync_events(tr, pid, host_tid, s, index, r.get("syncs"), phases)
+        gargs = {"step": index, "gpu_ms": pg, "count": count, "placement": placement}
+        if count is None:
+            del gargs["count"]
+        draw(pid, thread, "gpu" + track, label, gpu_name + own, a, b, pcat, gargs)
+    _sync_events(tr, pid, host_tid, s, index, get("syncs"), phases)
     _memory_event(tr, pid, s, r)
 
 
