@@ -1,7 +1,8 @@
 """The reader tools on logs shaped to break them: time and peak memory, each in a fresh process.
 
 Cases (issue 25): a 94 MiB one-line JSON array of empty objects (``read``, ``report``); 20M blank
-lines; 20,000 steps that never nest, 100,000 runs of one step, and 200,000 thread names
+lines; 20,000 steps that never nest (without phases, then with three timed on the GPU: eight
+slices a step), 100,000 runs of one step, and 200,000 thread names
 (``export --chrome``); 1,000 runs (``export --tensorboard``, which writes the last 100); 20,000
 steps that each bring 50 new phase names (``frame``).  Each tool runs in a child process that
 reports its wall time and peak RSS (its VmHWM, plus each report worker's peak for a log read in
@@ -76,6 +77,8 @@ def cases(scale: float) -> list[tuple[str, str, object]]:
         (f"{n(20_000_000):,} blank lines", "read", lambda p: _blank(p, n(20_000_000))),
         (f"{n(20_000_000):,} blank lines", "report", lambda p: _blank(p, n(20_000_000))),
         (f"{n(20_000):,} steps that never nest", "chrome",
+         lambda p: readerlogs.write_lines(p, readerlogs.overlapping_steps(n(20_000), phases=False))),
+        (f"{n(20_000):,} such steps, 3 GPU phases each", "chrome",
          lambda p: readerlogs.write_lines(p, readerlogs.overlapping_steps(n(20_000)))),
         (f"{n(100_000):,} runs", "chrome", lambda p: readerlogs.write_lines(p, readerlogs.distinct_runs(n(100_000)))),
         (f"{n(200_000):,} thread names", "chrome",

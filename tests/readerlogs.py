@@ -157,13 +157,15 @@ def _step(i: int, **changes: Any) -> dict[str, Any]:
     return r
 
 
-def overlapping_steps(n: int) -> Any:
+def overlapping_steps(n: int, *, phases: bool = True) -> Any:
     """``n`` steps that never nest: each starts 1 ms after the previous one and lasts 20 s, on the
-    host and the GPU, its phases at its end."""
+    host and the GPU, with its three phases at its end (or none)."""
     def step(i: int) -> dict[str, Any]:
         r = _step(i, start_unix_s=1796012940.0 + i / 1e3, wall_ms=20_000.0, gpu_ms=20_000.0, run_id="a" * 12)
         for k, ph in enumerate(r["phases"].values()):
             ph.update(start_ms=19_990.0 + 3 * k, wall_ms=2.0, gpu_ms=2.0)
+        if not phases:
+            r["phases"] = {}
         return r
 
     return map(step, range(n))
