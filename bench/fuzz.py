@@ -9,7 +9,7 @@ its own, one log each, whose mutations hit the kinds it draws.  A crash is any e
 a tool (a refusal with exit status 2, such as "no step records to export", is not one); it is
 traced back to its case.
 
-    python bench/fuzz.py [--cases 20000] [--seed 0] [--plot-cases 600] [--out bench/results/fuzz-cpu-DATE.json]
+    python bench/fuzz.py [--cases 20000] [--seed 0] [--plot-cases 1000] [--tools plot,...] [--out FILE.json]
 
 Exits 1 if any tool crashed.
 """
@@ -29,20 +29,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tests import fuzzlogs  # noqa: E402
+from tests.readerlogs import TOOLS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", type=int, default=20_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot-cases", type=int, default=None, help="cases per plot (default: cases / 33)")
+    ap.add_argument("--plot-cases", type=int, default=None, help="cases per plot (default: cases / 20)")
+    ap.add_argument("--tools", default=",".join(TOOLS), help=f"the tools to run, by comma (default: {','.join(TOOLS)})")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", f"fuzz-cpu-{time.strftime('%Y-%m-%d')}.json"),
                     help="write the results as JSON here (default: bench/results/fuzz-cpu-<date>.json)")
     args = ap.parse_args(argv)
-    plot_n = args.plot_cases if args.plot_cases is not None else max(30, args.cases // 33)
+    plot_n = args.plot_cases if args.plot_cases is not None else max(30, args.cases // 20)
+    tools = tuple(t.strip() for t in args.tools.split(","))
+    if not set(tools) <= set(TOOLS):
+        ap.error(f"--tools: {sorted(set(tools) - set(TOOLS))} are not among {', '.join(TOOLS)}")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        result = fuzzlogs.fuzz(tmp, args.cases, args.seed, plot_n=plot_n)
+        result = fuzzlogs.fuzz(tmp, args.cases, args.seed, plot_n=plot_n, tools=tools)
     result.update(
         bench="fuzz", wall_s=time.perf_counter() - t0, python=platform.python_version(), cpus=os.cpu_count(),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -124,7 +124,7 @@ def cases(n: int, seed: int) -> list[list[Mutation]]:
     """``n`` cases of at least two mutations each (and a random extra one in a case out of three):
     the combinations of :data:`COMBOS`, shuffled by ``seed``, dealt round robin, so every one is
     dealt when ``n`` is at least a half of them."""
-    per_case = max(2, -(-len(COMBOS) // n))
+    per_case = max(2, -(-len(COMBOS) // max(n, 1)))
     rng = random.Random(seed)
     combos = COMBOS[:]
     rng.shuffle(combos)
@@ -137,14 +137,17 @@ def cases(n: int, seed: int) -> list[list[Mutation]]:
     return out
 
 
-def plot_cases(tool: str, n: int, seed: int, per_case: int = 4) -> list[list[Mutation]]:
-    """``n`` cases for one plot: mutations of the kinds it draws, every class in turn."""
+def plot_cases(tool: str, n: int, seed: int) -> list[list[Mutation]]:
+    """``n`` cases for one plot: every (path, class) of the kinds it draws, shuffled by path and
+    dealt with the classes in turn (so a few cases show it every class), one to four a case."""
     rng = random.Random(seed)
     classes = list(CLASSES)
-    combos = [(k, p) for k in PLOT_KINDS[tool] for p in PATHS[k]]
-    rng.shuffle(combos)
-    return [[_mutation(rng, *combos[(i * per_case + j) % len(combos)], classes[(i * per_case + j) % len(classes)])
-             for j in range(per_case)] for i in range(n)]
+    paths = [(k, p) for k in PLOT_KINDS[tool] for p in PATHS[k]]
+    rng.shuffle(paths)
+    combos = [(*paths[(i // len(classes)) % len(paths)], classes[i % len(classes)])
+              for i in range(len(paths) * len(classes))]
+    per_case = min(4, max(1, -(-len(combos) // max(n, 1))))
+    return [[_mutation(rng, *combos[(i * per_case + j) % len(combos)]) for j in range(per_case)] for i in range(n)]
 
 
 # -- applying and writing -----------------------------------------------------------------------

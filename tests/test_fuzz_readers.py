@@ -85,6 +85,8 @@ REPRODUCERS = {
                                                      {"device": "cpu", "first_oom": [128], "knee_within": [0.1]}),
     "sweep of lists (_sweep/plot.py capacity)": _sweep({"batch_size": [8]}, {"capacity_bytes": [5],
                                                                               "fit_base_bytes": [1]}),
+    "sweep of batch size 0 (_sweep/plot.py: the fit's line)": _sweep({"batch_size": 0}),
+    "sweep with its thrash zone backwards": _sweep(None, {"thrash_zone": [64, 8]}),
 }
 
 

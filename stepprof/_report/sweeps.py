@@ -76,7 +76,7 @@ def _read_sweep(points: list[dict[str, Any]], result: dict[str, Any] | None) -> 
     zone = result.get("thrash_zone")
     kw["thrash_zone"] = (
         range(zone[0], zone[1] + 1)
-        if type(zone) is list and len(zone) == 2 and all(type(z) is int for z in zone)
+        if type(zone) is list and len(zone) == 2 and all(type(z) is int for z in zone) and zone[0] <= zone[1]
         else None
     )
     notes = result.get("notes")

@@ -45,7 +45,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
         title += f": recommended batch {result.recommended:,}"
     fig.suptitle(title, fontsize=13)
 
-    sizes = [p.batch_size for p in result.points]
+    sizes = [p.batch_size for p in result.points if p.batch_size > 0]  # a log axis has no 0 (a log may say 0)
     lo, hi = (min(sizes), max(sizes)) if sizes else (1, 2)
     zone = result.thrash_zone
     zone_name = "slower (CPU: the cores' limit)" if result.on_host else "thrash zone"
