@@ -88,15 +88,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dumps(obj: Any) -> str:
+    """``obj`` as indented JSON for a terminal: strings from a log keep their values, their
+    control characters escaped (C0 by the encoder, DEL and C1 by :func:`~stepprof._units.printable_json`)."""
     import orjson
+
+    from ._units import printable_json
 
     option = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
     try:
-        return orjson.dumps(obj, option=option).decode()
+        return printable_json(orjson.dumps(obj, option=option).decode())
     except orjson.JSONEncodeError:  # a log path that is not UTF-8, say: repaired as the log's records are
         from ._log import encodable
 
-        return orjson.dumps(encodable(obj), option=option).decode()
+        return printable_json(orjson.dumps(encodable(obj), option=option).decode())
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -165,6 +169,9 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if done.skipped:
         print(f"stepprof: skipped {format_count(done.skipped)} step record(s) without a usable "
               f"step, start_unix_s or wall_ms", file=sys.stderr)
+    if done.runs_left_out:
+        print(f"stepprof: left out the first {format_count(done.runs_left_out)} run(s): --tensorboard writes "
+              f"at most the last {export.TB_RUNS_KEPT} runs, a directory each", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ event is written.  torch is imported only for ``--tensorboard``.
 from __future__ import annotations
 
 import glob
+import heapq
 import math
 import os
 import tempfile
@@ -19,9 +20,10 @@ from typing import Any
 import attrs
 import orjson
 
-from ._aggregate import finite_number as _num  # a finite number as a float, else None
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
+from ._paths import component, components, inside
+from ._units import printable
 from ._report.read import RunGrouper
 
 __all__ = ["Exported", "export_chrome", "export_tensorboard"]
@@ -35,6 +37,9 @@ TB_FIGURES = (
 )
 #: Each phase's figures, under ``stepprof/phases/<name>/<figure>``.
 TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")
+#: Runs ``--tensorboard`` writes, one directory each: the last ones, in the order they begin
+#: in the logs (the report, too, keeps a log's last runs).  The rest are counted.
+TB_RUNS_KEPT = 100
 
 # Short notes in the events' args; the trace's otherData and docs/export.md explain them.
 _GPU_ALIGNED = "starts at the host start (aligned); length exact"
@@ -52,6 +57,7 @@ class Exported:
     ranks: int  # distinct ranks among the runs (0: no run carries one)
     runs: int
     skipped: int  # step records without a usable index, start time or wall time
+    runs_left_out: int = 0  # runs with steps that were not written (--tensorboard keeps the last TB_RUNS_KEPT)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -80,17 +86,10 @@ class _Run:
         self.written = 0
 
 
-def _nonneg(x: Any) -> float | None:
-    """A finite number >= 0 as a float, else None."""
-    v = _num(x)
-    return v if v is not None and v >= 0 else None
-
-
 def _usable(r: dict[str, Any]) -> bool:
-    """Whether a step record can be placed: an int index, a start time and a wall time."""
-    return type(r.get("step")) is int and _num(r.get("start_unix_s")) is not None and (
-        _nonneg(r.get("wall_ms")) is not None
-    )
+    """Whether a step record can be placed: a start time and a wall time (its index is an int:
+    the records come through ``scan``, where a value of the wrong type or out of range is null)."""
+    return r.get("start_unix_s") is not None and r.get("wall_ms") is not None
 
 
 def _walk(path: str, new_run: Callable[[str | None], _Run]) -> Iterator[tuple[_Run, dict[str, Any]]]:
@@ -155,7 +154,11 @@ def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
 
 
 def _label_runs(per_log: list[list[_Run]]) -> list[_Run]:
-    """Give each run with steps its process label, pid and TensorBoard subdirectory."""
+    """Give each run with steps its process label, pid and TensorBoard subdirectory.
+
+    A subdirectory is made of :func:`~stepprof._paths.component`\\ s only (a run's ``run_id``
+    comes from the log, which may hold anything), unique among the runs.
+    """
     runs = [run for runs in per_log for run in runs if run.steps]
     multi_rank = len({run.rank for run in runs if run.rank is not None}) > 1
 
@@ -166,20 +169,14 @@ def _label_runs(per_log: list[list[_Run]]) -> list[_Run]:
         return groups
 
     def names(members: list[_Run]) -> list[str]:
-        taken: set[str] = set()
-        out = []
-        for k, run in enumerate(members, 1):
-            name = run.run_id if run.run_id is not None and run.run_id not in taken else f"run{k}"
-            taken.add(name)
-            out.append(name)
-        return out
+        return components(run.run_id if run.run_id is not None else f"run{k}" for k, run in enumerate(members, 1))
 
     for base, members in grouped(lambda r: f"rank {r.rank}" if r.rank is not None
                                  else os.path.basename(r.log)).items():
         for run, name in zip(members, names(members), strict=True):
             run.label = base if len(members) == 1 else f"{base} · run {name}"
-    for part, members in grouped(lambda r: (f"rank{r.rank}" if r.rank is not None else
-                                            os.path.splitext(os.path.basename(r.log))[0])
+    for part, members in grouped(lambda r: component(f"rank{r.rank}" if r.rank is not None else
+                                                     os.path.splitext(os.path.basename(r.log))[0])
                                  if multi_rank else "").items():
         for run, name in zip(members, names(members), strict=True):
             parts = [part] + ([name] if len(members) > 1 else [])
@@ -212,35 +209,65 @@ def _steps(paths: Sequence[str], per_log: list[list[_Run]]) -> Iterator[tuple[_R
                 yield run, r
 
 
-def _summary(runs: list[_Run], skipped: int, out: str) -> Exported:
+def _summary(runs: list[_Run], skipped: int, out: str, left_out: int = 0) -> Exported:
     ranks = {run.rank for run in runs if run.rank is not None}
     return Exported(path=out, steps=sum(run.steps for run in runs), ranks=len(ranks), runs=len(runs),
-                    skipped=skipped)
+                    skipped=skipped, runs_left_out=left_out)
 
 
 # -- Chrome trace ----------------------------------------------------------------------
+
+
+#: Lanes of a track searched in order for one where a slice nests; past them, lanes are reused
+#: only once they are free (a heap of the times they are free from), so that placing a slice
+#: costs O(log lanes) however many slices overlap it (steps that never nest, out of order).
+LANES_SEARCHED = 4
 
 
 class _Lanes:
     """The lanes of one drawn track.  A slice goes on the first lane where it nests properly
     (inside the open slice, after the closed ones): trace viewers require it on one thread,
     and a GPU span that outlasts the next step's start, or a repeated phase's summed slice,
-    would break it."""
+    would break it.  The lane of the latest slice is tried first, for a slice that nests in it
+    (a phase in the step just drawn).  Past :data:`LANES_SEARCHED` lanes, a slice takes a lane
+    whose slices all ended by its start, else a new one."""
 
-    __slots__ = ("lanes",)
+    __slots__ = ("lanes", "free", "last")
 
     def __init__(self) -> None:
         self.lanes: list[tuple[list[tuple[int, int]], list[int]]] = []  # (open slices, [closed until])
+        self.free: list[tuple[int, int]] = []  # (free from, lane) of the lanes past LANES_SEARCHED
+        self.last = -1
 
     def place(self, s: int, e: int) -> int:
-        for i, (stack, closed) in enumerate(self.lanes):
+        lanes = self.lanes
+        if self.last >= 0:  # nested in the latest slice's lane: its free time (in the heap) holds
+            stack, closed = lanes[self.last]
+            while stack and stack[-1][1] <= s:
+                closed[0] = max(closed[0], stack.pop()[1])
+            if stack and s >= closed[0] and stack[-1][0] <= s and e <= stack[-1][1]:
+                stack.append((s, e))
+                return self.last
+        for i in range(min(len(lanes), LANES_SEARCHED)):
+            stack, closed = lanes[i]
             while stack and stack[-1][1] <= s:
                 closed[0] = max(closed[0], stack.pop()[1])
             if s >= closed[0] and (not stack or (stack[-1][0] <= s and e <= stack[-1][1])):
                 stack.append((s, e))
+                self.last = i
                 return i
-        self.lanes.append(([(s, e)], [-(2**62)]))
-        return len(self.lanes) - 1
+        free = self.free
+        if len(lanes) >= LANES_SEARCHED and free and free[0][0] <= s:  # all its slices ended by s
+            lane = free[0][1]
+            heapq.heapreplace(free, (e, lane))
+            lanes[lane] = ([(s, e)], [-(2**62)])
+        else:
+            lane = len(lanes)
+            lanes.append(([(s, e)], [-(2**62)]))
+            if lane >= LANES_SEARCHED:
+                heapq.heappush(free, (e, lane))
+        self.last = lane
+        return lane
 
 
 class _Trace:
@@ -248,52 +275,62 @@ class _Trace:
 
     def __init__(self, f: Any, t0_s: float) -> None:
         self._f = f
-        self._buf: list[bytes] = []
+        self._events: list[dict[str, Any]] = []
         self._first = True
         self.t0_s = t0_s
-        self._lanes: dict[tuple[int, str | None, str], _Lanes] = {}
-        self._tids: dict[tuple[int, str | None, str, int], int] = {}
+        # (pid, thread, track) -> its lanes, and the tid of each lane
+        self._tracks: dict[tuple[int, str | None, str], tuple[_Lanes, list[int]]] = {}
         self._threads: dict[tuple[int, str | None], int] = {}  # (pid, thread) -> its order in the process
         self._next_tid: dict[int, int] = {}
+        self._thread_count: dict[int, int] = {}  # pid -> threads seen in it
 
     def emit(self, event: dict[str, Any]) -> None:
-        self._buf.append(orjson.dumps(event, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY))
-        if len(self._buf) >= 4096:
+        self._events.append(event)
+        if len(self._events) >= 4096:
             self.flush()
 
     def flush(self) -> None:
-        if self._buf:
-            sep = b",\n"
-            self._f.write((b"" if self._first else sep) + sep.join(self._buf))
+        """Write the events buffered: one ``orjson.dumps`` of the list, without its brackets."""
+        if self._events:
+            text = orjson.dumps(self._events)  # every key is a str (the records are sanitised)
+            self._f.write((b"" if self._first else b",\n") + text[1:-1])
             self._first = False
-            self._buf = []
+            self._events = []
 
-    def tid(self, pid: int, thread: str | None, track: str, lane: int, name: str) -> int:
-        key = (pid, thread, track, lane)
-        tid = self._tids.get(key)
-        if tid is None:
-            tid = self._tids[key] = self._next_tid.get(pid, 0) + 1
-            self._next_tid[pid] = tid
-            order = self._threads.setdefault((pid, thread), len([k for k in self._threads if k[0] == pid]))
-            label = name if lane == 0 else f"{name} (lane {lane + 1})"
-            self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
-            # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and
-            # their GPU tracks; each group in order of appearance.
-            kind, _, repeated = track.partition(":")
-            sort = order * 40_000 + (2 if kind == "gpu" else 0) * 10_000 + (10_000 if repeated else 0) + tid
-            self.emit({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
+    def _new_tid(self, pid: int, thread: str | None, track: str, lane: int, name: str) -> int:
+        tid = self._next_tid.get(pid, 0) + 1
+        self._next_tid[pid] = tid
+        order = self._threads.get((pid, thread))
+        if order is None:
+            order = self._threads[(pid, thread)] = self._thread_count.get(pid, 0)
+            self._thread_count[pid] = order + 1
+        label = name if lane == 0 else f"{name} (lane {lane + 1})"
+        self.emit({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+        # A thread's host lanes, then its repeated phases' host tracks, its GPU lanes, and
+        # their GPU tracks; each group in order of appearance.
+        kind, _, repeated = track.partition(":")
+        sort = order * 40_000 + (2 if kind == "gpu" else 0) * 10_000 + (10_000 if repeated else 0) + tid
+        self.emit({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": sort}})
         return tid
 
     def slice(self, pid: int, thread: str | None, track: str, name: str, track_name: str,
-              s: int, e: int, *, cat: str, args: dict[str, Any]) -> int:
+              s: int, e: int, cat: str, args: dict[str, Any]) -> int:
         """Draw [s, e) ns on a lane of ``track`` of the thread; return its tid."""
-        lanes = self._lanes.get((pid, thread, track))
-        if lanes is None:
-            lanes = self._lanes[(pid, thread, track)] = _Lanes()
-        lane = lanes.place(s, e)
-        tid = self.tid(pid, thread, track, lane, track_name)
-        self.emit({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
-                   "pid": pid, "tid": tid, "args": args})
+        found = self._tracks.get((pid, thread, track))
+        if found is None:
+            found = self._tracks[(pid, thread, track)] = (_Lanes(), [])
+        lane = found[0].place(s, e)
+        tids = found[1]
+        if lane < len(tids):
+            tid = tids[lane]
+        else:  # lanes are made one at a time: this is the next
+            tid = self._new_tid(pid, thread, track, lane, track_name)
+            tids.append(tid)
+        events = self._events
+        events.append({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
+                       "pid": pid, "tid": tid, "args": args})
+        if len(events) >= 4096:
+            self.flush()
         return tid
 
 
@@ -304,12 +341,11 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool]]:
     """The phases as (key, figures, host start ns from the step's start, wall ns, approximate),
     ordered by start (longest first at one start)."""
-    if type(phases) is not dict:
+    if not phases:
         return []
-    valid = [(k, f) for k, f in phases.items()
-             if type(k) is str and type(f) is dict and _nonneg(f.get("wall_ms")) is not None]
+    valid = [(k, f) for k, f in phases.items() if f is not None and f.get("wall_ms") is not None]
     out: list[tuple[str, dict[str, Any], int, int, bool]] = []
-    if all(_nonneg(f.get("start_ms")) is not None for _, f in valid):
+    if all(f.get("start_ms") is not None for _, f in valid):
         out = [(k, f, _ns(f["start_ms"]), _ns(f["wall_ms"]), False) for k, f in valid]
     else:  # an older log: back to back from the start of the step or the enclosing phase
         starts: dict[str, int] = {"": 0}
@@ -325,62 +361,74 @@ def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool
     return out
 
 
+#: The step record's fields shown in its slice's args (those that are not null).
+_STEP_ARGS = ("batch_size", "wall_ms", "gpu_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "overhead_us",
+              "sampled", "compiled", "run_id")
+#: A phase's, likewise.
+_PHASE_ARGS = ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms")
+
+
 def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     pid = run.pid
-    thread = r.get("thread") if type(r.get("thread")) is str else None
+    get = r.get
+    draw = tr.slice
+    thread = get("thread")
     host_name = "host" if thread is None else f"host: {thread}"
-    s = round((float(r["start_unix_s"]) - tr.t0_s) * 1e9)
-    e = s + _ns(float(r["wall_ms"]))
+    s = round((r["start_unix_s"] - tr.t0_s) * 1e9)
+    e = s + _ns(r["wall_ms"])
     index = r["step"]
-    warmup = r.get("warmup") is True
-    error = r.get("error") if type(r.get("error")) is dict else None
+    warmup = get("warmup") is True
+    error = get("error")
     cat = "step" + (",warmup" if warmup else "") + (",error" if error else "")
-    name = r.get("name") if type(r.get("name")) is str else "step"
-    args = _clean({
-        "step": index, "warmup": warmup, "error": error, "batch_size": r.get("batch_size"),
-        "wall_ms": r.get("wall_ms"), "gpu_ms": r.get("gpu_ms"), "gpu_busy": r.get("gpu_busy"),
-        "samples_per_s": r.get("samples_per_s"), "data_wait_ms": r.get("data_wait_ms"),
-        "overhead_us": r.get("overhead_us"), "sampled": r.get("sampled"), "compiled": r.get("compiled"),
-        "run_id": r.get("run_id"),
-    })
-    host_tid = tr.slice(pid, thread, "host", name, host_name, s, e, cat=cat, args=args)
-    device = r.get("device") if type(r.get("device")) is str else run.device
+    name = get("name")
+    if name is None:
+        name = "step"
+    args: dict[str, Any] = {"step": index, "warmup": warmup}
+    if error is not None:
+        args["error"] = error
+    for k in _STEP_ARGS:
+        v = get(k)
+        if v is not None:
+            args[k] = v
+    host_tid = draw(pid, thread, "host", name, host_name, s, e, cat, args)
+    device = get("device") or run.device
     gpu_name = f"GPU {device or ''}".rstrip() + ("" if thread is None else f": {thread}")
-    gpu_ms = _nonneg(r.get("gpu_ms"))
+    gpu_ms = get("gpu_ms")
     if gpu_ms is not None:
-        gpu_end = s + _ns(gpu_ms)
-        tr.slice(pid, thread, "gpu", name, gpu_name, s, gpu_end, cat=cat,
-                 args={"step": index, "gpu_ms": gpu_ms, "placement": _GPU_ALIGNED})
-    phases = _phase_layout(r.get("phases"))
-    top = [p for p in phases if "/" not in p[0]]
-    tile = gpu_ms is not None and bool(top) and all(
-        p[1].get("count") == 1 and _nonneg(p[1].get("gpu_ms")) is not None for p in top)
+        draw(pid, thread, "gpu", name, gpu_name, s, s + _ns(gpu_ms), cat,
+             {"step": index, "gpu_ms": gpu_ms, "placement": _GPU_ALIGNED})
+    phases = _phase_layout(get("phases"))
     tiled: dict[str, tuple[int, int]] = {}
-    if tile:
-        cum = 0.0
-        gpu_end = s + _ns(gpu_ms)  # type: ignore[arg-type]
-        for key, fig, *_ in top:
-            a = s + _ns(cum)
-            cum += float(fig["gpu_ms"])
-            # The last top-level end event precedes the step's: an excess is the events' rounding.
-            tiled[key] = (a, min(s + _ns(cum), gpu_end))
+    if gpu_ms is not None and phases:
+        top = [p for p in phases if "/" not in p[0]]
+        if top and all(p[1].get("count") == 1 and p[1].get("gpu_ms") is not None for p in top):
+            cum = 0.0
+            gpu_end = s + _ns(gpu_ms)
+            for key, fig, *_ in top:
+                a = s + _ns(cum)
+                cum += fig["gpu_ms"]
+                # The last top-level end event precedes the step's: an excess is the events' rounding.
+                tiled[key] = (a, min(s + _ns(cum), gpu_end))
+    pcat = "phase,warmup" if warmup else "phase"
     for key, fig, start, wall, approx in phases:
         count = fig.get("count")
-        label = key if type(count) is not int or count <= 1 else f"{key} ×{count}"
-        pargs = _clean({
-            "step": index, "wall_ms": fig.get("wall_ms"), "gpu_ms": fig.get("gpu_ms"),
-            "peak_allocated_bytes": fig.get("peak_allocated_bytes"), "count": count,
-            "syncs": fig.get("syncs"), "start_ms": fig.get("start_ms"),
-            "summed": _SUMMED.format(n=count) if type(count) is int and count > 1 else None,
-            "start": _APPROXIMATE if approx else None,
-        })
-        pcat = "phase" + (",warmup" if warmup else "")
+        repeated = type(count) is int and count > 1
+        label = f"{key} ×{count}" if repeated else key
+        pargs: dict[str, Any] = {"step": index}
+        for k in _PHASE_ARGS:
+            v = fig.get(k)
+            if v is not None:
+                pargs[k] = v
+        if repeated:
+            pargs["summed"] = _SUMMED.format(n=count)
+        if approx:
+            pargs["start"] = _APPROXIMATE
         # A phase that ran several times is drawn on a track of its own: its summed slice would
         # seem to contain, or to be contained in, the phases its runs alternated with.
-        track = "" if type(count) is not int or count <= 1 else f":{key}"
-        tr.slice(pid, thread, "host" + track, label, host_name + (f" · {key} (repeated)" if track else ""),
-                 s + start, s + start + wall, cat=pcat, args=pargs)
-        pg = _nonneg(fig.get("gpu_ms"))
+        track = f":{key}" if repeated else ""
+        own = f" · {key} (repeated)" if repeated else ""
+        draw(pid, thread, "host" + track, label, host_name + own, s + start, s + start + wall, pcat, pargs)
+        pg = fig.get("gpu_ms")
         if pg is None:
             continue
         if key in tiled:
@@ -389,9 +437,11 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
         else:
             a, b = s + start, s + start + _ns(pg)
             placement = _GPU_ALIGNED
-        tr.slice(pid, thread, "gpu" + track, label, gpu_name + (f" · {key} (repeated)" if track else ""), a, b, cat=pcat,
-                 args=_clean({"step": index, "gpu_ms": pg, "count": count, "placement": placement}))
-    _sync_events(tr, pid, host_tid, s, index, r.get("syncs"), phases)
+        gargs = {"step": index, "gpu_ms": pg, "count": count, "placement": placement}
+        if count is None:
+            del gargs["count"]
+        draw(pid, thread, "gpu" + track, label, gpu_name + own, a, b, pcat, gargs)
+    _sync_events(tr, pid, host_tid, s, index, get("syncs"), phases)
     _memory_event(tr, pid, s, r)
 
 
@@ -399,7 +449,7 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
                  phases: list[tuple[str, dict[str, Any], int, int, bool]]) -> None:
     """One instant per sync site: at the start of the phase that holds all of the step's syncs
     (the deepest that ran once and counted them all), else at the step's start."""
-    if type(syncs) is not dict or type(syncs.get("sites")) is not list or not syncs["sites"]:
+    if not syncs or not syncs.get("sites"):
         return
     total = syncs.get("count")
     at, where = s, "at the step's start (sync sites carry no time)"
@@ -410,9 +460,9 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
         at = s + start
         where = f"at the start of phase {key!r}, which holds all of the step's syncs (sites carry no time)"
     for site in syncs["sites"]:
-        if type(site) is not dict:
+        if site is None:
             continue
-        kind = site.get("kind") if type(site.get("kind")) is str else "sync"
+        kind = site.get("kind") or "sync"
         tr.emit({"name": f"sync: {kind}", "cat": "sync", "ph": "i", "s": "t", "ts": at / 1e3,
                  "pid": pid, "tid": tid,
                  "args": _clean({"step": index, "where": site.get("where"), "code": site.get("code"),
@@ -420,8 +470,7 @@ def _sync_events(tr: _Trace, pid: int, tid: int, s: int, index: int, syncs: Any,
 
 
 def _memory_event(tr: _Trace, pid: int, s: int, r: dict[str, Any]) -> None:
-    args = {k: r[k] for k in ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
-            if _num(r.get(k)) is not None}
+    args = {k: r[k] for k in ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes") if r.get(k) is not None}
     if args:
         tr.emit({"name": "memory", "ph": "C", "ts": s / 1e3, "pid": pid, "tid": 0, "args": args})
 
@@ -501,11 +550,14 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     """Write the steps of the logs at ``paths`` as TensorBoard scalars under ``out_dir``.
 
     Each step is one event holding all its scalars (what ``SummaryWriter.add_scalar`` writes,
-    one value per call), by step index, at the step's ``start_unix_s``.
+    one value per call), by step index, at the step's ``start_unix_s``.  Each run (of the last
+    :data:`TB_RUNS_KEPT`) has a directory of its own when there are several, named from its rank
+    or log and its ``run_id``, made safe as path components; every path is checked to lie
+    inside ``out_dir`` before anything is written there.
 
     Raises:
-        ConfigError: a log is missing or has no step records, or ``out_dir`` already holds
-            event files.
+        ConfigError: a log is missing or has no step records, ``out_dir`` already holds
+            event files, or a run's directory would resolve outside it (a symbolic link).
         MissingExtraError: tensorboard is not installed.
     """
     out_dir = os.fspath(out_dir)
@@ -518,13 +570,17 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
         )
     FileWriter, Summary = _tensorboard()
     paths, per_log, runs, skipped = _read(paths)
+    kept = {id(run) for run in runs[-TB_RUNS_KEPT:]}
     writers: dict[int, Any] = {}
     try:
         for run, r in _steps(paths, per_log):
+            if id(run) not in kept:
+                continue
             w = writers.get(id(run))
             if w is None:
+                where = inside(out_dir, os.path.join(out_dir, run.subdir), "--tensorboard")
                 # A deep queue: with the default (10), each write waits on the writer's thread.
-                w = writers[id(run)] = FileWriter(os.path.join(out_dir, run.subdir), max_queue=8192, flush_secs=30)
+                w = writers[id(run)] = FileWriter(where, max_queue=8192, flush_secs=30)
             values = [Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(r)]
             if values:
                 w.add_summary(Summary(value=values), global_step=r["step"], walltime=float(r["start_unix_s"]))
@@ -533,24 +589,23 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     finally:
         for w in writers.values():
             w.close()
-    return _summary(runs, skipped, out_dir)
+    written = [run for run in runs if id(run) in kept]
+    return _summary(written, skipped, out_dir, len(runs) - len(written))
 
 
 def _scalars(r: dict[str, Any]) -> Iterator[tuple[str, float]]:
     """A step record's scalars: (tag, value), nulls left out."""
     for name in TB_FIGURES:
-        v = _num(r.get(name))
+        v = r.get(name)
         if v is not None:
-            yield f"stepprof/{name}", v
+            yield f"stepprof/{name}", float(v)
     syncs = r.get("syncs")
-    if type(syncs) is dict and _num(syncs.get("count")) is not None:
+    if syncs and syncs.get("count") is not None:
         yield "stepprof/syncs", float(syncs["count"])
-    phases = r.get("phases")
-    if type(phases) is dict:
-        for key, fig in phases.items():
-            if type(key) is not str or type(fig) is not dict:
-                continue
-            for name in TB_PHASE_FIGURES:
-                v = _num(fig.get(name))
-                if v is not None:
-                    yield f"stepprof/phases/{key}/{name}", v
+    for key, fig in (r.get("phases") or {}).items():
+        if fig is None:
+            continue
+        for name in TB_PHASE_FIGURES:
+            v = fig.get(name)
+            if v is not None:
+                yield f"stepprof/phases/{printable(key)}/{name}", float(v)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import MissingExtraError
+from ._errors import MissingExtraError, warn
 from ._log import read
 from ._validate import check_frame_kind, check_logs
 
@@ -25,6 +25,15 @@ _FLOAT_SUFFIXES = ("_ms", "_s", "_us", "gpu_busy", "mfu", "median", "p10", "p90"
 #: Names (the last dotted part) of integer figures, nullable Int64 when every value is null.
 _INT_NAMES = frozenset({"step", "count", "syncs", "batch_size"})
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+#: Columns a frame holds at most, in the order first seen: a field first seen past them is left
+#: out (one warning counts them), so a log whose records each bring new phase names costs at
+#: most rows x COLUMNS_KEPT cells.
+COLUMNS_KEPT = 1024
+#: Distinct names left out that are counted one by one.
+_LEFT_OUT_COUNTED = 100_000
+
 
 def _pandas() -> Any:
     try:
@@ -40,8 +49,8 @@ def _pandas() -> Any:
 def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
     """One row: nested objects spread over dotted columns.
 
-    A step's ``phases`` become ``phase.<name>.<field>`` and its ``syncs`` their count;
-    ``unavailable`` stays one dict; lists stay as they are.
+    A step's ``phases`` become ``phase.<name>.<field>`` (a phase that is not an object has
+    none) and its ``syncs`` their count; ``unavailable`` stays one dict; lists stay as they are.
     """
     row: dict[str, Any] = {}
     for key, value in record.items():
@@ -49,7 +58,8 @@ def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
             row[key] = value
         elif kind == "step" and key == "phases":
             for name, phase in value.items():
-                _spread(row, f"phase.{name}", phase)
+                if type(phase) is dict:
+                    _spread(row, f"phase.{name}", phase)
         elif kind == "step" and key == "syncs":
             row["syncs"] = value.get("count")
         else:
@@ -58,6 +68,7 @@ def _flatten(record: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def _spread(row: dict[str, Any], prefix: str, value: dict[str, Any]) -> None:
+    """``value``'s items as ``prefix.key`` columns (a record as read nests a few levels at most)."""
     for key, inner in value.items():
         if type(inner) is dict:
             _spread(row, f"{prefix}.{key}", inner)
@@ -83,8 +94,9 @@ def _column(pd: Any, name: str, values: list[Any]) -> Any:
     if types == {bool}:
         return pd.Series(values, dtype="boolean" if nulls else bool)
     if types <= {int, float}:
-        if float in types or is_float:
-            return pd.Series(values, dtype="float64")
+        if float in types or is_float or not _INT64[0] <= min(v for v in values if v is not None) <= max(
+                v for v in values if v is not None) <= _INT64[1]:
+            return pd.Series(values, dtype="float64")  # an int past int64 (FLOPs) only fits a float
         return pd.Series(values, dtype="Int64" if nulls else "int64")
     return pd.Series(values, dtype=object)
 
@@ -103,7 +115,9 @@ def frame(
     its ``syncs`` as their count and its ``allocator`` as ``allocator.<counter>``, a
     summary's ``wall_ms_percentiles`` as ``wall_ms_percentiles.median``...  ``unavailable``
     is kept as one column of dicts (figure -> why it is null), and lists stay lists.
-    Needs pandas (``pip install 'stepprof[frame]'``).
+    Records are read as :func:`stepprof.read` reads them (a value of the wrong type is null).
+    At most :data:`COLUMNS_KEPT` columns, in the order first seen: a field first seen after
+    them is left out, with one warning.  Needs pandas (``pip install 'stepprof[frame]'``).
 
     Args:
         log: a log's path, or a list of paths (the ``<stem>.rank<R>.jsonl`` logs of a
@@ -130,23 +144,40 @@ def frame(
     paths = check_logs(log)
     check_frame_kind(kind)
     pd = _pandas()
-    rows: list[dict[str, Any]] = []
+    # Built column by column as the rows come (a row's missing fields padded with None), so the
+    # work is the cells that the frame holds, whatever fields each record brings.
+    columns: dict[str, list[Any]] = {"log": []}
+    left_out: set[str] = set()
+    n = 0
     for path in paths:
         name = os.fspath(path)
         for record in read(path, kind=kind):
             row = _flatten(record, kind)
             row["log"] = name
-            rows.append(row)
-    names: dict[str, None] = {"log": None}
-    for row in rows:
-        if not row.keys() <= names.keys():   # a field first seen here: its column after the others
-            names.update(dict.fromkeys(row))
+            for key, value in row.items():
+                col = columns.get(key)
+                if col is None:
+                    if len(columns) >= COLUMNS_KEPT:
+                        if len(left_out) < _LEFT_OUT_COUNTED:
+                            left_out.add(key)
+                        continue
+                    col = columns[key] = [None] * n
+                elif len(col) < n:
+                    col.extend([None] * (n - len(col)))
+                col.append(value)
+            n += 1
+    if left_out:
+        more = "+" if len(left_out) >= _LEFT_OUT_COUNTED else ""
+        warn(f"stepprof.frame: left out {len(left_out):,}{more} field(s) first seen after the first "
+             f"{COLUMNS_KEPT:,} columns (phase names that change from step to step, say)", stacklevel=2)
     # A field that is an object in some rows and null in the others lives in its dotted
     # columns (allocator.num_device_alloc...); its own column would be null throughout.
-    spread = {name.split(".", 1)[0] for name in names if "." in name}
+    spread = {key.split(".", 1)[0] for key in columns if "." in key}
     data = {}
-    for name in names:
-        values = [row.get(name) for row in rows]
-        if name not in spread or any(v is not None for v in values):
-            data[name] = _column(pd, name, values)
+    for key in list(columns):
+        values = columns.pop(key)  # each list freed once its column is made
+        if len(values) < n:
+            values.extend([None] * (n - len(values)))
+        if key not in spread or any(v is not None for v in values):
+            data[key] = _column(pd, key, values)
     return pd.DataFrame(data)

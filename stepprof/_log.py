@@ -11,10 +11,11 @@ from typing import Any
 import orjson
 
 from ._errors import ConfigError, from_signal_handler, raised_by_user, warn
+from ._sanitise import sanitise
 from ._schema import RECORD_KINDS, upgrade_record
 from ._validate import check_log, check_read_kind, check_read_path
 
-__all__ = ["JsonlWriter", "ScanStats", "check_log", "encodable", "read", "scan"]
+__all__ = ["LINE_MAX_BYTES", "VALUES_MAX", "JsonlWriter", "ScanStats", "check_log", "encodable", "read", "scan"]
 
 
 class JsonlWriter:
@@ -239,8 +240,18 @@ def _repaired(value: Any, path: str, replaced: list[str], depth: int) -> Any:
     return _str_of(value)
 
 
+#: The longest line read: a step record with a thousand phases is under 200 KiB, a ranks record
+#: of 100,000 ranks about 6 MiB.  A longer line is skipped unread, in pieces of this size.
+LINE_MAX_BYTES = 8 * 2**20
+#: A line past this length is parsed only if it holds at most :data:`VALUES_MAX` values (its
+#: commas, braces and brackets): a parsed value costs 30 to 60 bytes of memory, many times its
+#: text, so this bounds what one line can take.
+_LONG_LINE = 64 * 2**10
+VALUES_MAX = 1_000_000
+
+
 class ScanStats:
-    """What :func:`scan` met: lines read, and lines skipped because they are not JSON objects."""
+    """What :func:`scan` met: lines read, and lines skipped because they are no stepprof record."""
 
     __slots__ = ("lines", "skipped")
 
@@ -249,50 +260,115 @@ class ScanStats:
         self.skipped = 0
 
 
-def scan(
-    path: str | os.PathLike[str], stats: ScanStats, start: int = 0, end: int | None = None
-) -> Iterator[dict[str, Any]]:
-    """Stream the JSON objects of a log, counting the lines that are not one into ``stats``.
+#: Stands for a line over :data:`LINE_MAX_BYTES`: not a record (it does not begin with ``{``).
+_TOO_LONG = b"\0"
 
-    Blank lines are ignored; a torn line, bytes that are not UTF-8, or a JSON value that
-    is not an object (``[1]``, ``3``) is skipped and counted, never raised.  A version-1
-    summary comes with its version-2 names (:func:`stepprof._schema.upgrade_record`).
+
+def _rest_of_line(f: Any) -> int:
+    """Read to the end of the current line, in pieces; how many bytes that was."""
+    size = 0
+    while True:
+        piece = f.readline(LINE_MAX_BYTES)
+        size += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return size
+
+
+def _lines(f: Any, pos: int, end: int | None, stats: ScanStats) -> Iterator[bytes]:
+    """The file's lines from byte ``pos``, those that begin before ``end``, counted into ``stats``;
+    a line longer than :data:`LINE_MAX_BYTES` is read in pieces (never whole into memory) and
+    given as :data:`_TOO_LONG`; empty lines are passed over in runs, as one read of the buffer."""
+    readline, peek, read = f.readline, f.peek, f.read
+    while end is None or pos < end:
+        line = readline(LINE_MAX_BYTES + 1)
+        if not line:
+            return
+        pos += len(line)
+        stats.lines += 1
+        if line == b"\n":
+            ahead = peek(1)[:65536]
+            run = len(ahead) - len(ahead.lstrip(b"\n"))
+            if end is not None:
+                run = min(run, max(0, end - pos))
+            if run:
+                read(run)
+                pos += run
+                stats.lines += run
+            continue
+        if len(line) > LINE_MAX_BYTES and not line.endswith(b"\n"):
+            pos += _rest_of_line(f)
+            line = _TOO_LONG
+        yield line
+
+
+def scan(
+    path: str | os.PathLike[str], stats: ScanStats, start: int = 0, end: int | None = None, *,
+    kind: str | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Stream the records of a log, made safe for the readers, counting the lines that are none into ``stats``.
+
+    Blank lines are ignored.  A line is skipped and counted, never raised, when it does not
+    begin with ``{`` (after blanks), is longer than :data:`LINE_MAX_BYTES` (never read whole)
+    or holds more than :data:`VALUES_MAX` values, is not JSON (a torn line, bytes that are not
+    UTF-8), or is no record: its ``kind`` is not a str, or a required field is unusable
+    (:func:`stepprof._sanitise.sanitise`, which also reads every field of the wrong type or
+    out of range as null).  A version-1 summary comes with its version-2 names
+    (:func:`stepprof._schema.upgrade_record`).
 
     ``start`` and ``end`` (byte offsets) read the lines that *begin* in ``[start, end)``,
-    so that consecutive ranges read every line exactly once.
+    so that consecutive ranges read every line exactly once.  ``kind``: only records of this
+    kind are given; a line that cannot hold one (it has neither the kind's JSON string nor a
+    ``\\u`` escape that could spell it) is passed over unparsed, and other records unsanitised,
+    neither counted.
     """
     loads, error = orjson.loads, orjson.JSONDecodeError
+    needle = orjson.dumps(kind) if kind is not None else None
     with open(path, "rb") as f:
         pos = 0
         if start > 0:
             f.seek(start - 1)
-            pos = start if f.read(1) == b"\n" else start + len(f.readline())
-        for line in f:
-            if end is not None:
-                if pos >= end:
-                    return
-                pos += len(line)
-            stats.lines += 1
+            pos = start if f.read(1) == b"\n" else start + _rest_of_line(f)
+        for line in _lines(f, pos, end, stats):
+            if line[:1] != b"{":  # a record's first byte, tested before anything is parsed
+                if line.isspace():
+                    continue
+                if line.lstrip()[:1] != b"{":
+                    stats.skipped += 1
+                    continue
+            if needle is not None and needle not in line and b"\\u" not in line:
+                continue
+            if len(line) > _LONG_LINE and (line.count(b",") + line.count(b"{") + line.count(b"[")) > VALUES_MAX:
+                stats.skipped += 1
+                continue
             try:
                 record = loads(line)
             except error:
-                if line.strip():
-                    stats.skipped += 1
-                continue
-            if type(record) is dict:
-                # Only a summary can need upgrading: one dict lookup a line, within the noise of loads().
-                yield upgrade_record(record) if record.get("kind") == "summary" else record
-            else:
                 stats.skipped += 1
+                continue
+            k = record.get("kind")
+            if kind is not None and k != kind:
+                continue
+            if k == "summary":  # only a summary can need upgrading
+                record = upgrade_record(record)
+            record = sanitise(record)
+            if record is None:
+                stats.skipped += 1
+                continue
+            yield record
 
 
 def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[dict[str, Any]]:
     """Stream the records of a stepprof log as dicts, in file order.
 
-    Lines that do not parse (a torn last line after a crash, say) are skipped,
-    and one warning at the end says how many.  Records of an older schema come with
-    the current names: a version-1 summary's ``wall_ms`` and ``gpu_ms`` are read as
-    ``wall_ms_percentiles`` and ``gpu_ms_percentiles`` (docs/schema.md).
+    A log is read as untrusted input: a field whose value the log holds in the wrong type,
+    or out of its range (a negative time, 1e306 ms, an int past int64), is read as null, and
+    the record's ``unavailable`` says that the log held an invalid value there; strings are
+    cut at 4,096 characters, and fields this version does not know are kept only when they
+    are small and shallow (docs/schema.md).  Lines that are no record (a torn last line after
+    a crash, a line over 8 MiB, a record without a str ``kind`` or a step without a usable
+    ``step``) are skipped, and one warning at the end says how many.  Records of an older
+    schema come with the current names: a version-1 summary's ``wall_ms`` and ``gpu_ms`` are
+    read as ``wall_ms_percentiles`` and ``gpu_ms_percentiles``.
 
     Args:
         path: a JSON-lines log written by stepprof.
@@ -319,7 +395,9 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, 
     stats = ScanStats()
     kinds: set[Any] = set()
     kept = 0
-    for record in scan(path, stats):
+    # Records of another kind are passed over unsanitised, unless the kind is one stepprof
+    # never writes: then the kinds the log holds are named, in case it was a typo.
+    for record in scan(path, stats, kind=kind if kind is None or kind in RECORD_KINDS else None):
         k = record.get("kind")
         if kind is None or k == kind:
             kept += 1
@@ -328,8 +406,9 @@ def _read(path: str | os.PathLike[str], kind: str | None) -> Iterator[dict[str, 
             kinds.add(k)
     if stats.skipped:
         warn(
-            f"stepprof.read: skipped {stats.skipped} line(s) of {os.fspath(path)!r} "
-            f"that are not JSON objects", stacklevel=2)
+            f"stepprof.read: skipped {stats.skipped} line(s) of {os.fspath(path)!r} that are not "
+            f"stepprof records (not a JSON object, torn, over {LINE_MAX_BYTES // 2**20} MiB, or without a "
+            f"usable kind or step index)", stacklevel=2)
     if kind is not None and not kept and kinds and kind not in RECORD_KINDS:  # a typo, likely
         warn(
             f"stepprof.read: no record of kind {kind!r} in {os.fspath(path)!r}, and stepprof "

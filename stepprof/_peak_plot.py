@@ -9,7 +9,7 @@ from ._errors import ConfigError
 from ._log import read
 from ._plot import _matplotlib
 from ._report.peak import peak_line
-from ._units import GiB
+from ._units import GiB, printable
 
 __all__ = ["plot_peak"]
 
@@ -33,10 +33,14 @@ def _last_peak(path: str) -> dict[str, Any]:
 
 
 def plot_peak(path: str, out: str) -> str:
-    """Draw the log's last ``kind: "peak"`` record to the PNG ``out``; return its path."""
+    """Draw the log's last ``kind: "peak"`` record to the PNG ``out``; return its path.
+
+    The record is as :func:`stepprof.read` gives it (a field of the wrong type is null); names
+    from it are drawn through :func:`~stepprof._units.printable`.
+    """
     Figure, FigureCanvasAgg, _ = _matplotlib()
     rec = _last_peak(os.fspath(path))
-    cats: dict[str, int] = rec["bytes_by_category"]
+    cats: dict[str, Any] = rec["bytes_by_category"]
     fig = Figure(figsize=(12, 7.5))
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 2, width_ratios=(1, 3), height_ratios=(3, 2))
@@ -57,17 +61,19 @@ def plot_peak(path: str, out: str) -> str:
         if any(values):
             mods.barh(range(len(modules)), values, left=left, color=_COLORS[c])
             left = [a + b for a, b in zip(left, values)]
-    mods.set_yticks(range(len(modules)), [str(m.get("module"))[:40] for m in modules], fontsize=8)
+    mods.set_yticks(range(len(modules)), [printable(str(m.get("module")))[:40] for m in modules], fontsize=8)
     mods.set_xlabel("GiB live at the peak, by the module that made it")
     if not modules:
-        mods.text(0.5, 0.5, (rec.get("unavailable") or {}).get("modules", "no module"), ha="center",
-                  va="center", fontsize=8, transform=mods.transAxes, wrap=True)
-    ms, values = rec.get("timeline_ms") or [], rec.get("timeline_bytes") or []
-    line.plot(ms, [v / GiB for v in values], color="#333333", drawstyle="steps-post")
-    if isinstance(rec.get("peak_at_ms"), (int, float)):
-        line.axvline(rec["peak_at_ms"], color="#c44e52", linestyle="--")
-        label = f"peak at {rec['peak_at_ms']:.1f} ms" + (f" ({rec['phase']})" if rec.get("phase") else "")
-        line.annotate(label, (rec["peak_at_ms"], max(values, default=0) / GiB), fontsize=8, color="#c44e52")
+        why = (rec.get("unavailable") or {}).get("modules") or "no module"
+        mods.text(0.5, 0.5, printable(why), ha="center", va="center", fontsize=8, transform=mods.transAxes, wrap=True)
+    points = [(t, b) for t, b in zip(rec.get("timeline_ms") or (), rec.get("timeline_bytes") or ())
+              if t is not None and b is not None]  # a log may hold lists of unequal lengths
+    line.plot([t for t, _ in points], [b / GiB for _, b in points], color="#333333", drawstyle="steps-post")
+    at = rec.get("peak_at_ms")
+    if at is not None:
+        line.axvline(at, color="#c44e52", linestyle="--")
+        label = f"peak at {at:.1f} ms" + (f" ({printable(rec['phase'])})" if rec.get("phase") else "")
+        line.annotate(label, (at, max((b for _, b in points), default=0) / GiB), fontsize=8, color="#c44e52")
     line.set_xlabel(f"ms since the entry of step {rec.get('step')}")
     line.set_ylabel("GiB allocated")
     fig.suptitle(peak_line(rec), fontsize=8, wrap=True)

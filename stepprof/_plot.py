@@ -12,9 +12,10 @@ from typing import Any
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
-from ._report.read import RunGrouper
+from ._report.read import SWEEP_RECORDS_KEPT, RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._sweep.plot import plot_sweep
+from ._units import printable
 
 __all__ = ["default_png", "plot_log"]
 
@@ -69,7 +70,8 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
     for r in scan(path, stats):
         kind = r.get("kind")
         if kind in ("sweep_point", "sweep_result"):
-            sweep_records.append(r)
+            if len(sweep_records) < SWEEP_RECORDS_KEPT:
+                sweep_records.append(r)
             continue
         if kind not in ("step", "memory", "summary", "ranks", "flops"):
             continue
@@ -169,7 +171,7 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    title = f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}"
+    title = printable(f"stepprof: {os.path.basename(path)}, {len(s.step):,} steps on {s.device or 'unknown device'}")
     if n_runs > 1:
         title += f" (run {run % n_runs + 1} of {n_runs})"
     fig.suptitle(title, fontsize=13)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "per_s", "printable", "unit_for",
+    "CONTROL_CHARACTERS", "GiB", "MiB", "format_bytes", "format_bytes_in", "format_count", "per_s", "printable",
+    "printable_json", "unit_for",
 ]
 
 MiB = 2**20
@@ -43,13 +44,18 @@ def format_count(n: int | None) -> str:
     return "n/a" if n is None else f"{n:,}"
 
 
-#: C0 controls, DEL and C1 controls, each to its visible escape (``\\n``, ``\\r``, ``\\t``, else ``\\xNN``).
+#: The control characters: C0, DEL and C1.  A terminal acts on them (ESC starts a sequence,
+#: U+009B is a one-character CSI), so a string from a log never reaches one raw.
+CONTROL_CHARACTERS = (*range(0x20), 0x7F, *range(0x80, 0xA0))
+#: Each to its visible escape (``\\n``, ``\\r``, ``\\t``, else ``\\xNN``).
 _CONTROL_ESCAPES = {
-    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))},
+    **{c: f"\\x{c:02x}" for c in CONTROL_CHARACTERS},
     0x09: "\\t",
     0x0A: "\\n",
     0x0D: "\\r",
 }
+#: DEL and C1 as JSON escapes (JSON requires only C0 escaped, which every encoder does).
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in CONTROL_CHARACTERS if c >= 0x7F}
 
 
 def printable(text: str) -> str:
@@ -68,3 +74,10 @@ def printable(text: str) -> str:
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     return text
+
+
+def printable_json(text: str) -> str:
+    """JSON ``text`` with DEL and the C1 controls escaped as ``\\u007f`` ... ``\\u009f``: the same
+    JSON, safe to print to a terminal (an encoder escapes only C0).  They can only occur inside
+    strings, where the escape means the same character."""
+    return text.translate(_JSON_ESCAPES)

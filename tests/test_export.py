@@ -518,6 +518,19 @@ def test_tensorboard_one_directory_per_rank_and_per_run(tmp_path, capsys):
     assert [e.value for e in _scalars(os.path.join(out, "rank1"))["stepprof/gpu_ms"]] == pytest.approx([10.0] * 4)
 
 
+def test_tensorboard_writes_the_last_runs_and_says_how_many_it_left_out(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setattr(_export, "TB_RUNS_KEPT", 3)
+    recs = [dict(fx.step_record(0, warmup=False, wall=5.0, gpu=4.0), run_id=f"{k:012x}") for k in range(5)]
+    log = fx.write(str(tmp_path / "many.jsonl"), recs)
+    out = str(tmp_path / "tb")
+    rc, stdout, err = cli(capsys, "export", "--tensorboard", out, log)
+    assert rc == 0, err
+    assert "wrote 3 steps (3 runs)" in stdout
+    assert "left out the first 2 run(s): --tensorboard writes at most the last 3 runs" in err
+    assert sorted(os.listdir(out)) == [f"{k:012x}" for k in (2, 3, 4)]
+
+
 def test_tensorboard_refuses_a_directory_with_event_files(log, gpu, tmp_path):
     pytest.importorskip("tensorboard")
     run_training(log, gpu)
@@ -649,3 +662,36 @@ def test_start_ms_is_present_and_ordered_on_cuda(boundary, built_boundary, tmp_p
     out = str(tmp_path / "t.json")
     _export.export_chrome([log], out)
     assert_properly_nested(load(out))
+
+
+# -- linear in the log: steps that never nest, many runs, many threads --------------------------
+
+
+@pytest.mark.parametrize("shape", ["overlapping_steps", "distinct_runs", "distinct_threads"])
+def test_the_trace_takes_time_linear_in_the_log(tmp_path, shape):
+    """Four times the steps take at most eight times as long (quadratic: sixteen), and 20,000
+    well under 30 s.  The acceptance, 20,000 steps that never nest in under 2 s, is measured by
+    bench/readers.py: a CI machine shared with other jobs cannot promise a wall time."""
+    import time
+
+    from . import readerlogs
+
+    took = {}
+    for n in (5_000, 20_000):
+        log = readerlogs.write_lines(str(tmp_path / f"{shape}{n}.jsonl"), getattr(readerlogs, shape)(n))
+        t0 = time.process_time()
+        done = _export.export_chrome([log], str(tmp_path / "t.json"))
+        took[n] = time.process_time() - t0
+        assert done.steps == n
+    assert took[20_000] < 8 * took[5_000] + 0.5 and took[20_000] < 30, took
+
+
+def test_steps_that_never_nest_are_drawn_properly_nested_on_lanes(tmp_path):
+    from . import readerlogs
+
+    log = readerlogs.write_lines(str(tmp_path / "o.jsonl"), readerlogs.overlapping_steps(300))
+    out = str(tmp_path / "t.json")
+    _export.export_chrome([log], out)
+    trace = load(out)
+    assert_properly_nested(trace)
+    assert len(slices(trace, cat="step")) == 2 * 300  # the host and the GPU slices

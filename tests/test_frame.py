@@ -124,3 +124,26 @@ def test_without_pandas_the_error_gives_the_install_command(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "pandas", None)
     with pytest.raises(MissingExtraError, match=r"needs pandas.*pip install 'stepprof\[frame\]'"):
         stepprof.frame(tmp_path / "x.jsonl")
+
+
+def test_steps_that_each_bring_new_phase_names_are_framed_linearly_in_bounded_columns(tmp_path):
+    import time
+
+    from stepprof._frame import COLUMNS_KEPT
+
+    from . import readerlogs
+
+    log = readerlogs.write_lines(str(tmp_path / "p.jsonl"), readerlogs.changing_phases(2000, names=50))
+    t0 = time.process_time()
+    with pytest.warns(stepprof.StepprofWarning, match=r"left out 100,000\+ field\(s\) first seen after the first 1,024"):
+        df = stepprof.frame(log)
+    took = time.process_time() - t0
+    assert df.shape == (2000, COLUMNS_KEPT) and took < 15, (df.shape, took)
+    assert df["phase.p0.0.wall_ms"][0] == 0.1 and pd.isna(df["phase.p0.0.wall_ms"][1])
+    assert df["step"].dtype == "int64" and df["wall_ms"].tolist() == [7.0] * 2000
+
+
+def test_an_int_past_int64_in_a_float_field_makes_a_float_column(tmp_path):
+    recs = [dict(fx.step_record(i, warmup=False, wall=5.0, gpu=5.0), flops=2**64 - 1) for i in range(2)]
+    df = stepprof.frame(fx.write(str(tmp_path / "f.jsonl"), recs))
+    assert str(df["flops"].dtype) == "float64" and df["flops"][0] == float(2**64 - 1)

@@ -237,3 +237,11 @@ def test_stepprof_warnings_can_be_filtered_by_class(gpu):
                 pass
         prof.close()
     assert not [w for w in seen if issubclass(w.category, stepprof.StepprofWarning)]
+
+
+def test_read_of_one_kind_finds_it_however_the_line_spells_it(tmp_path):
+    log = tmp_path / "k.jsonl"
+    log.write_bytes(b'{"kind": "summary", "steps": 1}\n{"kind":"\\u0073ummary","steps":2}\n'
+                    b'{"kind":"step","step":0,"wall_ms":1.0}\n')
+    assert [r["steps"] for r in stepprof.read(str(log), kind="summary")] == [1, 2]
+    assert [r["kind"] for r in stepprof.read(str(log))] == ["summary", "summary", "step"]

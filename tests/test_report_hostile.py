@@ -137,3 +137,42 @@ def test_on_a_terminal_rich_neither_interprets_markup_nor_passes_escapes(tmp_pat
     assert "[bold]x[/bold]:smile:" in out  # printed as written: no markup, no emoji
     for seq in ("\x1b]0;", "\x07", "\x1b[2J", "\x9b", "\x00", "\r"):
         assert seq not in out, repr(seq)
+
+
+def test_json_escapes_del_and_c1_so_its_text_is_safe_on_a_terminal(tmp_path, capsys):
+    import orjson
+
+    from .report_helpers import cli
+
+    log = _hostile_log(tmp_path / "h.jsonl")
+    rc, out, _ = cli(capsys, "report", "--json", log)
+    assert rc == 0
+    assert not _CONTROL & set(out.replace("\n", "")), sorted(_CONTROL & set(out))
+    assert "\\u009b31m" in out and "\\u007f" in out
+    assert orjson.loads(out)["logs"][0]["runs"][0]["names"] == [HOSTILE]  # the same values
+
+
+def test_plots_show_a_logs_names_with_their_control_characters_escaped(tmp_path, capfd):
+    """matplotlib writes a glyph it lacks to stderr as it is: a name from the log must not reach it raw."""
+    import warnings
+
+    pytest.importorskip("matplotlib")
+    from . import readerlogs
+    from .report_helpers import cli
+
+    recs = readerlogs.every_kind()
+    for r in recs:
+        if r["kind"] in ("step", "peak", "sweep_result"):
+            r["device"] = "cuda:0" + HOSTILE
+        if r["kind"] == "peak":
+            r.update(phase=HOSTILE, op=HOSTILE)
+            r["modules"][0]["module"] = HOSTILE
+    log = fx.write(str(tmp_path / "h.jsonl"), recs)
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for flags in ([], ["--peak"], ["--sweep"]):
+            assert cli(capfd, "plot", *flags, log, "-o", str(tmp_path / f"p{len(flags)}{''.join(flags)}.png"))[0] == 0
+    out, err = capfd.readouterr()
+    shown = out + err + "".join(str(w.message) for w in caught)
+    assert not _CONTROL & set(shown.replace("\n", "")), sorted(_CONTROL & set(shown))

@@ -19,6 +19,7 @@ from stepprof._report import read
 from stepprof._report.build import report_log
 from stepprof._report.read import OPEN_RUNS_KEPT, RunGrouper, Segment
 from stepprof._report.sweeps import logged_sweeps
+from stepprof._sanitise import STR_MAX
 
 from . import logfixtures as fx
 from .conftest import make
@@ -279,11 +280,11 @@ def test_a_run_id_that_is_not_a_str_counts_as_none(tmp_path, bad):
     assert run.run_id is None and run.steps == 40 and run.summary_found
 
 
-def test_a_huge_run_id_is_kept_in_json_and_cut_in_the_text(tmp_path, capsys):
+def test_a_huge_run_id_is_cut_to_the_string_cap_in_json_and_shorter_in_the_text(tmp_path, capsys):
     huge = "\x1b[2J" + "x" * 200_000
     log = fx.write(str(tmp_path / "huge.jsonl"), _with_id(fx.training_log(steps=20), huge))
     (run,) = report_dict([log])["logs"][0]["runs"]
-    assert run["run_id"] == huge and run["steps"] == 20
+    assert run["run_id"] == huge[: STR_MAX - 1] + "…" and run["steps"] == 20
     rc, out, _ = cli(capsys, "report", log)
     head = next(line for line in out.splitlines() if line.startswith("-- "))
     assert rc == 0 and head.startswith("-- [\\x1b[2Jxxx") and "…]" in head and len(head) < 200

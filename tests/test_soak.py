@@ -73,7 +73,8 @@ def test_kill_soak_loses_at_most_a_flush_interval_and_leaves_a_readable_log(tmp_
         n = sum(1 for _ in stepprof.read(log))
     assert n == len(whole.records)
     assert [str(w.message) for w in caught] == [
-        f"stepprof.read: skipped {torn} line(s) of {log!r} that are not JSON objects"
+        f"stepprof.read: skipped {torn} line(s) of {log!r} that are not stepprof records (not a JSON "
+        f"object, torn, over 8 MiB, or without a usable kind or step index)"
     ]
     rc, report, err = soak.run_report(log)
     assert rc == 0, err

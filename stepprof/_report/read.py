@@ -16,7 +16,8 @@ from typing import Any, Generic, TypeVar
 from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
 
-__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "RunBoundaries", "RunGrouper", "Segment", "read_log"]
+__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunBoundaries", "RunGrouper",
+           "Segment", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
 PARALLEL_BYTES = 64 * 2**20
@@ -25,8 +26,9 @@ OPEN_RUNS_KEPT = 1024
 #: Runs kept per log, the last ones: each costs about 13 KB in the report, so a log of very
 #: many tiny runs would otherwise need far more memory than its size.  The rest are counted.
 RUNS_KEPT = 1000
-#: Sweep records kept per log.
-_SWEEP_RECORDS_KEPT = 200_000
+#: Sweep records kept per log, the first ones (a sweep writes one per trial, tens): each costs
+#: a few KB as a dict.  ``stepprof plot`` keeps as many.
+SWEEP_RECORDS_KEPT = 20_000
 _RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops", "peak"))
 
 R = TypeVar("R")
@@ -198,10 +200,8 @@ class Segment:
         grouper: RunGrouper[RunAggregate] = RunGrouper(self._new_run, track_heads=start > 0)
         run_of = grouper.run_of
         for r in scan(path, self.stats, start, end):
-            kind = r.get("kind")
+            kind = r.get("kind")  # a str, and the version an int or None (stepprof._sanitise)
             v = r.get("schema_version")
-            if type(v) is not int:  # a foreign line's may be anything, unhashable too
-                v = None if v is None else str(v)[:40]
             if v not in versions and len(versions) < 16:
                 versions[v] = 0
             if v in versions:
@@ -211,10 +211,10 @@ class Segment:
             elif kind in _RUN_KINDS:
                 run_of(kind, r).add(r)
             elif kind == "sweep_point" or kind == "sweep_result":
-                if len(sweep_records) < _SWEEP_RECORDS_KEPT:
+                if len(sweep_records) < SWEEP_RECORDS_KEPT:
                     sweep_records.append(r)
             else:
-                key = str(kind)[:40]
+                key = kind[:40]
                 if key in kinds or len(kinds) < 32:
                     kinds[key] = kinds.get(key, 0) + 1
         self.open = OrderedDict((rid, o.run) for rid, o in grouper.open.items() if o.run is not None)
@@ -248,7 +248,7 @@ class Segment:
         for k, n in later.kinds.items():
             if k in self.kinds or len(self.kinds) < 32:
                 self.kinds[k] = self.kinds.get(k, 0) + n
-        room = max(0, _SWEEP_RECORDS_KEPT - len(self.sweep_records))
+        room = max(0, SWEEP_RECORDS_KEPT - len(self.sweep_records))
         self.sweep_records.extend(later.sweep_records[:room])
         merged: dict[int, RunAggregate] = {}  # id() of a later run -> the run it continued
         last, head = self.legacy_last, later.legacy_head

@@ -8,6 +8,7 @@ of them (a terminal escape, a newline) prints as a visible escape, on its own li
 
 from __future__ import annotations
 
+from .._log import LINE_MAX_BYTES
 from .._records import COMPILED_SAVES_US, Percentiles
 from .._units import format_bytes, printable
 from .peak import peak_lines
@@ -63,7 +64,8 @@ def render(report: Report) -> str:
     for log in report.logs:
         out.append(f"== {log.path}: {log.lines:,} lines")
         if log.skipped_lines:
-            out.append(f"   skipped {log.skipped_lines:,} line(s) that are not JSON objects (torn or corrupt)")
+            out.append(f"   skipped {log.skipped_lines:,} line(s) that are not stepprof records "
+                       f"(torn, corrupt, over {LINE_MAX_BYTES // 2**20} MiB, or without a usable kind or step index)")
         if log.newer_schema:
             out.append(
                 f"   written by a newer stepprof (schema {log.newer_schema}): fields this version "

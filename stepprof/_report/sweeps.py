@@ -57,18 +57,11 @@ def logged_sweeps(records: Iterable[dict[str, Any]]) -> list[LoggedSweep]:
 
 
 def _read_point(p: dict[str, Any]) -> SweepPoint | None:
+    """The point, or None without a batch size or an out-of-memory flag (the record's other
+    fields are of their type or null: stepprof._sanitise)."""
     kw = {a.name: p.get(a.name) for a in attrs.fields(SweepPoint)}
-    kw["unavailable"] = p.get("unavailable") if type(p.get("unavailable")) is dict else {}
-    if (
-        type(kw["batch_size"]) is not int
-        or type(kw["oom"]) is not bool
-        or not all(
-            v is None or type(v) in (int, float)
-            for k, v in kw.items()
-            if k not in ("phase", "error", "unavailable", "oom")
-        )
-        or not all(v is None or type(v) is str for v in (kw["phase"], kw["error"]))
-    ):
+    kw["unavailable"] = kw["unavailable"] or {}
+    if kw["batch_size"] is None or kw["oom"] is None:
         return None  # a point this version cannot read
     return SweepPoint(**kw)
 
@@ -83,7 +76,7 @@ def _read_sweep(points: list[dict[str, Any]], result: dict[str, Any] | None) -> 
     zone = result.get("thrash_zone")
     kw["thrash_zone"] = (
         range(zone[0], zone[1] + 1)
-        if type(zone) is list and len(zone) == 2 and all(type(z) is int for z in zone)
+        if type(zone) is list and len(zone) == 2 and all(type(z) is int for z in zone) and zone[0] <= zone[1]
         else None
     )
     notes = result.get("notes")

@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from .._errors import MissingExtraError
-from .._units import GiB, MiB
+from .._units import GiB, MiB, printable
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotation only; result.py imports this module
     from .result import SweepResult
@@ -40,12 +40,12 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
         ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     else:
         ax, mem = fig.subplots(1, 1), None
-    title = f"stepprof.sweep on {result.device}"
+    title = printable(f"stepprof.sweep on {result.device}")  # read back from a log, it may hold anything
     if result.recommended is not None:
         title += f": recommended batch {result.recommended:,}"
     fig.suptitle(title, fontsize=13)
 
-    sizes = [p.batch_size for p in result.points]
+    sizes = [p.batch_size for p in result.points if p.batch_size > 0]  # a log axis has no 0 (a log may say 0)
     lo, hi = (min(sizes), max(sizes)) if sizes else (1, 2)
     zone = result.thrash_zone
     zone_name = "slower (CPU: the cores' limit)" if result.on_host else "thrash zone"

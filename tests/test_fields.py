@@ -1,0 +1,128 @@
+"""The record declaration (stepprof/_fields.py): complete, in step with docs/schema.md and the writers."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+import stepprof
+from stepprof._fields import FREE, RECORDS, UNITS, WRITER_FIELDS, Field, ListOf, MapOf, Obj
+from stepprof._schema import RECORD_KINDS
+
+from . import readerlogs
+from .conftest import make
+
+SCHEMA_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "schema.md")
+
+
+def _doc_tables() -> dict[str, set[str]]:
+    """Each kind's section of docs/schema.md: the field names of its first table (``a``, ``b`` rows split)."""
+    with open(SCHEMA_MD) as f:
+        text = f.read()
+    out = {}
+    for m in re.finditer(r'^## `kind: "(\w+)"`\n(.*?)(?=^## )', text + "\n## ", re.S | re.M):
+        table = re.search(r"^\| field \|.*?\n\|[-| ]+\|\n((?:\|.*\n)+)", m.group(2), re.M)
+        names = set()
+        for row in table.group(1).splitlines():
+            names.update(re.findall(r"`(\w+)`", row.split("|")[1]))
+        out[m.group(1)] = names
+    return out
+
+
+def test_every_kind_stepprof_writes_is_declared():
+    assert set(RECORDS) == RECORD_KINDS
+
+
+@pytest.mark.parametrize("kind", sorted(RECORD_KINDS))
+def test_the_declaration_names_the_fields_docs_schema_md_names(kind):
+    documented = _doc_tables()[kind]
+    declared = {f.name for f in RECORDS[kind].fields}
+    writer = {f.name for f in WRITER_FIELDS} | {"schema_version", "kind"}
+    assert documented - declared == set()
+    assert declared - writer - documented == set()
+
+
+def test_a_phase_declares_the_fields_of_the_phases_table():
+    with open(SCHEMA_MD) as f:
+        section = f.read().split("### Phases", 1)[1]
+    table = re.search(r"^\| field \|.*?\n\|[-| ]+\|\n((?:\|.*\n)+)", section, re.M).group(1)
+    documented = {n for row in table.splitlines() for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    phase = RECORDS["step"].field("phases").type.value
+    assert {f.name for f in phase.fields} == documented
+
+
+def _walk(fields: tuple[Field, ...]):
+    for f in fields:
+        yield f
+        t = f.type
+        while isinstance(t, (MapOf, ListOf)):
+            t = t.value if isinstance(t, MapOf) else t.item
+        if isinstance(t, Obj):
+            yield from _walk(t.fields)
+
+
+def test_every_field_has_a_type_a_known_unit_and_a_meaning():
+    for record in RECORDS.values():
+        for f in _walk(record.fields):
+            assert f.unit is None or f.unit in UNITS, f
+            assert f.meaning and "\n" not in f.meaning, f
+            assert not (f.required and f.nullable), f
+
+
+def _undeclared(value, t, path=""):
+    """The paths in ``value`` that the type ``t`` does not declare."""
+    if isinstance(t, Obj) and type(value) is dict:
+        fields = {f.name: f for f in t.fields}
+        for k, v in value.items():
+            if k not in fields:
+                yield f"{path}{k}"
+            else:
+                yield from _undeclared(v, fields[k].type, f"{path}{k}.")
+    elif isinstance(t, MapOf) and type(value) is dict:
+        for v in value.values():
+            yield from _undeclared(v, t.value, path)
+    elif isinstance(t, ListOf) and type(value) is list:
+        for v in value:
+            yield from _undeclared(v, t.item, path)
+
+
+def _written_by_stepprof(tmp_path, gpu):
+    """Records that stepprof's own writers wrote: a profiled run (fake GPU: memory, syncs, allocator,
+    FLOPs given) and a CPU sweep, and the fixtures modelled on the peak and ranks writers."""
+    log = str(tmp_path / "run.jsonl")
+    with make(log, gpu, flops_per_step=10**9, memory_every=1) as prof:
+        for _ in range(4):
+            with prof.step(batch_size=8):
+                with prof.measure("forward"):
+                    gpu.launch(1.0)
+                with prof.measure("backward"):
+                    with prof.measure("allreduce"):
+                        gpu.launch(0.5)
+    import torch
+
+    sweep_log = str(tmp_path / "sweep.jsonl")
+    stepprof.sweep(lambda x: x.sum(), lambda n: torch.ones(n, 4), max_batch=4, progress=False, min_time_s=0,
+                   log=sweep_log)
+    return [*stepprof.read(log), *stepprof.read(sweep_log), readerlogs.peak_record(3), readerlogs.ranks_record(3)]
+
+
+def test_the_writers_write_only_declared_fields(tmp_path, gpu, nvml):
+    records = _written_by_stepprof(tmp_path, gpu)
+    assert {r["kind"] for r in records} == RECORD_KINDS
+    for r in records:
+        assert list(_undeclared(r, Obj(RECORDS[r["kind"]].fields))) == [], r["kind"]
+
+
+def test_what_the_writers_write_reads_back_unchanged(tmp_path, gpu, nvml):
+    from stepprof._sanitise import sanitise
+
+    for r in _written_by_stepprof(tmp_path, gpu):
+        before = repr(r)
+        assert repr(sanitise(r)) == before, r["kind"]
+
+
+def test_free_fields_are_only_where_another_writer_chose_the_shape():
+    free = [(kind, f.name) for kind, r in RECORDS.items() for f in _walk(r.fields) if f.type is FREE]
+    assert free == [("flops", "calibration")]
