@@ -19,6 +19,16 @@ COMPILED_SAVES_US = 78.0
 __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 
+def python_boundary_line(why: str | None) -> str:
+    """The summary's and the report's line for a run on the Python boundary (``why``: the
+    reason the compiled one was not used, when known)."""
+    if why:
+        return (f"the Python boundary ran ({why}); the compiled one costs about "
+                f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
+    return (f"the Python boundary ran; `stepprof build` compiles the C++ one, about "
+            f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
+
+
 @attrs.frozen
 class Percentiles:
     """Median and spread of one figure over the measured steps (``Summary.wall_ms``, ``gpu_ms``).
@@ -188,8 +198,5 @@ class Summary:
             parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({self.boundary or 'host'} boundary)")
         text = "stepprof: " + ", ".join(parts)
         if self.boundary == "python":
-            text += (
-                f"\nstepprof: the Python boundary ran; `stepprof build` compiles the C++ one, "
-                f"about {COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)"
-            )
+            text += "\nstepprof: " + python_boundary_line(self.unavailable.get("boundary"))
         return text

@@ -92,6 +92,23 @@ class HostRss:
                 raise
             return None
 
+    def with_core(self, host_rss: Callable[[int, int], int]) -> Callable[[], int | None]:
+        """A reader of this file through the host core's ``host_rss`` (one C call that keeps
+        the GIL: ``os.pread`` lets go of it, and the collector thread takes it mid-step)."""
+
+        def read() -> int | None:
+            fd = self._fd
+            if fd is None:
+                return self.read()  # opens the file (or falls back to psutil)
+            try:
+                return host_rss(fd, self._page)
+            except Exception as e:  # noqa: BLE001 - a missing figure, never a crash
+                if raised_by_user(e):
+                    raise
+                return None
+
+        return read
+
     def _open(self) -> None:
         try:
             self._page = os.sysconf("SC_PAGE_SIZE")

@@ -58,6 +58,9 @@ def clean_state(monkeypatch, request):
     monkeypatch.delenv("STEPPROF_WARMUP", raising=False)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    # No test builds the compiled boundary in the background unless it asks to
+    # (tests/test_build.py); one built ahead of time (`stepprof build`) is still used.
+    monkeypatch.setenv("STEPPROF_BUILD", "0")
     if "cuda" not in request.keywords:
         monkeypatch.setitem(sys.modules, "pynvml", None)
     _registry.reset()

@@ -10,20 +10,179 @@
 // (BoundaryOps.cross): POP, MARK, READ, RESET, PUSH.  The Python loader checks
 // that the numbers below agree with it, and that ABI is the one it expects.
 
+//
+// Built with STEPPROF_CUDA=0 (a CPU torch), it is the host core: the same module
+// without the CUDA functions, with host_rss() for the host's step boundary.
+
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <cerrno>
+#include <cstdlib>
+#include <exception>
+
+#include <unistd.h>
+
+#ifndef STEPPROF_CUDA
+#define STEPPROF_CUDA 1
+#endif
+
+// STEPPROF_CUDA_HEADERS=0: the CUDA runtime's headers are not complete here (the
+// nvidia-* wheels of a pip-installed CUDA 13 torch lack crt/), so the few runtime entry
+// points used below are declared here and found in the libcudart that torch has already
+// loaded (libcudart.so.STEPPROF_CUDART_MAJOR, its soname), and the device, stream and allocator are reached
+// through c10's device-generic interfaces.  With the headers, c10's CUDA ones are used.
+#ifndef STEPPROF_CUDA_HEADERS
+#define STEPPROF_CUDA_HEADERS 1
+#endif
+
+#if STEPPROF_CUDA && STEPPROF_CUDA_HEADERS
 #include <cuda_runtime_api.h>
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <exception>
-
 #if __has_include(<nvtx3/nvToolsExt.h>)
 #include <nvtx3/nvToolsExt.h>
 #define STEPPROF_NVTX 1
+#else
+#define STEPPROF_NVTX 0
+#endif
+
+namespace {
+using Guard = c10::cuda::CUDAGuard;
+cudaStream_t current_stream(c10::DeviceIndex dev) {
+  return c10::cuda::getCurrentCUDAStream(dev).stream();
+}
+auto device_stats(c10::DeviceIndex dev) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(dev);
+}
+void reset_peak(c10::DeviceIndex dev) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
+}
+bool resolve_runtime() {
+  return true;
+}
+} // namespace
+
+#elif STEPPROF_CUDA
+#include <dlfcn.h>
+
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#define STEPPROF_NVTX 0
+
+#define STEPPROF_STR2(x) #x
+#define STEPPROF_STR(x) STEPPROF_STR2(x)
+#define STEPPROF_CUDART "libcudart.so." STEPPROF_STR(STEPPROF_CUDART_MAJOR)
+
+namespace {
+typedef int cudaError_t;
+typedef struct CUevent_st* cudaEvent_t;
+typedef struct CUstream_st* cudaStream_t;
+typedef int cudaStreamCaptureStatus;
+constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorNotReady = 600;
+constexpr unsigned int cudaEventDefault = 0;
+constexpr cudaStreamCaptureStatus cudaStreamCaptureStatusNone = 0;
+
+struct Runtime {
+  cudaError_t (*eventCreateWithFlags)(cudaEvent_t*, unsigned int);
+  cudaError_t (*eventDestroy)(cudaEvent_t);
+  cudaError_t (*eventQuery)(cudaEvent_t);
+  cudaError_t (*eventElapsedTime)(float*, cudaEvent_t, cudaEvent_t);
+  cudaError_t (*eventSynchronize)(cudaEvent_t);
+  cudaError_t (*eventRecord)(cudaEvent_t, cudaStream_t);
+  cudaError_t (*streamIsCapturing)(cudaStream_t, cudaStreamCaptureStatus*);
+  cudaError_t (*getLastError)(void);
+  const char* (*getErrorString)(cudaError_t);
+  const char* (*getErrorName)(cudaError_t);
+} rt;
+
+template <typename F>
+bool find(void* lib, F* out, const char* name, const char* alt) {
+  void* p = dlsym(lib, name);
+  if (p == nullptr && alt != nullptr) {
+    p = dlsym(lib, alt);
+  }
+  if (p == nullptr) {
+    PyErr_Format(PyExc_ImportError, "stepprof boundary: %s is not in %s", name, STEPPROF_CUDART);
+    return false;
+  }
+  *out = reinterpret_cast<F>(p);
+  return true;
+}
+
+// The runtime torch loaded (found by its soname; loaded now if torch has not).
+bool resolve_runtime() {
+  void* lib = dlopen(STEPPROF_CUDART, RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) {
+    lib = dlopen(STEPPROF_CUDART, RTLD_NOW | RTLD_LOCAL);
+  }
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    PyErr_Format(PyExc_ImportError, "stepprof boundary: cannot load %s: %s", STEPPROF_CUDART,
+                 why != nullptr ? why : "unknown error");
+    return false;
+  }
+  return find(lib, &rt.eventCreateWithFlags, "cudaEventCreateWithFlags", nullptr) &&
+      find(lib, &rt.eventDestroy, "cudaEventDestroy", nullptr) &&
+      find(lib, &rt.eventQuery, "cudaEventQuery", nullptr) &&
+      find(lib, &rt.eventElapsedTime, "cudaEventElapsedTime", "cudaEventElapsedTime_v2") &&
+      find(lib, &rt.eventSynchronize, "cudaEventSynchronize", nullptr) &&
+      find(lib, &rt.eventRecord, "cudaEventRecord", nullptr) &&
+      find(lib, &rt.streamIsCapturing, "cudaStreamIsCapturing", nullptr) &&
+      find(lib, &rt.getLastError, "cudaGetLastError", nullptr) &&
+      find(lib, &rt.getErrorString, "cudaGetErrorString", nullptr) &&
+      find(lib, &rt.getErrorName, "cudaGetErrorName", nullptr);
+}
+
+#define cudaEventCreateWithFlags rt.eventCreateWithFlags
+#define cudaEventDestroy rt.eventDestroy
+#define cudaEventQuery rt.eventQuery
+#define cudaEventElapsedTime rt.eventElapsedTime
+#define cudaEventSynchronize rt.eventSynchronize
+#define cudaEventRecord rt.eventRecord
+#define cudaStreamIsCapturing rt.streamIsCapturing
+#define cudaGetLastError rt.getLastError
+#define cudaGetErrorString rt.getErrorString
+#define cudaGetErrorName rt.getErrorName
+
+const c10::impl::DeviceGuardImplInterface* cuda_impl() {
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+}
+
+// Sets the current device for its scope, as c10::cuda::CUDAGuard does.
+class Guard {
+ public:
+  explicit Guard(c10::DeviceIndex dev)
+      : original_(cuda_impl()->exchangeDevice(c10::Device(c10::DeviceType::CUDA, dev))) {}
+  ~Guard() {
+    cuda_impl()->uncheckedSetDevice(original_);
+  }
+  Guard(const Guard&) = delete;
+  Guard& operator=(const Guard&) = delete;
+
+ private:
+  c10::Device original_;
+};
+
+cudaStream_t current_stream(c10::DeviceIndex dev) {
+  const auto* impl = cuda_impl();
+  return static_cast<cudaStream_t>(
+      impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, dev))));
+}
+auto device_stats(c10::DeviceIndex dev) {
+  return c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(dev);
+}
+void reset_peak(c10::DeviceIndex dev) {
+  c10::getDeviceAllocator(c10::DeviceType::CUDA)->resetPeakStats(dev);
+}
+} // namespace
+
 #else
 #define STEPPROF_NVTX 0
 #endif
@@ -39,6 +198,7 @@ constexpr long kRESET = 4;
 constexpr long kPUSH = 8;
 constexpr long kPOP = 16;
 
+#if STEPPROF_CUDA
 // Raise RuntimeError for a failed CUDA call.  The error is also taken off the
 // runtime's last-error slot, where the user's next kernel-launch check would
 // otherwise find it.
@@ -60,6 +220,8 @@ PyObject* cxx_error(const char* what, const char* message) {
   return nullptr;
 }
 
+#endif
+
 bool check_nargs(const char* fn, Py_ssize_t nargs, Py_ssize_t want) {
   if (nargs == want) {
     return true;
@@ -78,6 +240,7 @@ bool as_long(PyObject* obj, long* out) {
   return !(*out == -1 && PyErr_Occurred());
 }
 
+#if STEPPROF_CUDA
 bool as_device(PyObject* obj, c10::DeviceIndex* out) {
   long dev = 0;
   if (!as_long(obj, &dev)) {
@@ -114,7 +277,7 @@ PyObject* event_create(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   cudaEvent_t ev = nullptr;
   cudaError_t err = cudaSuccess;
   try {
-    c10::cuda::CUDAGuard guard(dev);
+    Guard guard(dev);
     err = cudaEventCreateWithFlags(&ev, cudaEventDefault);
   } catch (const c10::Error& e) {
     return cxx_error("event_create", e.what_without_backtrace());
@@ -192,7 +355,7 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // (peak allocated, reserved, num_alloc_retries, num_sync_all_streams,
 //  num_device_alloc, num_device_free), from one read of the allocator's stats.
 PyObject* read_memory(c10::DeviceIndex dev) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev);
+  const auto stats = device_stats(dev);
   // [0] is the aggregate over the pools (StatType::AGGREGATE, whose namespace moved).
   const long long values[6] = {
       static_cast<long long>(stats.allocated_bytes[0].peak),
@@ -271,8 +434,8 @@ PyObject* boundary(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 #endif
     if ((flags & kMARK) && ev != nullptr) {
       step = "the event record";
-      c10::cuda::CUDAGuard guard(dev);
-      cudaStream_t stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+      Guard guard(dev);
+      cudaStream_t stream = current_stream(dev);
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
       cudaError_t err = cudaStreamIsCapturing(stream, &capture);
       if (err != cudaSuccess) {
@@ -295,7 +458,7 @@ PyObject* boundary(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     if (flags & kRESET) {
       step = "the peak reset";
-      c10::cuda::CUDACachingAllocator::resetPeakStats(dev);
+      reset_peak(dev);
     }
 #if STEPPROF_NVTX
     if ((flags & kPUSH) && !push_range(name)) {
@@ -327,7 +490,39 @@ PyObject* boundary(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+#endif  // STEPPROF_CUDA
+
+// host_rss(fd, page_bytes) -> int: this process's resident set in bytes, from one
+// pread of /proc/self/statm (kept open as fd).  The GIL is kept: the read takes about
+// a microsecond, and letting go of the GIL there hands it to the collector thread in
+// the middle of the user's step.  OSError when the read fails.
+PyObject* host_rss(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  long fd = 0;
+  long page = 0;
+  if (!check_nargs("host_rss", nargs, 2) || !as_long(args[0], &fd) || !as_long(args[1], &page)) {
+    return nullptr;
+  }
+  char buf[256];
+  ssize_t n = pread(static_cast<int>(fd), buf, sizeof(buf) - 1, 0);
+  if (n < 0) {
+    return PyErr_SetFromErrno(PyExc_OSError);
+  }
+  buf[n] = '\0';
+  char* end = nullptr;
+  (void)std::strtoull(buf, &end, 10);  // the first field: the total program size
+  errno = 0;
+  unsigned long long resident = std::strtoull(end, &end, 10);
+  if (errno != 0 || end == buf) {
+    PyErr_SetString(PyExc_OSError, "stepprof host_rss: /proc/self/statm could not be parsed");
+    return nullptr;
+  }
+  return PyLong_FromUnsignedLongLong(resident * static_cast<unsigned long long>(page));
+}
+
+#define STEPPROF_FN(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(f))
+
 PyMethodDef methods[] = {
+#if STEPPROF_CUDA
     {"event_create", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_create)),
      METH_FASTCALL, "event_create(device) -> int: a new timing event on the device."},
     {"event_destroy", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_destroy)),
@@ -344,6 +539,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL,
      "boundary(device, ev, flags, name) -> (mark or None, mem or None): POP, MARK, READ, RESET, "
      "PUSH, by flags."},
+#endif
+    {"host_rss", STEPPROF_FN(host_rss), METH_FASTCALL,
+     "host_rss(fd, page_bytes) -> int: the resident set, from /proc/self/statm (keeps the GIL)."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -362,6 +560,11 @@ PyModuleDef module_def = {
 } // namespace
 
 PyMODINIT_FUNC PyInit_stepprof_boundary(void) {
+#if STEPPROF_CUDA
+  if (!resolve_runtime()) {
+    return nullptr;
+  }
+#endif
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) {
     return nullptr;
@@ -370,7 +573,8 @@ PyMODINIT_FUNC PyInit_stepprof_boundary(void) {
       PyModule_AddIntConstant(m, "READ", kREAD) < 0 ||
       PyModule_AddIntConstant(m, "RESET", kRESET) < 0 ||
       PyModule_AddIntConstant(m, "PUSH", kPUSH) < 0 || PyModule_AddIntConstant(m, "POP", kPOP) < 0 ||
-      PyModule_AddObjectRef(m, "NVTX", STEPPROF_NVTX ? Py_True : Py_False) < 0) {
+      PyModule_AddObjectRef(m, "NVTX", STEPPROF_NVTX ? Py_True : Py_False) < 0 ||
+      PyModule_AddObjectRef(m, "CUDA", STEPPROF_CUDA ? Py_True : Py_False) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -48,8 +48,11 @@ from typing import Any
 import torch
 
 from .. import _memory
-from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
+from .._device import compiled
+from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend, HostBackend
+from .._device.cuda import CudaBackend
 from .._device.select import upgrade_from_host
+from .._registry import HOST_RSS
 from .._batch import NO_BATCH, infer_batch_size
 from .._errors import StepprofError, UsageError, from_signal_handler, raised_by_user, warn
 from .._syncs import SyncTracker
@@ -170,6 +173,11 @@ class Boundaries:
         self._on_sync = on_sync
         self._phase_peaks_every = phase_peaks_every
         self._read_rss = read_rss
+        #: The background build this profiler waits for (boundary="auto"), taken at a step
+        #: boundary once it has loaded; None when none is awaited.
+        self._core: Any = None
+        #: Why the compiled boundary is not used (None: it is, or no backend could use it).
+        self.core_reason: str | None = None
         self._main: ThreadSteps | None = None  # the training thread's context
         self._contexts: dict[int, ThreadSteps] = {}  # every thread's, the training thread's included
         self._open: dict[int, Step] = {}  # the open steps, by thread
@@ -476,7 +484,46 @@ class Boundaries:
         self.backend = b
         if b.has_device_memory:  # CUDA, seen for the first time: the context baseline
             _memory.observe(b)
+        if self._boundary != "python":
+            self._await_core(b)
         return b
+
+    def _await_core(self, b: Backend) -> None:
+        """A backend that could use the compiled boundary and does not: have it built in
+        the background (:func:`compiled.build_in_background`), to take at a step boundary."""
+        if type(b) is CudaBackend or (type(b) is HostBackend and self._read_rss == HOST_RSS.read):
+            self._core, self.core_reason = compiled.build_in_background()
+            if self._core is not None and self._core.module is not None:
+                self._take_core()
+        elif b.boundary == "compiled":
+            self._core = self.core_reason = None
+
+    def boundary_reason(self) -> str | None:
+        """Why the run's device work was not on the compiled boundary (for the summary)."""
+        if self._boundary == "python":
+            return "boundary='python' was asked for"
+        if self._core is not None:
+            return ("the compiled boundary was still being built in the background when the run "
+                    "closed; the next run uses it")
+        return self.core_reason
+
+    def _take_core(self) -> None:
+        """The background build is done (at a step's entry: this thread has no step open,
+        and a step open on another thread ends on the backend it began on)."""
+        core, self._core = self._core, None
+        module, self.core_reason = core.module, core.reason
+        if module is None:
+            return
+        b = self.backend
+        try:
+            if type(b) is CudaBackend and getattr(module, "CUDA", False):
+                self.backend = compiled.CompiledCudaBackend.adopt(b, module)
+            elif type(b) is HostBackend and hasattr(module, "host_rss"):
+                self._read_rss = HOST_RSS.with_core(module.host_rss)
+        except Exception as e:  # noqa: BLE001 - the Python boundary goes on
+            if raised_by_user(e):
+                raise
+            self.core_reason = f"the compiled boundary could not be taken ({type(e).__name__}: {e})"
 
     def begin_step(
         self,
@@ -511,6 +558,9 @@ class Boundaries:
             for hook in self._begin_hooks:
                 hook.on_step_begin(index)
         step.t0 = t_in
+        core = self._core
+        if core is not None and (core.module is not None or core.reason is not None):
+            self._take_core()  # built in the background: from this step on
         b = self.backend
         if b is None or not b.has_device_timing:
             b = self.ensure_backend()
@@ -576,7 +626,7 @@ class Boundaries:
 
     def begin_phase(self, ctx: ThreadSteps, step: Step, name: str) -> OpenPhase:
         t_in = self._clock()
-        b = self.backend
+        b = step.backend  # a step ends on the backend it began on (see _take_core)
         assert b is not None
         stack = ctx.stack
         if stack and sys.getrefcount(stack[-1]) <= _PHASE_ORPHANED:
@@ -609,7 +659,7 @@ class Boundaries:
 
     def end_phase(self, ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
         t_in = self._clock()
-        b = self.backend
+        b = step.backend
         assert b is not None
         stack = ctx.stack
         if ph not in stack:
@@ -644,7 +694,7 @@ class Boundaries:
 
     def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None) -> None:
         step.t1 = self._clock()
-        b = self.backend
+        b = step.backend
         assert b is not None
         raised = exc  # the user's exception (the hooks get this one)
         try:

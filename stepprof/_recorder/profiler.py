@@ -469,6 +469,7 @@ class Profiler:
             budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
             energy_reason=ENERGY_OFF if self._energy is None else None,
+            boundary_reason=self._boundaries.boundary_reason(),
         )
 
     def __enter__(self) -> Profiler:

@@ -121,6 +121,7 @@ class SummarySink:
         budget_unmet: str | None = None,
         syncs_outside: tuple[int | None, str | None] | None = None,
         energy_reason: str | None = None,
+        boundary_reason: str | None = None,
     ) -> Summary:
         """The summary of the records added so far.
 
@@ -140,6 +141,7 @@ class SummarySink:
                 count, which no step record carries.  None: no backend gave one.
             energy_reason: why no step has energy, when no step record says (energy
                 sampling off).
+            boundary_reason: with ``boundary="python"``, why the compiled one was not used.
         """
         agg = self.aggregate
         extra: dict[str, str] = {}
@@ -151,6 +153,8 @@ class SummarySink:
             extra["log"] = log_failed
         if budget_unmet:
             extra["overhead_budget"] = budget_unmet
+        if boundary == "python" and boundary_reason:
+            extra["boundary"] = boundary_reason
         if energy_reason is not None and not agg.energy_steps and agg.energy_reason is None and agg.timed_steps:
             extra["energy_j_per_step"] = extra["power_w_mean"] = extra["samples_per_j"] = energy_reason
         fields = agg.summary_fields(extra_unavailable=extra)

@@ -9,7 +9,7 @@ of them (a terminal escape, a newline) prints as a visible escape, on its own li
 from __future__ import annotations
 
 from .._log import LINE_MAX_BYTES
-from .._records import COMPILED_SAVES_US, Percentiles
+from .._records import Percentiles, python_boundary_line
 from .._units import format_bytes, printable
 from .peak import peak_lines
 from .model import DistributedView, Report, RunReport
@@ -194,8 +194,7 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
         out.append(f"   {label:<{width}}  {value}{reason}")
     if run.boundary == "python":
-        out.append(f"   the Python boundary ran: `stepprof build` compiles the C++ one, about "
-                   f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
+        out.append("   " + python_boundary_line(run.unavailable.get("boundary")))
     if run.syncs is not None and run.syncs.sites:
         out.append("   top sync sites:")
         for s in run.syncs.sites[:5]:
