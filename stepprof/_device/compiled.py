@@ -31,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 

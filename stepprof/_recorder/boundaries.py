@@ -511,6 +511,8 @@ class Boundaries:
         """The background build is done (at a step's entry: this thread has no step open,
         and a step open on another thread ends on the backend it began on)."""
         core, self._core = self._core, None
+        if core is None:  # another thread's step entry took it just now
+            return
         module, self.core_reason = core.module, core.reason
         if module is None:
             return
