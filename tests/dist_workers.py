@@ -68,7 +68,8 @@ def lockstep(rank: int, world: int, store: str, out: str, slow: int) -> None:
             for _ in range(STEPS):
                 with prof.step(batch_size=8):
                     with prof.measure("forward"):
-                        time.sleep(0.004 + (0.016 if rank == slow else 0.0))
+                        # Long enough that 4 processes sharing 2 cores do not blur the step times.
+                        time.sleep(0.02 + (0.04 if rank == slow else 0.0))
                         loss = model(x).square().mean()
                     with prof.measure("backward"):
                         loss.backward()
