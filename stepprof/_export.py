@@ -326,11 +326,8 @@ class _Trace:
         else:  # lanes are made one at a time: this is the next
             tid = self._new_tid(pid, thread, track, lane, track_name)
             tids.append(tid)
-        events = self._events
-        events.append({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
-                       "pid": pid, "tid": tid, "args": args})
-        if len(events) >= 4096:
-            self.flush()
+        self.emit({"name": name, "cat": cat, "ph": "X", "ts": s / 1e3, "dur": (e - s) / 1e3,
+                   "pid": pid, "tid": tid, "args": args})
         return tid
 
 

@@ -418,7 +418,7 @@ def build_in_background() -> tuple[_Background | None, str | None]:
 
     Returns ``(state, None)`` while a build runs or once it is done (``state.module`` is
     set when it has loaded), or ``(None, why)`` when none will: ``STEPPROF_BUILD=0``, a
-    missing compiler, ninja or CUDA headers (the fix named), or an earlier background
+    missing compiler or ninja (the fix named), or an earlier background
     build for this key that failed (``stepprof build`` retries it).  Never raises, never
     compiles on the calling thread: the child runs ``stepprof build``, its output in
     ``<cache_dir()>.log``.
