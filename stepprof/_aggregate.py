@@ -587,8 +587,8 @@ class RunAggregate:
 
     def _take_reasons(self, unavailable: dict[str, Any]) -> None:
         reasons = self.step_reasons
-        if len(reasons) >= TABLE_CAP:
-            return
+        if len(reasons) >= TABLE_CAP or unavailable.keys() <= reasons.keys():
+            return  # (the common case: every step repeats the same reasons)
         for key, why in unavailable.items():
             if key not in reasons and type(why) is str:
                 reasons[key] = why

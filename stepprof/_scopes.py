@@ -42,6 +42,10 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: Whether torch.compile is tracing this code (every scope then does nothing): bound once, as
+#: each scope asks it twice.  Dynamo knows the function itself, so it still adds no graph break.
+_compiling = torch.compiler.is_compiling
+
 
 class Recorder(Protocol):
     """What a scope asks of a profiler (:class:`stepprof.Profiler` is one)."""
@@ -69,7 +73,7 @@ class _Scope:
         tokens = token = None
         try:
             tokens = self._tokens
-            if not tokens or torch.compiler.is_compiling():
+            if not tokens or _compiling():
                 return
             prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
             prof._exit(token, exc)
@@ -108,7 +112,7 @@ class StepScope(_Scope):
         self._tokens: list[tuple[Recorder, Any]] = []
 
     def __enter__(self) -> StepScope:
-        if torch.compiler.is_compiling():
+        if _compiling():
             return self
         prof = self._profiler or current()
         token = None
@@ -136,7 +140,7 @@ class MeasureScope(_Scope):
         self._tokens: list[tuple[Recorder, Any]] = []
 
     def __enter__(self) -> MeasureScope:
-        if torch.compiler.is_compiling():
+        if _compiling():
             return self
         if self._name is None:
             raise UsageError(
@@ -176,7 +180,7 @@ class MeasureScope(_Scope):
 
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if _compiling():
                 return fn(*args, **kwargs)
             prof = bound or current()
             token = None

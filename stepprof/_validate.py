@@ -452,9 +452,9 @@ def check_name(name: Any, argument: str = "name") -> str | None:
 
 
 def check_batch_size(batch_size: Any) -> int | None:
+    if batch_size is None or (type(batch_size) is int and batch_size > 0):
+        return batch_size  # (each step asks: the common cases first)
     fix = "pass the number of samples in the step, e.g. batch_size=x.shape[0], or batch=... to infer it, or None"
-    if batch_size is None:
-        return None
     if isinstance(batch_size, bool):
         raise ConfigError(f"'batch_size' must be a positive int or None (got {batch_size!r}); {fix}")
     try:
@@ -468,8 +468,13 @@ def check_batch_size(batch_size: Any) -> int | None:
     return n
 
 
+_NO_BUDGET: tuple[None, None] = (None, None)
+
+
 def check_budget(max_syncs: Any, on_sync: Any) -> tuple[int | None, str | None]:
     """A step's own sync budget: None leaves the profiler's in force."""
+    if max_syncs is None and on_sync is None:
+        return _NO_BUDGET
     return check_max_syncs(max_syncs), None if on_sync is None else check_on_sync(on_sync)
 
 

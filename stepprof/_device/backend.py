@@ -193,6 +193,10 @@ class HostBackend(BoundaryOps):
         self.sync_mechanism: str | None = None
         self.sync_reason = f"{reason}: there is no device for the host to wait on"
 
+    def cross(self, flags: int, name: str | None = None) -> tuple[None, None]:
+        """No mark, no memory read, no range: the host has none of them (one call, not five)."""
+        return None, None
+
     def mark(self) -> None:
         return None
 
