@@ -599,6 +599,10 @@ class Boundaries:
 
     def _watch(self, ctx: ThreadSteps, step: Step, b: Backend, syncs: tuple[int | None, str | None]) -> None:
         """Start counting this thread's syncs for ``step`` (its sync budget: ``max_syncs``, ``on_sync``)."""
+        if not b.has_device_timing:  # the host: no device to wait on, nothing to count
+            step.syncs_reason = b.watch_syncs(ctx.tracker)
+            ctx.watching = False
+            return
         max_syncs = self._max_syncs if syncs[0] is None else syncs[0]
         tracker = ctx.tracker
         tracker.begin(ctx.stack, max_syncs, syncs[1] or self._on_sync, not step.warmup)

@@ -101,25 +101,37 @@ def build_step_record(
             _INTERRUPTED if s.error is not None and (s.start_mark is None or s.end_mark is None) else _NO_EVENT
         )
     phases: dict[str, dict[str, Any]] = {}
-    for key, total in s.phases.items():
-        pg: float | None = 0.0
-        for start, end in total.marks:
-            ms = elapsed_ms(b, start, end)
-            if ms is None:
-                pg = None
-            elif pg is not None:
-                pg += ms
-        phases[key] = {
-            "wall_ms": total.wall_ns / 1e6,
-            "gpu_ms": pg,
-            "peak_allocated_bytes": total.peak if total.peak >= 0 else None,
-            "count": total.count,
-            "syncs": total.syncs if s.syncs is not None else None,
-            "start_ms": (total.t0 - s.t0) / 1e6,
-        }
-        if pg is None:
+    if s.phases:
+        timed = b.has_device_timing  # (the host's marks are None: no phase has GPU time)
+        counted = s.syncs is not None
+        t0 = s.t0
+        no_gpu = no_peak = False
+        for key, total in s.phases.items():
+            pg: float | None = None
+            if timed:
+                pg = 0.0
+                for start, end in total.marks:
+                    ms = elapsed_ms(b, start, end)
+                    if ms is None:
+                        pg = None
+                        break
+                    pg += ms
+            peak = total.peak
+            phases[key] = {
+                "wall_ms": total.wall_ns / 1e6,
+                "gpu_ms": pg,
+                "peak_allocated_bytes": peak if peak >= 0 else None,
+                "count": total.count,
+                "syncs": total.syncs if counted else None,
+                "start_ms": (total.t0 - t0) / 1e6,
+            }
+            if pg is None:
+                no_gpu = True
+            if peak < 0:
+                no_peak = True
+        if no_gpu:
             unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
-        if total.peak < 0:
+        if no_peak:
             unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
                 phase_peaks_why if not s.phase_peaks else "not read"
             )
@@ -451,6 +463,8 @@ class Collector:
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
+        if not b.has_device_timing:
+            return record  # (the host's marks are None: none to release)
         released: set[int] = {id(s.end_mark)} if self._keep_end_marks else set()
         for pair in s.marks():  # top-level phases share boundary events: release each once
             for m in pair:
