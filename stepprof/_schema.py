@@ -64,122 +64,52 @@ class _Absent:
 ABSENT: Final = _Absent()
 
 
-def step_record(
-    *,
-    step: int,
-    name: str,
-    warmup: bool,
-    device: str,
-    start_unix_s: float,
-    wall_ms: float,
-    gpu_ms: float | None,
-    gpu_busy: float | None,
-    peak_allocated_bytes: int | None,
-    reserved_bytes: int | None,
-    batch_size: int | None,
-    samples_per_s: float | None,
-    phases: dict[str, dict[str, Any]],
-    overhead_us: float,
-    error: dict[str, str] | None,
-    syncs: dict[str, Any] | None,
-    allocator: dict[str, int] | None,
-    unavailable: dict[str, str],
-    host_rss_bytes: int | None | _Absent = ABSENT,
-    thread: str | _Absent = ABSENT,
-    sampled: bool | _Absent = ABSENT,
-    data_wait_ms: float | None = None,
-    data_ms: float | _Absent = ABSENT,
-    flops: float | None | _Absent = ABSENT,
-    tflops_per_s: float | None | _Absent = ABSENT,
-    mfu: float | None | _Absent = ABSENT,
-    flops_counted: bool = False,
-    energy_j: float | None | _Absent = ABSENT,
-    energy_span_ms: float | None | _Absent = ABSENT,
-    compiles: int | _Absent = ABSENT,
-    recompiles: int | _Absent = ABSENT,
-    compile_ms: float | _Absent = ABSENT,
-    graph_breaks: int | None | _Absent = ABSENT,
-    recompile_reasons: list[str] | _Absent = ABSENT,
-    compiled: bool | _Absent = ABSENT,
-    run_id: str | None = None,
-    rank: int | None = None,
-    local_rank: int | None = None,
-    world_size: int | None = None,
-) -> dict[str, Any]:
-    """A ``kind: "step"`` record, its keys in the order docs/schema.md gives.
+def _make_step_record() -> Any:
+    """:func:`step_record`, generated from the step record's declaration (``_fields.RECORDS``),
+    as attrs generates an ``__init__``: one dict display in the declared order, then one test
+    per optional field.  The declaration is its only owner: a field added there is a parameter
+    here, in its place."""
+    from ._fields import RECORDS, WRITER_FIELDS
 
-    The optional fields are left out at their default: ``host_rss_bytes`` (CPU steps
-    only), ``thread`` (steps of a thread other than the training thread), ``sampled``
-    (under ``overhead_budget``: whether the step got its GPU figures), ``data_ms`` (a batch
-    fetched through ``stepprof.iterate``), ``flops``,
-    ``tflops_per_s`` and ``mfu`` (with FLOPs requested), ``flops_counted`` (written only
-    as True), ``energy_j`` and ``energy_span_ms`` (CUDA steps with energy sampling on; the
-    ``EnergyHook`` adds them), the compile fields ``compiles`` to ``compiled`` (once the process
-    has compiled: ``_recorder/compiles.CompileHook``), and ``run_id`` and the rank fields (a
-    distributed run's), which the log
-    writer adds.
-    ``unavailable`` is kept by reference, so a caller may still add reasons to it.
+    writer = {f.name for f in WRITER_FIELDS}
+    fields = [f for f in RECORDS["step"].fields if f.name not in ("schema_version", "kind", "encoding_replaced")]
+    core = [f.name for f in fields if not f.optional]
+    optional = [f.name for f in fields if f.optional]
+    lines = [f"def step_record({', '.join(core)}, *, {', '.join(f'{n}=ABSENT' for n in optional)}):"]
+    lines.append("    record = {'schema_version': SCHEMA_VERSION, 'kind': 'step', "
+                 + ", ".join(f"{n!r}: {n}" for n in core) + "}")
+    for n in optional:
+        # A writer field (run_id, the rank fields) given as None is not written either.
+        test = f"{n} is not ABSENT and {n} is not None" if n in writer else f"{n} is not ABSENT"
+        if n == "flops_counted":
+            test = f"{n} is True"  # written only as True
+        lines.append(f"    if {test}:\n        record[{n!r}] = {n}")
+    lines.append("    return record")
+    scope: dict[str, Any] = {"ABSENT": ABSENT, "SCHEMA_VERSION": SCHEMA_VERSION}
+    exec("\n".join(lines), scope)  # noqa: S102 - our own declaration, as attrs and dataclasses do
+    fn = scope["step_record"]
+    fn.__module__ = __name__
+    fn.__doc__ = """A ``kind: "step"`` record, its keys in the declared order (docs/schema.md's).
+
+    The fields up to ``unavailable`` are always written and may be passed by position, in
+    that order (the collector does: a keyword call costs a microsecond more a step).  The
+    optional fields, by keyword, are left out at their default: ``host_rss_bytes`` (CPU steps
+    only), ``thread`` (steps of a thread other than the training thread), ``sampled`` (under
+    ``overhead_budget``), ``data_ms`` (a batch fetched through ``stepprof.iterate``), the FLOP
+    fields, ``energy_j`` and ``energy_span_ms``, the compile fields, and ``run_id`` and the rank
+    fields (which the log writer adds; None is not written either).  ``flops_counted`` is
+    written only as True.  ``unavailable`` is kept by reference, so a caller may still add
+    reasons to it.
     """
-    record: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "step",
-        "step": step,
-        "name": name,
-        "warmup": warmup,
-        "device": device,
-        "start_unix_s": start_unix_s,
-        "wall_ms": wall_ms,
-        "gpu_ms": gpu_ms,
-        "gpu_busy": gpu_busy,
-        "peak_allocated_bytes": peak_allocated_bytes,
-        "reserved_bytes": reserved_bytes,
-        "batch_size": batch_size,
-        "samples_per_s": samples_per_s,
-        "data_wait_ms": data_wait_ms,
-        "phases": phases,
-        "overhead_us": overhead_us,
-        "error": error,
-        "syncs": syncs,
-        "allocator": allocator,
-        "unavailable": unavailable,
-    }
-    # Written out rather than looped: the collector builds every step record here.
-    if host_rss_bytes is not ABSENT:
-        record["host_rss_bytes"] = host_rss_bytes
-    if thread is not ABSENT:
-        record["thread"] = thread
-    if sampled is not ABSENT:
-        record["sampled"] = sampled
-    if data_ms is not ABSENT:
-        record["data_ms"] = data_ms
-    if flops is not ABSENT:
-        record["flops"] = flops
-    if tflops_per_s is not ABSENT:
-        record["tflops_per_s"] = tflops_per_s
-    if mfu is not ABSENT:
-        record["mfu"] = mfu
-    if flops_counted:
-        record["flops_counted"] = True
-    if energy_j is not ABSENT:
-        record["energy_j"] = energy_j
-    if energy_span_ms is not ABSENT:
-        record["energy_span_ms"] = energy_span_ms
-    if compiles is not ABSENT:
-        record["compiles"] = compiles
-        record["recompiles"] = recompiles
-        record["compile_ms"] = compile_ms
-        record["graph_breaks"] = graph_breaks
-        record["recompile_reasons"] = recompile_reasons
-        record["compiled"] = compiled
-    if run_id is not None:
-        record["run_id"] = run_id
-    if rank is not None:
-        record["rank"] = rank
-    if local_rank is not None:
-        record["local_rank"] = local_rank
-    if world_size is not None:
-        record["world_size"] = world_size
-    return record
+    return fn
+
+
+#: Builds a ``kind: "step"`` record (see :func:`_make_step_record`).
+step_record = _make_step_record()
+#: The fields :func:`step_record` takes by position, in order.
+STEP_CORE_FIELDS: Final = tuple(
+    n for n in step_record.__code__.co_varnames[: step_record.__code__.co_argcount]
+)
 
 
 def _percentiles(p: Percentiles | None) -> dict[str, float] | None:

@@ -85,6 +85,7 @@ def step_record(
         reserved_bytes=int(3.19 * GIB),
         batch_size=batch,
         samples_per_s=batch / (span / 1e3),
+        data_wait_ms=None,
         phases=phases,
         overhead_us=31.0,
         error=None,

@@ -74,8 +74,8 @@ def test_step_record_leaves_absent_optional_fields_out():
     r = step_record(
         step=0, name="step", warmup=False, device="cpu", start_unix_s=1.0, wall_ms=1.0, gpu_ms=None,
         gpu_busy=None, peak_allocated_bytes=None, reserved_bytes=None, batch_size=None,
-        samples_per_s=None, phases={}, overhead_us=1.0, error=None, syncs=None, allocator=None,
-        unavailable={},
+        samples_per_s=None, data_wait_ms=None, phases={}, overhead_us=1.0, error=None, syncs=None,
+        allocator=None, unavailable={},
     )
     assert r["schema_version"] == SCHEMA_VERSION and r["kind"] == "step"
     assert not {"host_rss_bytes", "flops", "tflops_per_s", "mfu", "flops_counted", "rank"} & set(r)
