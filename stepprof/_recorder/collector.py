@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import raised_by_user
+from .._log import CHUNK_RECORDS
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
@@ -426,6 +427,9 @@ class Collector:
                 for hook in self._after_hooks:
                     hook.after_record(s, self.write)
                 written += 1
+                if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
+                    self.log.end_batch()
+                    self.log.begin_batch()
             return False
         finally:
             self.log.end_batch()
