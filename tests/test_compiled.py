@@ -87,9 +87,11 @@ class FakeBoundary:
 
 @pytest.fixture
 def torch_cuda_calls(monkeypatch):
-    """The torch calls CudaBackend.__init__ looks up, present on a CPU build too."""
+    """The torch calls CudaBackend.__init__ looks up, present on a CPU build too; and a tool
+    attached to NVTX (else no range is pushed)."""
     monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda i: {}, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", lambda i: None, raising=False)
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/a/tool/libinjection.so")
 
 
 def backend(gpu: FakeGpu, **kw) -> tuple[CompiledCudaBackend, FakeBoundary]:
@@ -154,6 +156,19 @@ def test_nvtx_off_masks_push_and_pop(torch_cuda_calls, gpu):
     b.cross(MARK | PUSH, "step 1")
     b.cross(MARK | POP)
     assert [f for _, _, f, _ in m.boundaries] == [MARK, MARK] and gpu.ranges == []
+
+
+def test_without_a_tool_attached_to_nvtx_no_range_is_pushed(torch_cuda_calls, gpu, monkeypatch):
+    monkeypatch.delenv("NVTX_INJECTION64_PATH")
+    b, m = backend(gpu)                      # nvtx=True, the default
+    b.cross(MARK | PUSH, "step 1")
+    b.cross(MARK | POP)
+    assert [f for _, _, f, _ in m.boundaries] == [MARK, MARK] and gpu.ranges == []
+    module = FakeBoundary(gpu)
+    module.NVTX = False                      # nor through torch
+    b = CompiledCudaBackend(0, module, syncs="off")
+    b.cross(MARK | PUSH, "step 1")
+    assert not b._py_ranges and not hasattr(b, "_push")
 
 
 def test_an_extension_built_without_nvtx_pushes_the_ranges_through_torch(torch_cuda_calls, gpu):

@@ -310,8 +310,9 @@ def test_close_waits_for_the_steps_events_not_the_whole_device(tmp_path):
 
 
 @pytest.mark.cuda
-def test_a_step_name_nvtx_cannot_take_is_recorded_and_recording_goes_on(tmp_path):
+def test_a_step_name_nvtx_cannot_take_is_recorded_and_recording_goes_on(tmp_path, monkeypatch):
     """A lone surrogate in a step name (from a non-UTF-8 file name) reaches NVTX's C++ binding."""
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", str(tmp_path / "no-tool.so"))  # as if a tool were attached
     log = str(tmp_path / "names.jsonl")
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no "stepprof stopped recording"

@@ -22,6 +22,7 @@ Which backend a step gets is decided in :mod:`stepprof._device.select`.
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from typing import Any
 
@@ -33,6 +34,16 @@ from .backend import ALLOCATOR_COUNTERS, AllocatorFigures, BoundaryOps, HistoryS
 from .sync_routes import enable_gpu_trace, register_repeat_interleave_probe, trace_route, warn_route
 
 __all__ = ["CudaBackend", "CudaSweepBackend"]
+
+
+#: Where a tool (Nsight Systems, Nsight Compute) tells NVTX to load its injection library.
+#: Without it, NVTX drops every range a process pushes, so stepprof pushes none.
+NVTX_INJECTION = "NVTX_INJECTION64_PATH"
+
+
+def nvtx_attached() -> bool:
+    """Whether a tool is there to receive NVTX ranges (:data:`NVTX_INJECTION` is set)."""
+    return bool(os.environ.get(NVTX_INJECTION))
 
 
 class CudaBackend(BoundaryOps):
@@ -59,7 +70,8 @@ class CudaBackend(BoundaryOps):
         self._capturing = torch.cuda.is_current_stream_capturing
         self._memory_stats = torch._C._cuda_memoryStats
         self._reset_peak = torch._C._cuda_resetPeakMemoryStats
-        self._nvtx = nvtx
+        # Without a tool attached every NVTX call is a no-op (NVTX's own rule): none is made.
+        nvtx = self._nvtx = nvtx and nvtx_attached()
         self.sync_mechanism: str | None = None if syncs == "off" else syncs
         self.sync_reason: str | None = "sync tracking was turned off (syncs='off')" if syncs == "off" else None
         self._sync_resolved = syncs != "trace"
