@@ -51,10 +51,10 @@ class Recorder(Protocol):
     """What a scope asks of a profiler (:class:`stepprof.Profiler` is one)."""
 
     def _enter(
-        self, name: str | None, batch_size: int | None, *, step: bool,
+        self, name: str | None, batch_size: int | None, step: bool,
         budget: tuple[int | None, str | None] = (None, None), batch_reason: str | None = None,
         batch: Any = NO_BATCH,
-    ) -> Any: ...
+    ) -> Any: ...  # (called by position: a keyword call costs more at every boundary)
 
     def _exit(self, token: Any, exc: BaseException | None) -> None: ...
 
@@ -117,8 +117,7 @@ class StepScope(_Scope):
         prof = self._profiler or current()
         token = None
         try:
-            token = prof._enter(self._name, self._batch_size, step=True, budget=self._budget,
-                                batch_reason=self._batch_reason)
+            token = prof._enter(self._name, self._batch_size, True, self._budget, self._batch_reason)
             self._tokens.append((prof, token))
             return self
         except BaseException as e:
@@ -149,7 +148,7 @@ class MeasureScope(_Scope):
         prof = self._profiler or current()
         token = None
         try:
-            token = prof._enter(self._name, None, step=False)
+            token = prof._enter(self._name, None, False)
             self._tokens.append((prof, token))
             return self
         except BaseException as e:
@@ -185,7 +184,7 @@ class MeasureScope(_Scope):
             prof = bound or current()
             token = None
             try:
-                token = prof._enter(name, None, step=False, batch=args[at] if len(args) > at else NO_BATCH)
+                token = prof._enter(name, None, False, (None, None), None, args[at] if len(args) > at else NO_BATCH)
                 result = fn(*args, **kwargs)
             except BaseException as e:
                 if token is not None:

@@ -71,6 +71,8 @@ _NAME = "stepprof_boundary"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boundary.cpp")
 _FLAGS = {"MARK": MARK, "READ": READ, "RESET": RESET, "PUSH": PUSH, "POP": POP}
 _RANGES = PUSH | POP
+#: What a boundary with nothing left to do returns (a top-level phase's entry without NVTX).
+_NOTHING: tuple[None, None] = (None, None)
 
 
 @attrs.frozen
@@ -533,7 +535,7 @@ class CompiledCudaBackend(CudaBackend):
             return self._cross_with_torch_ranges(flags, name)
         flags &= self._mask
         if not flags & MARK:
-            return self._boundary(self.index, 0, flags, name)
+            return self._boundary(self.index, 0, flags, name) if flags else _NOTHING
         events = self._events
         ev = events.pop() if events else self._create(self.index)
         try:

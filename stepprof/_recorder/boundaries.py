@@ -288,7 +288,6 @@ class Boundaries:
         self,
         name: str | None,
         batch_size: int | None,
-        *,
         step: bool,
         budget: tuple[int | None, str | None] = (None, None),
         batch_reason: str | None = None,

@@ -83,7 +83,7 @@ class MutedProfiler:
 
     closed = False
 
-    def _enter(self, name: Any, batch_size: Any, *, step: bool, **_: Any) -> None:
+    def _enter(self, name: Any, batch_size: Any, step: bool, *_: Any, **__: Any) -> None:
         return None
 
     def _exit(self, token: Any, exc: Any) -> None:
