@@ -30,7 +30,7 @@ def timed_round(fn: Callable[[], Any], k: int, sync: Callable[[], Any],
     """Wall and process-CPU µs per call of ``k`` calls of ``fn``, between two ``sync()``.
 
     ``settle`` runs after the closing ``sync()`` and inside the timing: it finishes the work
-    the round's calls left behind (a stepprof profiler's ``_drain``: the records its
+    the round's calls left behind (a stepprof profiler's ``flush``: the records its
     collector thread has not written yet), so that each round pays for its own ``k`` steps
     and none of that work runs during the next variant's round.  ``wait`` runs before it and
     outside the timing (wall and CPU): waiting for something that comes by the clock, not

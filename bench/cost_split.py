@@ -78,7 +78,7 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     for _ in range(20):
         one()
     torch.cuda.synchronize()
-    prof._drain()
+    prof.flush()
     b = prof._boundaries.backend
     for attr in ("cross", "watch_syncs", "unwatch_syncs"):
         fn = getattr(b, attr)

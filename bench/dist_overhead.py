@@ -65,7 +65,7 @@ def run(width, batch, rounds, k, every, device, tmp, name):
             fn()
     sync()
     for p in profs.values():  # the warm-up's records, before any round
-        p._drain()
+        p.flush()
     per_step = {v: [] for v in variants}
     rng = random.Random(0)  # the same order on every rank: the collectives must match
     for _ in range(rounds):
@@ -79,7 +79,7 @@ def run(width, batch, rounds, k, every, device, tmp, name):
                 variants[v]()
             sync()
             if v in profs:  # this round's last records, before the clock stops (not in the next round)
-                profs[v]._drain()
+                profs[v].flush()
             per_step[v].append((time.perf_counter() - t0) / k * 1e6)
     summaries = {v: p.close() for v, p in profs.items()}
     exchanges = len(list(stepprof.read(profs["exchange"].log, kind="ranks"))) if profs["exchange"].log else 0

@@ -197,8 +197,8 @@ torch.cuda.synchronize()
 # stepprof's variants write a round's last records before the clock stops (and the warm-up's
 # before the first round): left to the collector thread, they would be written during the
 # next variant's round.
-drains = {"step": p_step._drain, "full": p_full._drain, "full-nogc": p_full_ng._drain,
-          "full-inline": p_full_inl._drain}
+drains = {"step": p_step.flush, "full": p_full.flush, "full-nogc": p_full_ng.flush,
+          "full-inline": p_full_inl.flush}
 for d in drains.values(): d()
 for owed, done in [*zip(coll_owed.values(), coll_done.values()), *zip(py_owed.values(), py_done.values())]:
     done[:] = owed  # the warm-up's simulated-collector work is not any round's

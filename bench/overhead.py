@@ -136,7 +136,7 @@ def _settling(prof):
         return None, None
     energy = prof._energy
     if energy is None or energy.sampler is None:
-        return None, prof._drain
+        return None, prof.flush
     collector = prof._collector
 
     def wait():

@@ -58,14 +58,14 @@ def interleave(variants: dict, rounds: int, k: int, base: str, profs: dict) -> d
             fn()
     torch.cuda.synchronize()
     for p in profs.values():
-        p._drain()
+        p.flush()
     per = {v: [] for v in variants}
     rng = random.Random(0)
     for _ in range(rounds):
         order = list(variants)
         rng.shuffle(order)
         for v in order:
-            wall_us, _ = timed_round(variants[v], k, torch.cuda.synchronize, profs[v]._drain)
+            wall_us, _ = timed_round(variants[v], k, torch.cuda.synchronize, profs[v].flush)
             per[v].append(wall_us)
     return _figures(per, base)
 
@@ -102,8 +102,8 @@ def interleave_sessions(variants: dict, rounds: int, k: int, base: str) -> tuple
             step = step_of(p)
             step()
             torch.cuda.synchronize()
-            p._drain()
-            wall_us, _ = timed_round(step, k, torch.cuda.synchronize, p._drain)
+            p.flush()
+            wall_us, _ = timed_round(step, k, torch.cuda.synchronize, p.flush)
             last[v] = p.close()
             if r:
                 per[v].append(wall_us)

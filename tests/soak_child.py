@@ -149,7 +149,7 @@ def _rss(args: argparse.Namespace) -> int:
                         pass
             i += 1
             if i == due:
-                prof._drain()  # the written steps' records are let go, as the collector would
+                prof.flush()  # the written steps' records are let go, as the collector would
                 gc.collect()
                 out["steps"].append(i)
                 out["rss_bytes"].append(_statm_rss())

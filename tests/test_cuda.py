@@ -93,7 +93,7 @@ def test_stepprof_adds_no_sync(tmp_path):
     # A step's record waits for the first energy sample after it (energy_every_s=0.5): give the
     # sampler its period, then write what has completed, without closing.
     time.sleep(1.2)
-    prof._drain()
+    prof.flush()
     written = len(list(stepprof.read(log)))
     assert written >= 40, "records were not harvested lazily during the run"
     prof.close()
@@ -180,12 +180,12 @@ def test_records_lag_until_the_gpu_finishes(tmp_path):
     prof = stepprof.Profiler(log)
     with prof.step():
         torch.cuda._sleep(200_000_000)  # ~0.1 s of device time at ~2 GHz
-    prof._drain()
+    prof.flush()
     assert list(stepprof.read(log)) == []   # not finished, and nobody waited
     torch.cuda.synchronize()
     with prof.step():
         pass
-    prof._drain()
+    prof.flush()
     assert [r["step"] for r in stepprof.read(log)][:1] == [0]
     prof.close()
     first = next(stepprof.read(log, kind="step"))

@@ -391,12 +391,25 @@ class Profiler:
     def closed(self) -> bool:
         return self._summary is not None
 
-    def close(self) -> Summary:
+    def flush(self) -> None:
+        """Write every step whose device work has completed, now, from the calling thread.
+
+        It never waits on the device: a step still running on the GPU is written by a later
+        flush, the collector thread, or :meth:`close`.  A framework callback calls it at each
+        logging step, before it reads its window of figures.
+        """
+        self._collector.drain()
+
+    def close(self, error: BaseException | None = None) -> Summary:
         """Wait for the pending steps' events, write every record and the summary, close the log.
+
+        Args:
+            error: the exception that ended the run, if one did (the summary's ``ended_by``
+                is then ``"exception"``, as when it propagates out of ``with Profiler(...)``).
 
         Calling it again returns the same summary.
         """
-        return self._end("close")
+        return self._end("close" if error is None else "exception")
 
     def _end(self, ended_by: str) -> Summary:
         """:meth:`close`, saying how the run ended (``"close"``, ``"exception"``, ``"exit"``)."""
@@ -512,10 +525,6 @@ class Profiler:
         return f"<stepprof.Profiler log={self.log!r} warmup={self.warmup} {state}>"
 
     # -- used by bench/ and stepprof.memory_report() --------------------------------
-
-    def _drain(self) -> None:
-        """Write every completed step now, from the calling thread (never waits on the device)."""
-        self._collector.drain()
 
     def _known_peak(self) -> int:
         """The highest step peak so far: written steps, pending ones and the open one."""

@@ -8,11 +8,11 @@ from .._errors import raised_by_user, warn
 from .._recorder.profiler import Profiler
 
 
-def close_quietly(prof: Profiler, ended_by: str) -> Any:
-    """Close ``prof`` (``ended_by``: ``"close"`` or ``"exception"``) and return its summary; a
-    failure to close becomes one warning and None: stepprof never breaks training."""
+def close_quietly(prof: Profiler, error: BaseException | None) -> Any:
+    """Close ``prof`` (``error``: the exception that ended the run, if one did) and return its
+    summary; a failure to close becomes one warning and None: stepprof never breaks training."""
     try:
-        return prof._end(ended_by)
+        return prof.close(error)
     except Exception as e:  # noqa: BLE001 - close must not raise into the trainer's shutdown
         if raised_by_user(e):
             raise

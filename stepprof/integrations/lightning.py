@@ -201,7 +201,7 @@ class StepprofCallback(pl.Callback):
         with self._guarded("the fit's end") as active:
             if active and self._open:
                 self._end_step(error)
-        close_quietly(prof, "close" if error is None else "exception")
+        close_quietly(prof, error)
         self._log_window(trainer)
 
     # -- logging ---------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class StepprofCallback(pl.Callback):
         with self._guarded("logging") as _:
             prof = self.profiler
             if prof is not None and not prof.closed:
-                prof._drain()  # the steps whose device work has completed, now (never a wait)
+                prof.flush()  # the steps whose device work has completed, now (never a wait)
             figs = figures(self._window.drain())  # every rank drains; rank zero logs
             if not figs or not getattr(trainer, "is_global_zero", True):
                 return

@@ -68,6 +68,10 @@ _NO_TRAINER = (
 )
 
 
+#: What a run left open by a ``train()`` that raised outside ``training_step`` ended with.
+_UNFINISHED = RuntimeError("the previous train() raised before the callback saw its end")
+
+
 class StepprofCallback(TrainerCallback):
     """Profiles each optimizer step of ``Trainer.train()`` and adds the figures to its logs.
 
@@ -119,7 +123,7 @@ class StepprofCallback(TrainerCallback):
     # -- the Trainer's hooks ------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._close("exception")  # a previous train() that raised outside training_step
+        self._close(_UNFINISHED)  # a previous train() that raised outside training_step
         # The log is opened here: an unwritable path raises now, before the first step.
         prof = Profiler(self._log, **self._options)
         try:
@@ -178,7 +182,7 @@ class StepprofCallback(TrainerCallback):
         try:
             # The steps whose device work has completed are written now (never a wait), so
             # the window holds them: on a GPU the last step or two may still be running.
-            self._prof._drain()
+            self._prof.flush()
             got = figures(self._window.drain())
             if not got:
                 return
@@ -193,7 +197,7 @@ class StepprofCallback(TrainerCallback):
             self._fail(e)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._close("close")
+        self._close(None)
 
     # -- the wrappers on the Trainer -----------------------------------------------------
 
@@ -212,7 +216,7 @@ class StepprofCallback(TrainerCallback):
             except BaseException as e:
                 if phase:
                     self._guard(self._end_step, e)
-                    self._close("exception")
+                    self._close(e)
                 raise
             if phase:
                 self._guard(self._end_phase)
@@ -286,8 +290,8 @@ class StepprofCallback(TrainerCallback):
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
-        except SyncBudgetExceeded:
-            self._close("exception")  # the Trainer has no exception hook to close the run later
+        except SyncBudgetExceeded as e:
+            self._close(e)  # the Trainer has no exception hook to close the run later
             raise  # on_sync="raise": the user asked for it
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             if raised_by_user(e):
@@ -299,16 +303,16 @@ class StepprofCallback(TrainerCallback):
         warn(
             f"stepprof: the Hugging Face callback stopped profiling after an internal error "
             f"({type(e).__name__}: {e}); training goes on", stacklevel=3)
-        self._close("exception")
+        self._close(e)
 
-    def _close(self, ended_by: str) -> None:
+    def _close(self, error: BaseException | None) -> None:
         prof = self._prof
         self._in_step, self._phase = False, None
         with contextlib.suppress(Exception):
             self._unwrap()
         if prof is None or prof.closed:
             return
-        summary = close_quietly(prof, ended_by)
+        summary = close_quietly(prof, error)
         if summary is not None:
             self._summary = summary
 
