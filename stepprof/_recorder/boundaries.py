@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from operator import sub
 from collections.abc import Callable, Sequence
+from operator import sub
 from typing import Any
 
 import torch
