@@ -16,6 +16,7 @@ a device machine's copy of the working tree).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import statistics
@@ -29,16 +30,12 @@ VARIANTS = ("step", "3 phases", "no log", "python")
 
 
 def export(rev: str, into: str) -> str:
-    """``rev``'s stepprof/ and bench/ under ``into`` (a directory git archive fills)."""
+    """``rev``'s stepprof/ and bench/, extracted under ``into``."""
     archive = subprocess.run(
         ["git", "-C", HERE, "archive", "--format=tar", rev, "stepprof", "bench"],
         check=True, capture_output=True,
     ).stdout
-    os.makedirs(into, exist_ok=True)
-    path = os.path.join(into, "archive.tar")
-    with open(path, "wb") as f:
-        f.write(archive)
-    with tarfile.open(path) as t:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as t:
         t.extractall(into, filter="data")
     return into
 

@@ -491,7 +491,7 @@ class Profiler:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         pop_active(self)
-        self._end("close" if exc_type is None else "exception")
+        self.close(exc)
 
     def _on_signal(self, name: str) -> None:
         """SIGTERM or SIGINT arrived (main thread): write the completed steps and a summary.
