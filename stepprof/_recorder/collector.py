@@ -96,7 +96,7 @@ def build_step_record(
         return _light_record(s, b, start_unix_s, not_sampled)
     unavailable: dict[str, str] = {}
     wall_ms = (s.t1 - s.t0) / 1e6
-    gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
+    gpu_ms = s.gpu_ms()
     if gpu_ms is None:
         unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or (
             _INTERRUPTED if s.error is not None and (s.start_mark is None or s.end_mark is None) else _NO_EVENT

@@ -34,7 +34,7 @@ from .._signals import start_thread
 from .._device import nvml
 from .._device.backend import Backend
 from .hooks import Closing, Hook
-from .step import Step, elapsed_ms
+from .step import Step
 
 ON_HOST = "energy is read from a CUDA GPU's NVML counter; the CPU's is not measured"
 OTHER_THREAD = "steps of other threads overlap the training thread's: energy goes to the training thread's steps"
@@ -186,7 +186,7 @@ class EnergyHook(Hook):
             sampler = self.sampler = Sampler(b, self.every_s, self._clock, self._opener)
         span = self._span
         if span is None or span[0] != step.index:
-            span = self._span = self._span_of(step, b, sampler)
+            span = self._span = self._span_of(step, sampler)
         if not span[3]:
             return False
         latest = sampler.latest()
@@ -194,11 +194,11 @@ class EnergyHook(Hook):
             return False
         return self._clock() - span[2] < self._patience_ns
 
-    def _span_of(self, s: Step, b: Backend, sampler: Sampler) -> tuple[int, int, int, bool]:
+    def _span_of(self, s: Step, sampler: Sampler) -> tuple[int, int, int, bool]:
         """(index, start, end, whether to wait for a sample) of a training-thread CUDA step."""
         now = self._clock()
         prev = self._prev_end
-        gpu_ms = elapsed_ms(b, s.start_mark, s.end_mark)
+        gpu_ms = s.gpu_ms()
         if gpu_ms is not None:
             start = s.t0 if prev is None else max(s.t0, prev)
             end = max(start + round(gpu_ms * 1e6), s.t1)

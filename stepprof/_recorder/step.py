@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+_UNREAD = object()  # Step.gpu_ms not read yet
+
 
 class OpenPhase:
     """A phase that has been entered and not yet exited: where it started."""
@@ -47,7 +49,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
-        "data_wait_ns", "data_ns", "batch_reason",
+        "data_wait_ns", "data_ns", "batch_reason", "_gpu_ms",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -83,6 +85,15 @@ class Step:
         self.data_wait_ns = -1
         self.data_ns = -1
         self.batch_reason: str | None = None  # why batch_size is None, when it was not inferred
+        self._gpu_ms: float | None | object = _UNREAD
+
+    def gpu_ms(self) -> float | None:
+        """The device time between its start and end marks (read once: the record and the
+        energy span both need it), or None; only once its end mark has completed."""
+        ms = self._gpu_ms
+        if ms is _UNREAD:
+            ms = self._gpu_ms = elapsed_ms(self.backend, self.start_mark, self.end_mark)
+        return ms  # type: ignore[return-value]
 
     def marks(self) -> list[tuple[Any, Any]]:
         """Every (start, end) pair of device marks the step holds: its own, then its phases'."""
