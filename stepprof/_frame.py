@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import MissingExtraError, warn
+from ._fields import BOOL, FLOAT, INT, RECORDS, STR, MapOf, Obj, Scalar
 from ._log import read
 from ._validate import check_frame_kind, check_logs
 
@@ -17,13 +18,6 @@ __all__ = ["frame"]
 
 #: Fields kept whole, as one object column: field -> reason, not a figure.
 _KEPT_WHOLE = frozenset({"unavailable"})
-
-#: Names (the last dotted part) of figures that are floats even when every value is
-#: null or happens to be integral: times, rates and ratios.
-_FLOAT_SUFFIXES = ("_ms", "_s", "_us", "gpu_busy", "mfu", "median", "p10", "p90")
-
-#: Names (the last dotted part) of integer figures, nullable Int64 when every value is null.
-_INT_NAMES = frozenset({"step", "count", "syncs", "batch_size"})
 
 _INT64 = (-(2**63), 2**63 - 1)
 
@@ -76,28 +70,54 @@ def _spread(row: dict[str, Any], prefix: str, value: dict[str, Any]) -> None:
             row[f"{prefix}.{key}"] = inner
 
 
-def _column(pd: Any, name: str, values: list[Any]) -> Any:
-    """A Series of ``values`` with the dtype that fits them: int64 (Int64 with nulls),
-    float64 (NaN for null), bool (boolean with nulls), else object.
+def _declared(kind: str, column: str) -> Scalar | None:
+    """The declared type (``_fields.RECORDS``) of a frame column of ``kind``, or None when the
+    column is no declared scalar (a newer version's field, a list, ``FREE`` data).
 
-    A column that is null throughout takes its dtype from its name, if the name says.
+    The column is the dotted path :func:`_flatten` made: ``phase.<name>.<field>`` is the
+    step's ``phases`` item, a step's ``syncs`` its count, a key of a :class:`MapOf` any key.
     """
+    if column == "log":
+        return STR
+    parts = column.split(".")
+    if kind == "step" and parts[0] == "phase":
+        parts[0] = "phases"
+    t: Any = Obj(RECORDS[kind].fields)
+    for part in parts:
+        if type(t) is MapOf:  # the part is one of its keys
+            t = t.value
+            continue
+        if type(t) is not Obj:
+            return None
+        t = next((f.type for f in t.fields if f.name == part), None)
+        if t is None:
+            return None
+    if kind == "step" and column == "syncs":
+        return INT  # the step's syncs object, as its count
+    return t if type(t) is Scalar else None
+
+
+def _column(pd: Any, declared: Scalar | None, values: list[Any]) -> Any:
+    """A Series of ``values`` with the dtype of the declared type: float64 (NaN for null), int64
+    (Int64 with nulls; float64 for an int past int64, a FLOP count), bool (boolean with nulls),
+    else object.  An undeclared column takes the dtype its values fit, the same way."""
     types = set(map(type, values))
     nulls = type(None) in types
     types.discard(type(None))
-    last = name.rsplit(".", 1)[-1]
-    is_float = last.endswith(_FLOAT_SUFFIXES)
-    if not types:
-        is_int = last in _INT_NAMES or "_bytes" in last or last.startswith("num_")
-        dtype = "float64" if is_float else "Int64" if is_int else object
-        return pd.Series(values, dtype=dtype)
-    if types == {bool}:
-        return pd.Series(values, dtype="boolean" if nulls else bool)
-    if types <= {int, float}:
-        if float in types or is_float or not _INT64[0] <= min(v for v in values if v is not None) <= max(
-                v for v in values if v is not None) <= _INT64[1]:
-            return pd.Series(values, dtype="float64")  # an int past int64 (FLOPs) only fits a float
-        return pd.Series(values, dtype="Int64" if nulls else "int64")
+    if declared is None:  # what the values fit
+        declared = (BOOL if types == {bool} else INT if types == {int}
+                    else FLOAT if types and types <= {int, float} else None)
+    if declared is BOOL and types <= {bool}:
+        return pd.Series(values, dtype="boolean" if nulls or not types else bool)
+    if declared is INT and types <= {int}:
+        if not types:
+            return pd.Series(values, dtype="Int64")
+        present = [v for v in values if v is not None]
+        if _INT64[0] <= min(present) and max(present) <= _INT64[1]:
+            return pd.Series(values, dtype="Int64" if nulls else "int64")
+        declared = FLOAT  # an int past int64 (FLOPs) only fits a float
+    if declared in (INT, FLOAT) and types <= {int, float}:
+        return pd.Series(values, dtype="float64")
     return pd.Series(values, dtype=object)
 
 
@@ -179,5 +199,5 @@ def frame(
         if len(values) < n:
             values.extend([None] * (n - len(values)))
         if key not in spread or any(v is not None for v in values):
-            data[key] = _column(pd, key, values)
+            data[key] = _column(pd, _declared(kind, key), values)
     return pd.DataFrame(data)

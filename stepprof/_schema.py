@@ -120,51 +120,48 @@ def _phases(phases: dict[str, PhaseFigures]) -> dict[str, dict[str, Any]]:
     return {name: attrs.asdict(figures) for name, figures in phases.items()}
 
 
+def _reasons(unavailable: dict[str, str]) -> dict[str, str]:
+    return {SUMMARY_RENAMED.get(k, k): v for k, v in unavailable.items()}
+
+
+#: How a summary field is written from ``stepprof.Summary``'s attribute of the same name
+#: (version 1's name for a renamed one); the others are written as they are.
+_SUMMARY_WRITE: Final = {"wall_ms": _percentiles, "gpu_ms": _percentiles, "phases": _phases, "unavailable": _reasons}
+
+
+def summary_fields() -> tuple[tuple[str, str, bool], ...]:
+    """(key, ``stepprof.Summary`` attribute, optional) of each field :func:`summary_record`
+    writes, in the declared order (``_fields.RECORDS["summary"]``): the declaration is the
+    summary's only list of fields.  The log writer's fields are not a summary's, but ``run_id``
+    (the profiler's, which its summary carries)."""
+    from ._fields import RECORDS, WRITER_FIELDS
+
+    renamed = {new: old for old, new in SUMMARY_RENAMED.items()}
+    writer = {f.name for f in WRITER_FIELDS} - {"run_id"}
+    return tuple((f.name, renamed.get(f.name, f.name), f.optional) for f in RECORDS["summary"].fields
+                 if f.name not in ("schema_version", "kind") and f.name not in writer)
+
+
+_SUMMARY_FIELDS: Final = summary_fields()
+
+
 def summary_record(summary: Summary) -> dict[str, Any]:
     """The ``kind: "summary"`` record of ``summary`` (without ``schema_version``, which the
-    writer adds).
+    writer adds), its keys in the declared order (:func:`summary_fields`).
 
     The percentile figures go under ``wall_ms_percentiles`` and ``gpu_ms_percentiles``,
     and so do their reasons in ``unavailable``; the attributes of ``stepprof.Summary``
     keep the names ``wall_ms`` and ``gpu_ms``.  ``phases`` holds each phase's
-    ``stepprof.PhaseFigures`` as an object of the same fields.  ``compile_steps`` is
-    written only when the run saw compilation (not None).
+    ``stepprof.PhaseFigures`` as an object of the same fields.  An optional field
+    (``compile_steps``: the run saw compilation) is written only when it is not None.
     """
-    s = summary
-    record = {
-        "kind": "summary",
-        "steps": s.steps,
-        "warmup_steps": s.warmup_steps,
-        "error_steps": s.error_steps,
-        "measured_steps": s.measured_steps,
-        "device": s.device,
-        "wall_ms_percentiles": _percentiles(s.wall_ms),
-        "gpu_ms_percentiles": _percentiles(s.gpu_ms),
-        "gpu_busy_median": s.gpu_busy_median,
-        "peak_allocated_bytes_max": s.peak_allocated_bytes_max,
-        "samples_per_s_median": s.samples_per_s_median,
-        "overhead_us_median": s.overhead_us_median,
-        "log": s.log,
-        "syncs_per_step_median": s.syncs_per_step_median,
-        "sync_mechanism": s.sync_mechanism,
-        "syncs_outside_steps": s.syncs_outside_steps,
-        "tflops_per_s_median": s.tflops_per_s_median,
-        "mfu_median": s.mfu_median,
-        "phases": _phases(s.phases),
-        "ended_by": s.ended_by,
-        "overhead_us_mean": s.overhead_us_mean,
-        "gpu_steps": s.gpu_steps,
-        "boundary": s.boundary,
-        "data_wait_ms_median": s.data_wait_ms_median,
-        "input_wait_fraction": s.input_wait_fraction,
-        "energy_j_per_step": s.energy_j_per_step,
-        "power_w_mean": s.power_w_mean,
-        "samples_per_j": s.samples_per_j,
-        "unavailable": {SUMMARY_RENAMED.get(k, k): v for k, v in s.unavailable.items()},
-        "run_id": s.run_id,
-    }
-    if s.compile_steps is not None:
-        record["compile_steps"] = s.compile_steps
+    record: dict[str, Any] = {"kind": "summary"}
+    for key, attr, optional in _SUMMARY_FIELDS:
+        value = getattr(summary, attr)
+        if optional and value is None:
+            continue
+        write = _SUMMARY_WRITE.get(attr)
+        record[key] = value if write is None else write(value)
     return record
 
 

@@ -126,3 +126,30 @@ def test_what_the_writers_write_reads_back_unchanged(tmp_path, gpu, nvml):
 def test_free_fields_are_only_where_another_writer_chose_the_shape():
     free = [(kind, f.name) for kind, r in RECORDS.items() for f in _walk(r.fields) if f.type is FREE]
     assert free == [("flops", "calibration")]
+
+
+def test_the_summary_object_the_record_and_the_aggregate_read_the_declared_fields(gpu):
+    """The summary's fields are declared once (``RECORDS["summary"]``): ``stepprof.Summary`` has
+    an attribute for each and no other, ``summary_record`` writes them in the declared order,
+    and the aggregate gives a value for each (``log`` is the profiler's); the nested
+    ``Percentiles`` and ``PhaseFigures`` are the declared objects."""
+    import attrs
+
+    from stepprof._aggregate import RunAggregate
+    from stepprof._schema import summary_fields
+
+    table = summary_fields()
+    attrs_of_summary = {f.name for f in attrs.fields(stepprof.Summary)}
+    assert {attr for _, attr, _ in table} == attrs_of_summary
+    assert set(RunAggregate().summary_fields()) | {"log"} == attrs_of_summary
+    declared = RECORDS["summary"]
+    assert [f.name for f in attrs.fields(stepprof.Percentiles)] == [
+        f.name for f in declared.field("wall_ms_percentiles").type.fields]
+    assert [f.name for f in attrs.fields(stepprof.PhaseFigures)] == [
+        f.name for f in declared.field("phases").type.value.fields]
+    with make(None, gpu) as prof:
+        with prof.step():
+            gpu.launch(1.0)
+    record = prof.summary.to_record()
+    assert [k for k in record if k != "kind"] == [key for key, _, _ in table if key in record]
+    assert {key for key, _, optional in table if not optional} <= set(record)

@@ -147,3 +147,39 @@ def test_an_int_past_int64_in_a_float_field_makes_a_float_column(tmp_path):
     recs = [dict(fx.step_record(i, warmup=False, wall=5.0, gpu=5.0), flops=2**64 - 1) for i in range(2)]
     df = stepprof.frame(fx.write(str(tmp_path / "f.jsonl"), recs))
     assert str(df["flops"].dtype) == "float64" and df["flops"][0] == float(2**64 - 1)
+
+
+def test_dtypes_come_from_the_declaration_whatever_the_values():
+    """A column's dtype is its field's declared type (stepprof/_fields.py), also where every
+    value is null or an integral float: no name says what a field is."""
+    from stepprof._fields import BOOL, FLOAT, INT, RECORDS, STR, MapOf, Obj, Scalar
+    from stepprof._frame import _column, _declared
+
+    want = {FLOAT: ("float64", "float64"), INT: ("int64", "Int64"), BOOL: ("bool", "boolean"), STR: ("object", "object")}
+    sample = {FLOAT: 3, INT: 4, BOOL: True, STR: "x"}  # FLOAT given an int: still float64
+
+    def columns(t, prefix):
+        for f in t.fields:
+            name = f"{prefix}{f.name}"
+            if type(f.type) is Scalar:
+                yield name, f.type
+            elif type(f.type) is Obj:
+                yield from columns(f.type, name + ".")
+            elif type(f.type) is MapOf and type(f.type.value) is Obj:
+                yield from columns(f.type.value, name + ".somekey.")
+
+    seen = 0
+    for kind, record in RECORDS.items():
+        for name, scalar in columns(Obj(record.fields), ""):
+            if kind == "step" and name.startswith("phases."):
+                name = "phase." + name[len("phases."):]
+            assert _declared(kind, name) is scalar, (kind, name)
+            full, with_nulls = want[scalar]
+            assert str(_column(pd, _declared(kind, name), [sample[scalar]] * 2).dtype) == full, (kind, name)
+            assert str(_column(pd, _declared(kind, name), [sample[scalar], None]).dtype) == with_nulls, (kind, name)
+            assert str(_column(pd, _declared(kind, name), [None, None]).dtype) == with_nulls, (kind, name)
+            seen += 1
+    assert seen > 150
+    assert _declared("step", "syncs") is INT and _declared("step", "log") is STR
+    assert _declared("step", "a_newer_field") is None
+    assert str(_column(pd, None, [1, 2.5]).dtype) == "float64" and str(_column(pd, None, [None]).dtype) == "object"
