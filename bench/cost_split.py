@@ -7,15 +7,24 @@ the collector's CPU time per record (its harvests' thread CPU time over the reco
 and its wall time per record, and the time inside the backend's boundary call and the sync
 watch.  Prints medians (µs) and writes JSON.
 
+With ``--features``, each feature's cost per step instead: bench/floor.py's near-empty step
+(construction, 3,000 steps and close, all threads' CPU), run with the default settings and
+with one feature off, interleaved round by round in a shuffled order; a feature's cost is the
+median over rounds of (defaults less the run without it), with its range.  This runs on the
+CPU too (where energy and syncs are not measured: their cost there should be nil).
+
     python bench/cost_split.py [--steps 400] [--out cost_split.json]
+    python bench/cost_split.py --features [--rounds 7] [--device auto|cpu|cuda] [--out features.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -29,6 +38,7 @@ from stepprof._recorder import collector as collector_mod  # noqa: E402
 from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
 from overhead import make_workload, phased_step  # noqa: E402
+import floor  # noqa: E402
 
 VARIANTS = {
     "step": ({}, "step"),
@@ -117,6 +127,83 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _no_compile_tracking():
+    """torch.compile tracking off: the profiler wires no compile hook (its methods are the
+    base hook's, which the boundaries and the collector skip)."""
+    from stepprof._recorder.compiles import CompileHook
+    from stepprof._recorder.hooks import Hook
+
+    names = ("on_step_begin", "on_harvest", "on_record")
+    saved = {n: CompileHook.__dict__[n] for n in names}
+    for n in names:
+        setattr(CompileHook, n, getattr(Hook, n))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(CompileHook, n, fn)
+
+
+#: --features: the run without each feature (settings, or a patch for one with no setting).
+FEATURES = {
+    "energy sampling": ({"energy_every_s": None}, contextlib.nullcontext),
+    "sync counting": ({"syncs": "off"}, contextlib.nullcontext),
+    "compile tracking": ({}, _no_compile_tracking),
+    "log writing": ({"__no_log__": True}, contextlib.nullcontext),
+}
+#: What --features cannot switch off, and why.
+NOT_SEPARABLE = {
+    "data wait": "always on: one subtraction at step entry and one clock read at exit on the training "
+                 "thread (the exit's read is the step's own), a division on the collector; no setting "
+                 "turns it off to measure against",
+}
+
+
+def features(rounds: int, steps: int, device: str, seed: int) -> dict:
+    """Each feature's CPU per step on the near-empty step: the defaults less the run without it."""
+    cuda = device == "cuda"
+    if cuda:
+        x = torch.zeros(16, device="cuda")
+        work = lambda: x.add_(1.0)  # noqa: E731
+        sync = torch.cuda.synchronize
+    else:
+        work = sync = lambda: None  # noqa: E731
+    rng = random.Random(seed)
+    cost: dict[str, list[float]] = {name: [] for name in FEATURES}
+    defaults_us: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="stepprof-features-") as tmp:
+        log = os.path.join(tmp, "run.jsonl")
+
+        def one(name: str | None, n: int) -> float:
+            settings, patch = FEATURES[name] if name is not None else ({}, contextlib.nullcontext)
+            settings = dict(settings)
+            path = None if settings.pop("__no_log__", False) else log
+            with patch():
+                cpu = floor.run_once(n, work, sync, settings, (), path, device)
+            if path is not None and os.path.exists(path):
+                os.remove(path)
+            return cpu
+
+        for name in (None, *FEATURES):  # warm-up
+            one(name, 200)
+        for _ in range(rounds):
+            order = [None, *FEATURES]
+            rng.shuffle(order)
+            cpu = {name: one(name, steps) for name in order}
+            bare = floor.run_once(steps, work, sync, None, (), None, device)
+            defaults_us.append((cpu[None] - bare) / steps * 1e6)
+            for name in FEATURES:
+                cost[name].append((cpu[None] - cpu[name]) / steps * 1e6)
+    return {
+        "defaults_us_per_step": statistics.median(defaults_us),
+        "defaults_rounds_us": defaults_us,
+        "features": {name: {"median_us": statistics.median(xs), "min_us": min(xs), "max_us": max(xs),
+                            "rounds_us": xs} for name, xs in cost.items()},
+        "not_separable": NOT_SEPARABLE,
+    }
+
+
 def _us(ns: float | None) -> float | None:
     return None if ns is None else ns / 1e3
 
@@ -127,7 +214,27 @@ def main() -> int:
     ap.add_argument("--out", default="cost_split.json")
     ap.add_argument("--no-gc", action="store_true", help="turn Python's cyclic garbage collector off")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    ap.add_argument("--features", action="store_true", help="each feature's cost per step (see the docstring)")
+    ap.add_argument("--rounds", type=int, default=7, help="--features: interleaved rounds")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="--features: where")
+    ap.add_argument("--feature-steps", type=int, default=3000, help="--features: steps a run")
     args = ap.parse_args()
+    if args.features:
+        cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+        device = "cuda" if cuda else "cpu"
+        res = features(args.rounds, args.feature_steps, device, 0)
+        gpu = torch.cuda.get_device_name() if cuda else "none (CPU)"
+        print(f"stepprof's features on the near-empty step ({gpu}, {args.feature_steps} steps a run, "
+              f"{args.rounds} rounds): defaults {res['defaults_us_per_step']:.1f} µs/step")
+        print(f"  {'feature':18s} {'µs/step median':>15s} {'min':>8s} {'max':>8s}")
+        for name, r in res["features"].items():
+            print(f"  {name:18s} {r['median_us']:15.2f} {r['min_us']:8.2f} {r['max_us']:8.2f}")
+        for name, why in NOT_SEPARABLE.items():
+            print(f"  {name:18s} not separable: {why}")
+        with open(args.out, "w") as fh:
+            json.dump({**run_info("cost_split.py", gpu=gpu), "device": device, "steps": args.feature_steps,
+                       "rounds": args.rounds, **res}, fh, indent=2)
+        return 0
     if args.no_gc:
         import gc
 

@@ -141,3 +141,19 @@ def test_soak_runs_every_case_and_writes_its_json(monkeypatch, tmp_path, capsys)
         assert skipped is None or skipped.startswith("not supported"), skipped
     for name in cases:
         assert f"\n{name:12s}" in table
+
+
+def test_cost_split_features_charges_each_feature_and_restores_compile_tracking(monkeypatch):
+    """bench/cost_split.py --features on the CPU: a figure per feature from every round, the
+    ones it cannot switch off named with why, and the compile hook as it was after."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("cost_split")
+    from stepprof._recorder.compiles import CompileHook
+
+    before = {n: CompileHook.__dict__[n] for n in ("on_step_begin", "on_harvest", "on_record")}
+    res = mod.features(rounds=2, steps=50, device="cpu", seed=0)
+    assert set(res["features"]) == set(mod.FEATURES)
+    for figures in res["features"].values():
+        assert len(figures["rounds_us"]) == 2 and figures["min_us"] <= figures["median_us"] <= figures["max_us"]
+    assert "data wait" in res["not_separable"] and res["defaults_us_per_step"] > 0
+    assert {n: CompileHook.__dict__[n] for n in before} == before

@@ -140,8 +140,9 @@ class Profiler:
         1
     """
 
-    #: The replaceable parts (tests get others through :func:`_make_profiler`).
-    _seams: Seams = REAL
+    #: The replaceable parts: the private ``_seams`` argument (tests and benchmarks pass
+    #: others through :func:`_make_profiler`).
+    _seams: Seams
     # The scopes enter and exit steps and phases through these: the boundaries' own
     # methods, bound once in __init__ (a method here that forwarded to them would add
     # a call to every boundary).
@@ -172,6 +173,7 @@ class Profiler:
         explain_peak: bool | int = False,
         model: Any = None,
         optimizer: Any = None,
+        _seams: Seams = REAL,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
             log, warmup=warmup, device=device, nvtx=nvtx, syncs=syncs, max_syncs=max_syncs,
@@ -198,7 +200,7 @@ class Profiler:
         ident = _dist.identify()
         group = check_group(options.group, ident, ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
-        seams = self._seams
+        seams = self._seams = _seams
         # Distributed: rank fields on every record, a log per rank, the exchange.
         if ident is not None and log is not None:
             log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
@@ -586,8 +588,6 @@ def _make_profiler(
         backend, clock, collect_every_s, gather, close_wait_s: the :class:`Seams`; None
             for ``backend``, ``clock`` or ``gather`` keeps the profiler's own.
     """
-    prof = Profiler.__new__(Profiler)
-    prof._seams = Seams(backend=backend, clock=clock or REAL.clock, collect_every_s=collect_every_s,
-                        gather=gather, close_wait_s=close_wait_s)
-    prof.__init__(log, **options)  # type: ignore[misc]
-    return prof
+    seams = Seams(backend=backend, clock=clock or REAL.clock, collect_every_s=collect_every_s,
+                  gather=gather, close_wait_s=close_wait_s)
+    return Profiler(log, **options, _seams=seams)
