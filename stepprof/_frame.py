@@ -75,26 +75,35 @@ def _declared(kind: str, column: str) -> Scalar | None:
     column is no declared scalar (a newer version's field, a list, ``FREE`` data).
 
     The column is the dotted path :func:`_flatten` made: ``phase.<name>.<field>`` is the
-    step's ``phases`` item, a step's ``syncs`` its count, a key of a :class:`MapOf` any key.
+    step's ``phases`` item, a step's ``syncs`` its count, a key of a :class:`MapOf` any key
+    (a phase name may hold dots itself).
     """
     if column == "log":
         return STR
+    if kind == "step" and column == "syncs":
+        return INT  # the step's syncs object, as its count
     parts = column.split(".")
     if kind == "step" and parts[0] == "phase":
         parts[0] = "phases"
-    t: Any = Obj(RECORDS[kind].fields)
-    for part in parts:
-        if type(t) is MapOf:  # the part is one of its keys
-            t = t.value
-            continue
-        if type(t) is not Obj:
-            return None
-        t = next((f.type for f in t.fields if f.name == part), None)
-        if t is None:
-            return None
-    if kind == "step" and column == "syncs":
-        return INT  # the step's syncs object, as its count
-    return t if type(t) is Scalar else None
+    return _walk(Obj(RECORDS[kind].fields), parts)
+
+
+def _walk(t: Any, parts: list[str]) -> Scalar | None:
+    if not parts:
+        return t if type(t) is Scalar else None
+    if type(t) is MapOf:  # a key the writer chose, of one part or more
+        for k in range(1, len(parts) + 1):
+            found = _walk(t.value, parts[k:])
+            if found is not None:
+                return found
+        return None
+    if type(t) is not Obj:
+        return None
+    head, rest = parts[0], parts[1:]
+    for f in t.fields:
+        if f.name == head:
+            return _walk(f.type, rest)
+    return None
 
 
 def _column(pd: Any, declared: Scalar | None, values: list[Any]) -> Any:

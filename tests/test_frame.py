@@ -183,3 +183,22 @@ def test_dtypes_come_from_the_declaration_whatever_the_values():
     assert _declared("step", "syncs") is INT and _declared("step", "log") is STR
     assert _declared("step", "a_newer_field") is None
     assert str(_column(pd, None, [1, 2.5]).dtype) == "float64" and str(_column(pd, None, [None]).dtype) == "object"
+
+
+def test_a_phase_name_with_dots_keeps_its_figures_dtypes(tmp_path):
+    from stepprof._fields import FLOAT, INT
+    from stepprof._frame import _declared
+
+    assert _declared("step", "phase.layer.1.wall_ms") is FLOAT
+    assert _declared("step", "phase.a.b.c.count") is INT
+    assert _declared("summary", "phases.block.0.wall_ms_median") is FLOAT
+    assert _declared("step", "phase.layer.1.not_a_field") is None
+    log = str(tmp_path / "dots.jsonl")
+    with stepprof.Profiler(log, device="cpu") as prof:
+        for _ in range(2):
+            with prof.step():
+                with prof.measure("layer.1"):
+                    pass
+    df = stepprof.frame(log)
+    assert str(df["phase.layer.1.wall_ms"].dtype) == "float64"
+    assert str(df["phase.layer.1.gpu_ms"].dtype) == "float64" and df["phase.layer.1.gpu_ms"].isna().all()
