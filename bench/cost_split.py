@@ -145,12 +145,13 @@ def _no_compile_tracking():
             setattr(CompileHook, n, fn)
 
 
-#: --features: the run without each feature (settings, or a patch for one with no setting).
+#: --features: the run without each feature: (its settings, a patch for one with no setting,
+#: whether it writes a log).
 FEATURES = {
-    "energy sampling": ({"energy_every_s": None}, contextlib.nullcontext),
-    "sync counting": ({"syncs": "off"}, contextlib.nullcontext),
-    "compile tracking": ({}, _no_compile_tracking),
-    "log writing": ({"__no_log__": True}, contextlib.nullcontext),
+    "energy sampling": ({"energy_every_s": None}, contextlib.nullcontext, True),
+    "sync counting": ({"syncs": "off"}, contextlib.nullcontext, True),
+    "compile tracking": ({}, _no_compile_tracking, True),
+    "log writing": ({}, contextlib.nullcontext, False),
 }
 #: What --features cannot switch off, and why.
 NOT_SEPARABLE = {
@@ -162,13 +163,7 @@ NOT_SEPARABLE = {
 
 def features(rounds: int, steps: int, device: str, seed: int) -> dict:
     """Each feature's CPU per step on the near-empty step: the defaults less the run without it."""
-    cuda = device == "cuda"
-    if cuda:
-        x = torch.zeros(16, device="cuda")
-        work = lambda: x.add_(1.0)  # noqa: E731
-        sync = torch.cuda.synchronize
-    else:
-        work = sync = lambda: None  # noqa: E731
+    work, sync = floor.near_empty_step(device == "cuda")
     rng = random.Random(seed)
     cost: dict[str, list[float]] = {name: [] for name in FEATURES}
     defaults_us: list[float] = []
@@ -176,9 +171,8 @@ def features(rounds: int, steps: int, device: str, seed: int) -> dict:
         log = os.path.join(tmp, "run.jsonl")
 
         def one(name: str | None, n: int) -> float:
-            settings, patch = FEATURES[name] if name is not None else ({}, contextlib.nullcontext)
-            settings = dict(settings)
-            path = None if settings.pop("__no_log__", False) else log
+            settings, patch, logged = FEATURES[name] if name is not None else ({}, contextlib.nullcontext, True)
+            path = log if logged else None
             with patch():
                 cpu = floor.run_once(n, work, sync, settings, (), path, device)
             if path is not None and os.path.exists(path):

@@ -51,6 +51,15 @@ def variants(cuda: bool) -> dict[str, tuple[dict, tuple[str, ...], bool]]:
     return out
 
 
+def near_empty_step(cuda: bool) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(the step's work, the synchronisation at a run's ends): one in-place add on 16 floats on
+    CUDA; nothing on the CPU."""
+    if cuda:
+        x = torch.zeros(16, device="cuda")
+        return (lambda: x.add_(1.0)), torch.cuda.synchronize
+    return (lambda: None), (lambda: None)
+
+
 def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], settings: dict | None,
              phases: tuple[str, ...], log: str | None, device: str) -> float:
     """Process CPU seconds of one whole run (``settings`` None: the bare loop)."""
@@ -88,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     device = "cuda" if cuda else "cpu"
-    if cuda:
-        x = torch.zeros(16, device="cuda")
-        work: Callable[[], None] = lambda: x.add_(1.0)  # noqa: E731
-        sync: Callable[[], None] = torch.cuda.synchronize
-    else:
-        work = lambda: None  # noqa: E731
-        sync = lambda: None  # noqa: E731
+    work, sync = near_empty_step(cuda)
     table = variants(cuda)
     rng = random.Random(args.seed)
     per_step: dict[str, list[float]] = {name: [] for name in table}

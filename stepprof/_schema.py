@@ -129,7 +129,7 @@ def _reasons(unavailable: dict[str, str]) -> dict[str, str]:
 _SUMMARY_WRITE: Final = {"wall_ms": _percentiles, "gpu_ms": _percentiles, "phases": _phases, "unavailable": _reasons}
 
 
-def summary_fields() -> tuple[tuple[str, str, bool], ...]:
+def summary_keys() -> tuple[tuple[str, str, bool], ...]:
     """(key, ``stepprof.Summary`` attribute, optional) of each field :func:`summary_record`
     writes, in the declared order (``_fields.RECORDS["summary"]``): the declaration is the
     summary's only list of fields.  The log writer's fields are not a summary's, but ``run_id``
@@ -142,12 +142,12 @@ def summary_fields() -> tuple[tuple[str, str, bool], ...]:
                  if f.name not in ("schema_version", "kind") and f.name not in writer)
 
 
-_SUMMARY_FIELDS: Final = summary_fields()
+_SUMMARY_FIELDS: Final = summary_keys()
 
 
 def summary_record(summary: Summary) -> dict[str, Any]:
     """The ``kind: "summary"`` record of ``summary`` (without ``schema_version``, which the
-    writer adds), its keys in the declared order (:func:`summary_fields`).
+    writer adds), its keys in the declared order (:func:`summary_keys`).
 
     The percentile figures go under ``wall_ms_percentiles`` and ``gpu_ms_percentiles``,
     and so do their reasons in ``unavailable``; the attributes of ``stepprof.Summary``

@@ -136,9 +136,9 @@ def test_the_summary_object_the_record_and_the_aggregate_read_the_declared_field
     import attrs
 
     from stepprof._aggregate import RunAggregate
-    from stepprof._schema import summary_fields
+    from stepprof._schema import summary_keys
 
-    table = summary_fields()
+    table = summary_keys()
     attrs_of_summary = {f.name for f in attrs.fields(stepprof.Summary)}
     assert {attr for _, attr, _ in table} == attrs_of_summary
     assert set(RunAggregate().summary_fields()) | {"log"} == attrs_of_summary
