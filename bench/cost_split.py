@@ -174,7 +174,7 @@ def features(rounds: int, steps: int, device: str, seed: int) -> dict:
             settings, patch, logged = FEATURES[name] if name is not None else ({}, contextlib.nullcontext, True)
             path = log if logged else None
             with patch():
-                cpu = floor.run_once(n, work, sync, settings, (), path, device)
+                cpu = floor.run_once(n, work, sync, settings, (), path, device)[0]
             if path is not None and os.path.exists(path):
                 os.remove(path)
             return cpu
@@ -185,7 +185,7 @@ def features(rounds: int, steps: int, device: str, seed: int) -> dict:
             order = [None, *FEATURES]
             rng.shuffle(order)
             cpu = {name: one(name, steps) for name in order}
-            bare = floor.run_once(steps, work, sync, None, (), None, device)
+            bare = floor.run_once(steps, work, sync, None, (), None, device)[0]
             defaults_us.append((cpu[None] - bare) / steps * 1e6)
             for name in FEATURES:
                 cost[name].append((cpu[None] - cpu[name]) / steps * 1e6)

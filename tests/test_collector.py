@@ -212,3 +212,30 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     assert written >= n - 301
     assert slowest_s < 0.1  # the training thread waited one slow record, never a chunk
     assert len(steps(log)) == n
+
+
+def test_read_marks_is_none_until_every_end_completes_and_a_missing_time_is_none(gpu):
+    a = gpu.mark()
+    gpu.launch(2.0)
+    b = gpu.mark()
+    gpu.launch(3.0)
+    c = gpu.mark()
+    assert gpu.read_marks((a, b, b, c)) is None  # nothing ran yet: nothing is read
+    gpu.host(2.5)
+    assert gpu.read_marks((a, b, b, c)) is None  # b has completed, c has not
+    gpu.wait_idle()
+    assert gpu.read_marks((a, b, b, c)) == pytest.approx((2.0, 3.0))
+    assert gpu.read_marks((None, c, a, None)) == (None, None)  # a mark missing: no time
+    assert gpu.read_marks(()) == ()
+
+    def broken(start, end):
+        raise RuntimeError("cudaEventElapsedTime failed")  # an event never recorded, say
+
+    gpu.elapsed_ms = broken
+    assert gpu.read_marks((a, b)) == (None,)
+
+
+def test_release_marks_gives_each_mark_back_once_but_the_kept_one(gpu):
+    a, b, c = gpu.mark(), gpu.mark(), gpu.mark()
+    gpu.release_marks((a, c, a, b, None, c), keep=c)
+    assert gpu.released == [a, b]

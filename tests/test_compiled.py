@@ -41,6 +41,7 @@ class FakeBoundary:
         self.destroyed: list[int] = []
         self.boundaries: list[tuple[int, int, int, str | None]] = []
         self.synchronized: list[int] = []
+        self.reads: list[tuple] = []
         self.capturing = False
         self._next = 0x7F00_0000
 
@@ -64,6 +65,11 @@ class FakeBoundary:
 
     def event_elapsed_ms(self, a: int, b: int) -> float:
         return self.gpu.elapsed_ms(self._recorded(a), self._recorded(b))
+
+    def read_marks(self, marks: tuple) -> tuple | None:
+        times = self.gpu.read_marks(tuple(None if m is None else self._recorded(m) for m in marks))
+        self.reads.append((marks, times))
+        return times
 
     def event_synchronize(self, ev: int) -> None:
         self.synchronized.append(ev)
@@ -199,6 +205,29 @@ def test_every_backend_call_works_on_int_handles(torch_cuda_calls, gpu):
     b.release(z)
     del b
     assert sorted(m.destroyed) == sorted([a, z])  # pooled events are destroyed with the backend
+
+
+def test_the_collector_reads_a_step_and_its_phases_in_one_call(torch_cuda_calls, gpu, log):
+    b, m = backend(gpu)
+    with _make_profiler(log, backend=b, clock=gpu.clock, collect_every_s=None, warmup=0) as prof:
+        for _ in range(3):
+            with prof.step():
+                for name, ms in (("forward", 2.0), ("backward", 3.0), ("forward", 1.0)):
+                    with prof.measure(name):
+                        gpu.launch(ms)
+            gpu.wait_idle()
+    recs = steps(log)
+    assert [r["phases"]["forward"]["gpu_ms"] for r in recs] == pytest.approx([3.0] * 3)
+    assert [r["phases"]["backward"]["gpu_ms"] for r in recs] == pytest.approx([3.0] * 3)
+    assert [r["gpu_ms"] for r in recs] == pytest.approx([6.0] * 3)
+    # One read per step (the step's pair, forward's two runs, backward's), each completed
+    # when it was read: nothing is queried or timed one mark at a time.
+    read = [marks for marks, times in m.reads if times is not None]
+    assert len(read) == 3 and all(len(r) == 8 for r in read)
+    # (start, end, forward's runs (start, e1) and (e2, e3), backward's (e1, e2)): top-level
+    # phases share the boundary events, and each goes back to the pool once.
+    assert all(r[2] == r[0] and r[6] == r[3] and r[7] == r[4] and len(set(r)) == 5 for r in read)
+    assert len(m.created) <= 10
 
 
 def test_a_profiler_on_the_compiled_backend_records_gpu_time_and_peaks(torch_cuda_calls, gpu, log):
@@ -623,6 +652,38 @@ def test_a_bad_event_handle_raises_and_torch_still_works(built):
     torch.cuda.synchronize()
     assert x.sum().item() == 3000.0
     assert torch.cuda.current_stream().query()
+
+
+@pytest.mark.cuda
+def test_read_marks_waits_for_every_end_and_reads_each_pair(built):
+    dev = torch.cuda.current_device()
+    b = CompiledCudaBackend(dev, built, syncs="off")
+    a = torch.randn(2048, 2048, device=dev)
+    marks = [b.mark()]
+    for _ in range(10):  # 10 pairs: past the call's small buffers (16 marks)
+        a @ a
+        marks.append(b.mark())
+    torch.cuda._sleep(50_000_000)  # the last end is still running when it is read
+    last = b.mark()
+    flat = tuple(m for i in range(10) for m in (marks[i], marks[i + 1])) + (marks[0], last)
+    assert built.read_marks(flat) is None
+    b.wait([last])
+    times = built.read_marks(flat)
+    assert len(times) == 11
+    for i in range(10):
+        assert times[i] == pytest.approx(built.event_elapsed_ms(marks[i], marks[i + 1]), abs=1e-3)
+    assert times[10] == pytest.approx(built.event_elapsed_ms(marks[0], last), abs=1e-3)
+    never = built.event_create(dev)  # never recorded: queries as done, has no time
+    assert built.read_marks((None, marks[1], marks[0], None, marks[0], never)) == (None, None, None)
+    assert built.read_marks(()) == ()
+    with pytest.raises(TypeError, match="even number of marks"):
+        built.read_marks((marks[0],))
+    with pytest.raises(TypeError, match="even number of marks"):
+        built.read_marks([marks[0], marks[1]])
+    built.event_destroy(never)
+    x = torch.ones(1000, device=dev) * 3  # no error is left for the user's next check
+    torch.cuda.synchronize()
+    assert x.sum().item() == 3000.0
 
 
 @pytest.mark.cuda

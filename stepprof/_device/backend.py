@@ -118,6 +118,9 @@ class Backend(Protocol):
     def is_done(self, mark: Any) -> bool: ...
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
     def release(self, mark: Any) -> None: ...
+    # The collector's, once per step: its marks' times, and their release.
+    def read_marks(self, marks: tuple[Any, ...]) -> tuple[float | None, ...] | None: ...
+    def release_marks(self, marks: tuple[Any, ...], keep: Any = None) -> None: ...
     def reset_peak(self) -> None: ...
     def read_memory(self) -> Memory | None: ...
     def synchronize(self) -> None: ...
@@ -174,6 +177,36 @@ class BoundaryOps:
             self.range_push(name)  # type: ignore[attr-defined]
         return mark, mem
 
+    def read_marks(self, marks: tuple[Any, ...]) -> tuple[float | None, ...] | None:
+        """A step's device times: ``marks`` is (start, end, start, end, ...).  None until every
+        end mark has completed (queried, never waited on); then each pair's milliseconds, None
+        where a mark is None or its time cannot be read.  One call per step for the collector
+        (a compiled backend makes it one C call)."""
+        is_done = self.is_done  # type: ignore[attr-defined]
+        for i in range(1, len(marks), 2):
+            if not is_done(marks[i]):
+                return None
+        out: list[float | None] = []
+        for i in range(0, len(marks), 2):
+            start, end = marks[i], marks[i + 1]
+            ms = None
+            if start is not None and end is not None:
+                try:
+                    ms = self.elapsed_ms(start, end)  # type: ignore[attr-defined]
+                except RuntimeError:
+                    pass
+            out.append(ms)
+        return tuple(out)
+
+    def release_marks(self, marks: tuple[Any, ...], keep: Any = None) -> None:
+        """Give back every mark of a read step once (top-level phases share boundary marks),
+        but ``keep`` (a mark a hook still needs)."""
+        seen = {id(keep)} if keep is not None else set()
+        for m in marks:
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                self.release(m)  # type: ignore[attr-defined]
+
 
 class HostBackend(BoundaryOps):
     """No device: marks are None, memory figures are unavailable with ``reason``."""
@@ -207,6 +240,12 @@ class HostBackend(BoundaryOps):
         raise AssertionError("HostBackend has no marks")
 
     def release(self, mark: Any) -> None:
+        pass
+
+    def read_marks(self, marks: tuple[Any, ...]) -> tuple[None, ...]:
+        return (None,) * (len(marks) // 2)  # no marks: nothing to wait for, no device time
+
+    def release_marks(self, marks: tuple[Any, ...], keep: Any = None) -> None:
         pass
 
     def reset_peak(self) -> None:

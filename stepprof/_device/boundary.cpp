@@ -190,7 +190,7 @@ void reset_peak(c10::DeviceIndex dev) {
 namespace {
 
 // Bump when a function's arguments, results or meaning change.
-constexpr long kABI = 1;
+constexpr long kABI = 2;
 
 constexpr long kMARK = 1;
 constexpr long kREAD = 2;
@@ -350,6 +350,119 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
     return cuda_error("cudaEventSynchronize", err);
   }
   Py_RETURN_NONE;
+}
+
+// read_marks(marks) -> (ms or None, ...) or None
+//
+// A step's device times in one call: `marks` is a tuple (start, end, start, end, ...)
+// of event handles or None.  Every end event is queried, in order; if one has not
+// completed, the result is None (nothing is read).  Otherwise each pair's elapsed
+// time, None where a mark is None or its time cannot be read (an event that was never
+// recorded).  The GIL is let go around the CUDA calls.  RuntimeError when a query fails.
+constexpr Py_ssize_t kMaxMarks = 4096;
+
+PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!check_nargs("read_marks", nargs, 1)) {
+    return nullptr;
+  }
+  PyObject* marks = args[0];
+  if (!PyTuple_Check(marks) || PyTuple_GET_SIZE(marks) % 2 != 0 ||
+      PyTuple_GET_SIZE(marks) > kMaxMarks) {
+    PyErr_Format(PyExc_TypeError,
+                 "read_marks() takes a tuple of an even number of marks, at most %zd (got %s)",
+                 kMaxMarks, Py_TYPE(marks)->tp_name);
+    return nullptr;
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(marks);
+  const Py_ssize_t pairs = n / 2;
+  cudaEvent_t ev_small[16];
+  float ms_small[8];
+  bool ok_small[8];
+  cudaEvent_t* ev = ev_small;
+  float* ms = ms_small;
+  bool* ok = ok_small;
+  cudaEvent_t* ev_big = nullptr;
+  if (n > 16) {  // (a step with more than seven phase runs)
+    ev_big = static_cast<cudaEvent_t*>(PyMem_Malloc(n * (sizeof(cudaEvent_t) + sizeof(float) + sizeof(bool))));
+    if (ev_big == nullptr) {
+      return PyErr_NoMemory();
+    }
+    ev = ev_big;
+    ms = reinterpret_cast<float*>(ev_big + n);
+    ok = reinterpret_cast<bool*>(ms + pairs);
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* m = PyTuple_GET_ITEM(marks, i);
+    if (m == Py_None) {
+      ev[i] = nullptr;
+    } else if (!as_event(m, &ev[i], false)) {
+      PyMem_Free(ev_big);
+      return nullptr;
+    }
+  }
+  cudaError_t failed = cudaSuccess;
+  bool ready = true;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    cudaEvent_t end = ev[2 * p + 1];
+    if (end == nullptr) {
+      continue;
+    }
+    cudaError_t err = cudaEventQuery(end);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // as torch does: not an error for the user's next check
+      ready = false;
+      break;
+    }
+    if (err != cudaSuccess) {
+      failed = err;
+      break;
+    }
+  }
+  if (ready && failed == cudaSuccess) {
+    for (Py_ssize_t p = 0; p < pairs; ++p) {
+      ok[p] = false;
+      if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
+        cudaError_t err = cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]);
+        if (err == cudaSuccess) {
+          ok[p] = true;
+        } else {
+          (void)cudaGetLastError();
+        }
+      }
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (failed != cudaSuccess) {
+    PyMem_Free(ev_big);
+    return cuda_error("cudaEventQuery", failed);
+  }
+  if (!ready) {
+    PyMem_Free(ev_big);
+    Py_RETURN_NONE;
+  }
+  PyObject* out = PyTuple_New(pairs);
+  if (out == nullptr) {
+    PyMem_Free(ev_big);
+    return nullptr;
+  }
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    PyObject* v = nullptr;
+    if (ok[p]) {
+      v = PyFloat_FromDouble(static_cast<double>(ms[p]));
+      if (v == nullptr) {
+        Py_DECREF(out);
+        PyMem_Free(ev_big);
+        return nullptr;
+      }
+    } else {
+      v = Py_None;
+      Py_INCREF(v);
+    }
+    PyTuple_SET_ITEM(out, p, v);
+  }
+  PyMem_Free(ev_big);
+  return out;
 }
 
 // (peak allocated, reserved, num_alloc_retries, num_sync_all_streams,
@@ -535,6 +648,9 @@ PyMethodDef methods[] = {
     {"event_synchronize",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_synchronize)),
      METH_FASTCALL, "event_synchronize(ev): wait for the event (releases the GIL)."},
+    {"read_marks", STEPPROF_FN(read_marks), METH_FASTCALL,
+     "read_marks((start, end, ...)) -> (ms or None, ...) or None: a step's device times, None "
+     "until every end event has completed (releases the GIL)."},
     {"boundary", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(boundary)),
      METH_FASTCALL,
      "boundary(device, ev, flags, name) -> (mark or None, mem or None): POP, MARK, READ, RESET, "

@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 #: The C API version this module speaks; ``boundary.cpp``'s ``ABI`` must equal it.
-ABI = 1
+ABI = 2
 
 #: Host time a profiled step saves with the compiled boundary, in µs, on an H200 (torch
 #: 2.11.0+cu130, Python 3.12, 2026-12-01): in a tight loop, the median ``overhead_us`` of an
@@ -524,6 +524,7 @@ class CompiledCudaBackend(CudaBackend):
         self._elapsed = module.event_elapsed_ms
         self._synchronize = module.event_synchronize
         self._destroy = module.event_destroy
+        self.read_marks = module.read_marks  # (one C call per step for the collector)
         self._events: list[int] = []
         c_ranges = nvtx and bool(getattr(module, "NVTX", False))
         #: The flags the C call takes; ranges it cannot push go through torch (_py_ranges).
@@ -567,6 +568,17 @@ class CompiledCudaBackend(CudaBackend):
     def release(self, mark: Any) -> None:
         if mark is not None:
             self._events.append(mark)
+
+    def read_marks(self, marks: tuple[Any, ...]) -> tuple[float | None, ...] | None:
+        return self._module.read_marks(marks)  # (bound per instance in _use: this is its type's)
+
+    def release_marks(self, marks: tuple[Any, ...], keep: Any = None) -> None:
+        # Handles are ints: a set gives each event back once.
+        events = set(marks)
+        events.discard(None)
+        if keep is not None:
+            events.discard(keep)
+        self._events.extend(events)
 
     def wait(self, marks: list[Any]) -> None:
         """Block until these events have completed (``cudaEventSynchronize``, without the GIL)."""

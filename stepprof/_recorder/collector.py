@@ -28,7 +28,7 @@ from .._units import per_s
 from .budget import Budget
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
-from .step import Step, elapsed_ms
+from .step import Step
 
 #: How often the collector thread looks for completed steps to write.
 COLLECT_EVERY_S = 0.02
@@ -107,16 +107,19 @@ def build_step_record(
         counted = s.syncs is not None
         t0 = s.t0
         no_gpu = no_peak = False
+        times = s.times if s.times is not None else b.read_marks(s.flat_marks()) or ()
+        at = 1  # each phase's runs, in times' order (Step.flat_marks)
         for key, total in s.phases.items():
             pg: float | None = None
-            if timed:
+            n = len(total.marks)
+            if timed and len(times) >= at + n:
                 pg = 0.0
-                for start, end in total.marks:
-                    ms = elapsed_ms(b, start, end)
+                for ms in times[at:at + n]:
                     if ms is None:
                         pg = None
                         break
                     pg += ms
+            at += n
             peak = total.peak
             phases[key] = {
                 "wall_ms": total.wall_ns / 1e6,
@@ -407,13 +410,8 @@ class Collector:
                 if written == limit or (until is not None and until.is_set()):
                     return max_steps is not None or until is not None
                 s = pending[0]
-                b = s.backend
-                if not b.is_done(s.end_mark):
+                if not s.read():  # its end events, or a phase's on another stream, still running
                     return False
-                for total in s.phases.values():
-                    for _, end in total.marks:
-                        if not b.is_done(end):  # a phase on another stream, still running
-                            return False
                 for hook in self._hold_hooks:  # a figure not known yet (energy): a later harvest
                     if hook.holds(s):
                         return False
@@ -457,12 +455,6 @@ class Collector:
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
-        if not b.has_device_timing:
-            return record  # (the host's marks are None: none to release)
-        released: set[int] = {id(s.end_mark)} if self._keep_end_marks else set()
-        for pair in s.marks():  # top-level phases share boundary events: release each once
-            for m in pair:
-                if m is not None and id(m) not in released:
-                    released.add(id(m))
-                    b.release(m)
+        if b.has_device_timing:  # (the host's marks are None: none to release)
+            b.release_marks(s.flat, s.end_mark if self._keep_end_marks else None)
         return record

@@ -56,13 +56,16 @@ class Sampler:
 
     Samples are (host ns, mJ) in two lists, oldest first; :meth:`trim` drops the ones no
     later step needs.  A failed read stops the thread, and :attr:`reason` says why.
+
+    No lock: the sampler thread only appends, ``mj`` before ``times``, and the collector (the
+    only reader) only drops the same number from both heads, each one list operation under
+    the GIL; so every index into ``times`` is one into ``mj`` with the same sample.
     """
 
     def __init__(self, b: Backend, every_s: float, clock: Callable[[], int], opener: OpenCounter) -> None:
         self.times: list[int] = []
         self.mj: list[int] = []
         self.reason: str | None = None  # why no (more) samples come
-        self.lock = threading.Lock()
         self._every_s = every_s
         self._clock = clock
         self._open = opener
@@ -105,34 +108,31 @@ class Sampler:
         if value is None:
             self.reason = f"reading NVML's energy counter failed: {why}"
             return False
-        with self.lock:
-            if self.mj and value < self.mj[-1]:
-                self.reason = "NVML's energy counter went backwards (the driver was reloaded?)"
-                return False
-            self.times.append(t)
-            self.mj.append(value)
+        if self.mj and value < self.mj[-1]:
+            self.reason = "NVML's energy counter went backwards (the driver was reloaded?)"
+            return False
+        self.mj.append(value)  # before its time: see the class's docstring
+        self.times.append(t)
         return True
 
     def latest(self) -> int | None:
         """The host time of the latest sample, or None."""
-        with self.lock:
-            return self.times[-1] if self.times else None
+        times = self.times
+        return times[-1] if times else None
 
     def energy_j(self, a: int, e: int) -> float | None:
         """The counter's increase from host time ``a`` to ``e``, interpolated; None if not covered."""
-        with self.lock:
-            ts, mj = self.times, self.mj
-            if not ts or a < ts[0] or e > ts[-1]:
-                return None
-            return (_at(ts, mj, e) - _at(ts, mj, a)) / 1e3
+        ts, mj = self.times, self.mj
+        if not ts or a < ts[0] or e > ts[-1]:
+            return None
+        return (_at(ts, mj, e) - _at(ts, mj, a)) / 1e3
 
     def trim(self, before: int) -> None:
         """Drop samples no span from ``before`` on needs (keeps the last one at or before it)."""
-        with self.lock:
-            i = bisect.bisect_right(self.times, before) - 1
-            if i > 64:  # drop in batches: a list's head is costly to remove
-                del self.times[:i]
-                del self.mj[:i]
+        i = bisect.bisect_right(self.times, before) - 1
+        if i > 64:  # drop in batches: a list's head is costly to remove
+            del self.times[:i]
+            del self.mj[:i]
 
     def stop(self, final: bool) -> None:
         """Stop the thread (after a last sample if ``final``) and wait for it."""

@@ -49,7 +49,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
-        "data_wait_ns", "data_ns", "batch_reason", "_gpu_ms",
+        "data_wait_ns", "data_ns", "batch_reason", "_gpu_ms", "times", "flat",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -86,6 +86,22 @@ class Step:
         self.data_ns = -1
         self.batch_reason: str | None = None  # why batch_size is None, when it was not inferred
         self._gpu_ms: float | None | object = _UNREAD
+        #: Each pair of :meth:`flat_marks`' device ms (None: not read yet; see :meth:`read`).
+        self.times: tuple[float | None, ...] | None = None
+        self.flat: tuple[Any, ...] = ()  # the flat_marks() that were read
+
+    def read(self) -> bool:
+        """Whether its marks have all completed; the first time they have, their times are
+        read into :attr:`times` (one backend call: ``Backend.read_marks``)."""
+        if self.times is not None:
+            return True
+        flat = self.flat_marks()
+        times = self.backend.read_marks(flat)
+        if times is None:
+            return False
+        self.times, self.flat = times, flat
+        self._gpu_ms = times[0]
+        return True
 
     def gpu_ms(self) -> float | None:
         """The device time between its start and end marks (read once: the record and the
@@ -94,6 +110,17 @@ class Step:
         if ms is _UNREAD:
             ms = self._gpu_ms = elapsed_ms(self.backend, self.start_mark, self.end_mark)
         return ms  # type: ignore[return-value]
+
+    def flat_marks(self) -> tuple[Any, ...]:
+        """Its marks as (start, end, start, end, ...): its own pair, then each phase's runs, in
+        the order of :attr:`phases` (the order of :attr:`times`)."""
+        if not self.phases:
+            return (self.start_mark, self.end_mark)
+        out = [self.start_mark, self.end_mark]
+        for total in self.phases.values():
+            for pair in total.marks:
+                out += pair
+        return tuple(out)
 
     def marks(self) -> list[tuple[Any, Any]]:
         """Every (start, end) pair of device marks the step holds: its own, then its phases'."""
