@@ -232,6 +232,7 @@ _STEP = (
     _f("thread", STR, None, "the name of the thread that ran it, when not the training thread", **_OPT),
     _f("sampled", BOOL, None, "under overhead_budget: measured in full", **_OPT),
     _f("data_ms", FLOAT, "ms", "time in the loader's __next__ (stepprof.iterate), part of data_wait_ms", **_OPT),
+    _f("peak_phase", STR, None, "the innermost phase that reached the step's peak", **_OPT_NULL),
     _f("flops", FLOAT, "FLOPs", "the FLOPs of one step", **_OPT_NULL),
     _f("tflops_per_s", FLOAT, "TFLOP/s", "flops over the longer of wall_ms and gpu_ms", **_OPT_NULL),
     _f("mfu", FLOAT, "ratio", "the time the FLOPs need at the calibrated rate, over the step's", **_OPT_NULL),

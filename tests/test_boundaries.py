@@ -302,3 +302,54 @@ def test_nvtx_ranges_pair_up_when_a_phase_closes_with_a_phase_left_open_inside(l
     assert len(pushes) == gpu.ranges.count("-") == 4  # the step, outer, inner, after
     (r,) = steps(log)
     assert set(r["phases"]) == {"outer", "outer/inner", "after"}
+
+
+def test_peak_phase_names_the_innermost_phase_at_the_steps_peak_or_says_why_not(log, gpu, tmp_path):
+    prof = make(log, gpu)
+    with prof.step():  # the peak in a top-level phase
+        with prof.measure("forward"):
+            gpu.alloc(50)
+        with prof.measure("backward"):
+            gpu.alloc(400)
+            gpu.free(400)
+        gpu.free(50)
+    with prof.step():  # in a nested phase: the innermost of those that hold it
+        with prof.measure("model"):
+            with prof.measure("attention"):
+                gpu.alloc(300)
+                gpu.free(300)
+            gpu.alloc(10)
+            gpu.free(10)
+    with prof.step():  # after the last phase
+        with prof.measure("forward"):
+            gpu.alloc(5)
+            gpu.free(5)
+        gpu.alloc(600)
+        gpu.free(600)
+    with prof.step():  # no phases: no field
+        gpu.alloc(7)
+        gpu.free(7)
+    prof.close()
+    a, b, c, d = steps(log)
+    assert a["peak_phase"] == "backward" and "peak_phase" not in a["unavailable"]
+    assert b["peak_phase"] == "model/attention"
+    assert c["peak_phase"] is None
+    assert c["unavailable"]["peak_phase"].startswith("the step's peak was reached outside its phases")
+    assert "peak_phase" not in d
+    other = str(tmp_path / "unread.jsonl")
+    prof = make(other, gpu, phase_peaks_every=0)  # phase peaks off: the phases' reason
+    _phased_steps(prof, gpu, 1)
+    prof.close()
+    (r,) = steps(other)
+    assert r["peak_phase"] is None
+    assert r["unavailable"]["peak_phase"] == r["unavailable"]["phases.peak_allocated_bytes"]
+
+
+def test_peak_phase_on_the_host_is_null_with_the_peaks_reason(log):
+    with stepprof.Profiler(log, device="cpu") as prof:
+        with prof.step():
+            with prof.measure("forward"):
+                pass
+    (r,) = steps(log)
+    assert r["peak_phase"] is None
+    assert r["unavailable"]["peak_phase"] == r["unavailable"]["peak_allocated_bytes"]

@@ -172,6 +172,7 @@ def build_step_record(
     if on_host and s.rss is None:
         unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
     data_wait_ms, data_ms = _data_figures(s, unavailable)
+    peak_phase = _peak_phase(s, phases, unavailable) if phases else ABSENT
     # By position, in the declared order (_schema.STEP_CORE_FIELDS): a keyword call costs a µs more.
     record = step_record(
         s.index, s.name, s.warmup, b.device, start_unix_s, wall_ms, gpu_ms, gpu_busy, peak, s.reserved,
@@ -186,7 +187,33 @@ def build_step_record(
         record["sampled"] = True
     if data_ms is not ABSENT:
         record["data_ms"] = data_ms
+    if peak_phase is not ABSENT:
+        record["peak_phase"] = peak_phase
     return record
+
+
+#: Why a step's ``peak_phase`` is null when its phases' peaks were read and none reached it.
+OUTSIDE_PHASES = ("the step's peak was reached outside its phases: after the last one, before "
+                  "the step's exit")
+
+
+def _peak_phase(s: Step, phases: dict[str, dict[str, Any]], unavailable: dict[str, str]) -> str | None:
+    """The innermost phase whose peak is the step's (the first in ``phases``' order among
+    equals), or None with the reason: the phases' peaks were not read, or none reached it."""
+    peak = s.peak
+    if peak < 0:
+        unavailable["peak_phase"] = unavailable.get("peak_allocated_bytes", "not read")
+        return None
+    if "phases.peak_allocated_bytes" in unavailable:
+        unavailable["peak_phase"] = unavailable["phases.peak_allocated_bytes"]
+        return None
+    best, depth = None, -1
+    for key, figures in phases.items():
+        if figures["peak_allocated_bytes"] == peak and key.count("/") > depth:
+            best, depth = key, key.count("/")
+    if best is None:
+        unavailable["peak_phase"] = OUTSIDE_PHASES
+    return best
 
 
 def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[str, Any]:
