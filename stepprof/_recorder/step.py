@@ -95,6 +95,9 @@ class Step:
         read into :attr:`times` (one backend call: ``Backend.read_marks``)."""
         if self.times is not None:
             return True
+        if not self.backend.has_device_timing:  # the host: no marks, nothing to wait for
+            self.times, self._gpu_ms = (), None
+            return True
         flat = self.flat_marks()
         times = self.backend.read_marks(flat)
         if times is None:
