@@ -157,3 +157,16 @@ def test_cost_split_features_charges_each_feature_and_restores_compile_tracking(
         assert len(figures["rounds_us"]) == 2 and figures["min_us"] <= figures["median_us"] <= figures["max_us"]
     assert "data wait" in res["not_separable"] and res["defaults_us_per_step"] > 0
     assert {n: CompileHook.__dict__[n] for n in before} == before
+
+
+def test_sketch_bench_times_a_compacting_sketch_and_writes_its_json(monkeypatch, tmp_path, capsys):
+    import json
+
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("sketch")
+    out = tmp_path / "sketch.json"
+    assert mod.main(["--values", "70000", "--rounds", "1", "--json", str(out)]) == 0  # past EXACT: it compacts
+    got = json.loads(out.read_text())
+    assert got["values"] == 70000 and got["feed_us_per_value"] > 0
+    assert got["sort_ms_numpy"] > 0 and got["sort_ms_sorted"] > 0
+    assert "µs a value" in capsys.readouterr().out
