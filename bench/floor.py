@@ -8,9 +8,10 @@ round runs the bare loop and each variant once, in a shuffled order; a variant's
 round is its CPU time less the bare loop's of that round, over the steps.  The table gives the
 median over rounds and the range (min-max).
 
-The last column is the part of it spent in ``close()``, which writes the records a short run
+Two more columns split it: the part spent in ``close()``, which writes the records a short run
 still holds (each waits for the energy sample after it, every 0.5 s): most of the collector's
-work per record, apart from the training thread's.
+work per record; and the training thread's own CPU in the loop, less the bare loop's (its
+boundaries, and any harvest it took over).
 
 Variants:
   step        ``prof.step(batch_size=8)``, the default settings;
@@ -65,15 +66,19 @@ def near_empty_step(cuda: bool) -> tuple[Callable[[], None], Callable[[], None]]
 
 
 def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], settings: dict | None,
-             phases: tuple[str, ...], log: str | None, device: str) -> tuple[float, float]:
-    """Process CPU seconds of one whole run (``settings`` None: the bare loop), and of its
-    ``close()`` (which writes the records still held: most of a short run's)."""
+             phases: tuple[str, ...], log: str | None, device: str) -> tuple[float, float, float]:
+    """Process CPU seconds of one whole run (``settings`` None: the bare loop), of its
+    ``close()`` (which writes the records still held: most of a short run's), and the training
+    thread's own CPU seconds in the loop (the boundaries, and any harvest it takes over)."""
     sync()
     c_close = 0.0
     c0 = time.process_time()
+    t0 = time.thread_time()
     if settings is None:
         for _ in range(steps):
             work()
+        sync()
+        t_loop = time.thread_time() - t0
     else:
         prof = stepprof.Profiler(log, device=device, **settings)
         step, measure = prof.step, prof.measure
@@ -88,11 +93,12 @@ def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], set
                 with step(batch_size=8):
                     work()
         sync()
+        t_loop = time.thread_time() - t0
         c1 = time.process_time()
         prof.close()
         c_close = time.process_time() - c1
     sync()
-    return time.process_time() - c0, c_close
+    return time.process_time() - c0, c_close, t_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     per_step: dict[str, list[float]] = {name: [] for name in table}
     close_us: dict[str, list[float]] = {name: [] for name in table}
+    main_us: dict[str, list[float]] = {name: [] for name in table}
     bare_us: list[float] = []
     with tempfile.TemporaryDirectory(prefix="stepprof-floor-") as tmp:
         # Warm-up: imports, the backend, the first compile of anything lazy.
@@ -120,31 +127,37 @@ def main(argv: list[str] | None = None) -> int:
             rng.shuffle(order)
             cpu: dict[str, float] = {}
             closing: dict[str, float] = {}
+            training: dict[str, float] = {}
             for name in order:
                 if name == "bare":
-                    cpu[name] = run_once(args.steps, work, sync, None, (), None, device)[0]
+                    cpu[name], _, training[name] = run_once(args.steps, work, sync, None, (), None, device)
                     continue
                 settings, phases, logged = table[name]
                 log = os.path.join(tmp, f"{r}-{name.replace(' ', '_')}.jsonl") if logged else None
-                cpu[name], closing[name] = run_once(args.steps, work, sync, settings, phases, log, device)
+                cpu[name], closing[name], training[name] = run_once(
+                    args.steps, work, sync, settings, phases, log, device)
                 if log is not None:
                     os.remove(log)
             bare_us.append(cpu["bare"] / args.steps * 1e6)
             for name in table:
                 per_step[name].append((cpu[name] - cpu["bare"]) / args.steps * 1e6)
                 close_us[name].append(closing[name] / args.steps * 1e6)
+                main_us[name].append((training[name] - training["bare"]) / args.steps * 1e6)
     gpu = torch.cuda.get_device_name() if cuda else "none (CPU)"
     print(f"stepprof floor on {gpu}: {args.steps} steps a run, {args.rounds} rounds, construction and "
           f"close included, process CPU (all threads) less the bare loop's")
     print(f"  bare loop: {statistics.median(bare_us):.2f} µs/step")
-    print(f"  {'variant':10s} {'µs/step median':>15s} {'min':>8s} {'max':>8s} {'of it in close()':>17s}")
+    print(f"  {'variant':10s} {'µs/step median':>15s} {'min':>8s} {'max':>8s} {'of it in close()':>17s} "
+          f"{'training thread':>16s}")
     results = {}
     for name, xs in per_step.items():
         med = statistics.median(xs)
         closed = statistics.median(close_us[name])
+        main = statistics.median(main_us[name])
         results[name] = {"median_us": med, "min_us": min(xs), "max_us": max(xs), "rounds_us": xs,
-                         "close_median_us": closed, "close_rounds_us": close_us[name]}
-        print(f"  {name:10s} {med:15.1f} {min(xs):8.1f} {max(xs):8.1f} {closed:17.1f}")
+                         "close_median_us": closed, "close_rounds_us": close_us[name],
+                         "training_median_us": main, "training_rounds_us": main_us[name]}
+        print(f"  {name:10s} {med:15.1f} {min(xs):8.1f} {max(xs):8.1f} {closed:17.1f} {main:16.1f}")
     if args.json:
         out = {**run_info("floor.py", gpu=gpu), "steps": args.steps, "rounds": args.rounds,
                "device": device, "bare_us_per_step": bare_us, "variants": results}

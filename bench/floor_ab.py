@@ -81,15 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_median": statistics.median(ratio)}
         print(f"  {v:10s} {statistics.median(b):8.1f} {min(b):6.1f}-{max(b):<6.1f} {statistics.median(h):8.1f} "
               f"{min(h):6.1f}-{max(h):<6.1f} {statistics.median(ratio):6.3f} {min(ratio):.3f}-{max(ratio):.3f}")
-    closes = [v for v in table if all("close_median_us" in r["variants"][v] for r in runs["base"] + runs["head"])]
-    if closes:
-        print("  of it in close() (the records a short run still holds, written there):")
-        for v in closes:
-            b = [r["variants"][v]["close_median_us"] for r in runs["base"]]
-            h = [r["variants"][v]["close_median_us"] for r in runs["head"]]
-            ratio = [y / x for x, y in zip(b, h)]
-            table[v].update(close_base_us=b, close_head_us=h, close_ratio=ratio,
-                            close_ratio_median=statistics.median(ratio))
+    for part, title in (("close", "of it in close() (the records a short run still holds, written there)"),
+                        ("training", "the training thread's own, in the loop")):
+        key = f"{part}_median_us"
+        have = [v for v in table if all(key in r["variants"][v] for r in runs["base"] + runs["head"])]
+        if have:
+            print(f"  {title}:")
+        for v in have:
+            b = [r["variants"][v][key] for r in runs["base"]]
+            h = [r["variants"][v][key] for r in runs["head"]]
+            ratio = [y / x if x else float("nan") for x, y in zip(b, h)]
+            table[v].update({f"{part}_base_us": b, f"{part}_head_us": h, f"{part}_ratio": ratio,
+                             f"{part}_ratio_median": statistics.median(ratio)})
             print(f"  {v:10s} {statistics.median(b):8.1f} {min(b):6.1f}-{max(b):<6.1f} {statistics.median(h):8.1f} "
                   f"{min(h):6.1f}-{max(h):<6.1f} {statistics.median(ratio):6.3f} {min(ratio):.3f}-{max(ratio):.3f}")
     if args.json:
