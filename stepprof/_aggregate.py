@@ -38,6 +38,7 @@ from typing import Any
 import attrs
 
 from ._records import Percentiles, PhaseFigures
+from ._rules import COMPILED, COUNTED, ERROR, MALFORMED, WARMUP, left_out, span_ms
 from ._stats import QuantileSketch
 
 __all__ = [
@@ -361,38 +362,36 @@ class RunAggregate:
             self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
         if "compiles" in r:
             self._take_compiles(r, idx)
-        if get("warmup") is True:
+        why = left_out(r)  # the timed-step rule (stepprof._rules), which every view applies
+        if why is WARMUP:
             self.warmup += 1
             return
-        if get("error") is not None:
+        if why is ERROR:
             self.errors += 1
             return
-        wall = get("wall_ms")
-        t = type(wall)
-        if t is not float and t is not int:
+        if why is MALFORMED:
             self.malformed += 1
             return
         self.measured += 1
         if self.first_measured is None and idx >= 0:
             self.first_measured = idx
-        if get("flops_counted") is True:
+        if why is COUNTED:
             self.flops_counted_step = idx if idx >= 0 else None
-            return  # its times include FlopCounterMode's cost
-        if get("explained") is True:
-            return  # its times include explain_peak's history and hooks
-        if get("compiled") is True:
+            return
+        if why is COMPILED:
             self.compile_steps += 1
             if len(self.compile_step_list) < COMPILE_STEPS_NAMED:
                 self.compile_step_list.append(idx)
-            return  # its times include the compilation
+            return
+        if why is not None:  # explained
+            return
+        wall = r["wall_ms"]
         self.wall.buf.append(wall)
         gpu = get("gpu_ms")
         t = type(gpu)
-        span = wall
         if t is float or t is int:
             self.gpu.buf.append(gpu)
-            if gpu > wall:
-                span = gpu
+        span = span_ms(wall, gpu)
         self.span.buf.append(span)
         x = get("gpu_busy")
         t = type(x)

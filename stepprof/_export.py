@@ -25,10 +25,10 @@ from ._log import ScanStats, scan
 from ._paths import component, components, inside
 from ._units import printable
 from ._report.read import RunGrouper
+from ._rules import RUN_KINDS as _RUN_KINDS
 
 __all__ = ["Exported", "export_chrome", "export_tensorboard"]
 
-_RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops"))
 
 #: The step figures written as TensorBoard scalars, under ``stepprof/<figure>``.
 TB_FIGURES = (

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 from array import array
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._errors import ConfigError, MissingExtraError
 from ._log import ScanStats, scan
 from ._report.read import SWEEP_RECORDS_KEPT, RunGrouper
 from ._report.sweeps import logged_sweeps
+from ._rules import RUN_KINDS, SPIKE_FACTOR, is_spike, left_out, span_ms
+from ._stats import QuantileSketch
 from ._sweep.plot import plot_sweep
 from ._units import printable
 
@@ -44,6 +46,7 @@ class _Series:
         self.peak = array("d")
         self.reserved = array("d")
         self.rss = array("d")
+        self.timed: list[bool] = []  # each step: a timed step (stepprof._rules.left_out), as the summary's
         self.warm_until: float | None = None
         self.device: str | None = None
         self.memory: list[tuple[float, float | None, float | None]] = []  # (step, nvml, total)
@@ -73,7 +76,7 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
             if len(sweep_records) < SWEEP_RECORDS_KEPT:
                 sweep_records.append(r)
             continue
-        if kind not in ("step", "memory", "summary", "ranks", "flops"):
+        if kind not in RUN_KINDS:
             continue
         cur = run_of(kind, r)
         if kind == "step":
@@ -87,6 +90,7 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
             cur.peak.append(_as_float(r.get("peak_allocated_bytes")))
             cur.reserved.append(_as_float(r.get("reserved_bytes")))
             cur.rss.append(_as_float(r.get("host_rss_bytes")))
+            cur.timed.append(left_out(r) is None)
             if r.get("warmup") is True:
                 cur.warm_until = idx
             if type(r.get("device")) is str:
@@ -163,6 +167,30 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
     return out
 
 
+class RunFigures(NamedTuple):
+    """What the steps plot states: the median wall time, its 99th percentile, and the spikes
+    (step, span), over the timed steps, by the rules and the sketch the summary and the report use."""
+
+    median_wall_ms: float | None
+    p99_wall_ms: float | None
+    spikes: list[tuple[float, float]]
+
+
+def run_figures(s: _Series) -> RunFigures:
+    """The plotted figures of one run's steps (see :class:`RunFigures`)."""
+    walls, spans = QuantileSketch(), QuantileSketch()
+    timed_spans: list[tuple[float, float]] = []  # (step, span)
+    for i, w, g, timed in zip(s.step, s.wall, s.gpu, s.timed, strict=True):
+        if timed:
+            span = span_ms(w, g if g == g else None)
+            walls.add(w)
+            spans.add(span)
+            timed_spans.append((i, span))
+    median_span = spans.quantile(0.5)
+    return RunFigures(walls.quantile(0.5), walls.quantile(0.99),
+                      [(i, span) for i, span in timed_spans if is_spike(span, median_span)])
+
+
 def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     """The figure of one run's steps: times on top, memory (or the host's RSS) below."""
     has_gpu = any(g == g for g in s.gpu)
@@ -188,17 +216,12 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
             ax.fill_between(
                 x, lo, hi, color=color, alpha=0.2, lw=0, label=f"{label.split(' (')[0]}: min-max per bin"
             )
-    measured = sorted(
-        w
-        for i, w in zip(s.step, s.wall, strict=True)
-        if (s.warm_until is None or i > s.warm_until) and w == w
-    )
-    if measured:
-        m = measured[len(measured) // 2]
+    m, top, spikes = run_figures(s)
+    if m is not None:
+        assert top is not None
         ax.axhline(
             m, color="tab:blue", ls="--", lw=0.8, alpha=0.7, label=f"median wall {m:.2f} ms (after warm-up)"
         )
-        top = measured[int(0.99 * (len(measured) - 1))]
         peak_all = max((w for w in s.wall if w == w), default=m)
         ceiling = None
         if peak_all > 4 * top:  # a few huge steps would flatten the rest: clip, and say so
@@ -216,11 +239,6 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
             )
         else:
             ax.set_ylim(bottom=0)
-        spikes = [
-            (i, w)
-            for i, w in zip(s.step, s.wall, strict=True)
-            if w == w and w > 3 * m and (s.warm_until is None or i > s.warm_until)
-        ]
         if spikes:  # drawn one by one: a bin's median hides them, the clip would cut them
             ys = [min(w, ceiling * 0.97) if ceiling else w for _, w in spikes]
             ax.plot(
@@ -231,7 +249,7 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
                 ms=7,
                 ls="none",
                 clip_on=False,
-                label=f"spikes after warm-up: {len(spikes):,} step(s) > 3x median",
+                label=f"spikes after warm-up: {len(spikes):,} step(s) ≥ {SPIKE_FACTOR:g}x the median step",
             )
     for a in (ax, mem):
         if s.warm_until is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._rules import SPIKE_FACTOR
 from .._units import MiB, format_bytes
 from .model import Diagnosis, RunReport, Spikes
 
@@ -27,8 +28,6 @@ __all__ = [
     "sync_heavy",
 ]
 
-#: A step is a spike when its time is at least this many times the median.
-SPIKE_FACTOR = 3.0
 #: gpu_busy below this: the GPU finished the step's work well before the host.
 HOST_BOUND_BUSY = 0.9
 #: gpu_busy above this: the host left the step before the GPU finished it.

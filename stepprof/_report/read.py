@@ -15,8 +15,9 @@ from typing import Any, Generic, TypeVar
 
 from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
+from .._rules import RUN_KINDS as _RUN_KINDS
 
-__all__ = ["OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunBoundaries", "RunGrouper",
+__all__ = ["MISSING_KEPT", "OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunBoundaries", "RunGrouper",
            "Segment", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
@@ -29,7 +30,6 @@ RUNS_KEPT = 1000
 #: Sweep records kept per log, the first ones (a sweep writes one per trial, tens): each costs
 #: a few KB as a dict.  ``stepprof plot`` keeps as many.
 SWEEP_RECORDS_KEPT = 20_000
-_RUN_KINDS = frozenset(("step", "memory", "summary", "ranks", "flops", "peak"))
 
 R = TypeVar("R")
 
@@ -72,14 +72,24 @@ class RunBoundaries:
         return new
 
 
-class _Open(RunBoundaries, Generic[R]):
-    """One writer's stream of records (an id's, or those without one) and its current run."""
+#: The most step indices an id's run may have skipped and still take when they arrive late.
+MISSING_KEPT = 4096
 
-    __slots__ = ("run",)
+
+class _Open(RunBoundaries, Generic[R]):
+    """One writer's stream of records (an id's, or those without one) and its current run.
+
+    ``missing``: an id's step indices its run skipped (steps of other threads still open when
+    a later one was written): such a step arriving late belongs to the run, where an index seen
+    already starts a new one.
+    """
+
+    __slots__ = ("run", "missing")
 
     def __init__(self) -> None:
         super().__init__()
         self.run: R | None = None
+        self.missing: set[int] = set()
 
 
 _SWITCH = object()  # no stream is current: the next record looks its own up
@@ -123,11 +133,19 @@ class RunGrouper(Generic[R]):
         cur = self._cur
         if kind == "step" and cur.open and not cur.closed:  # the common case, written out
             idx = record.get("step")
-            if type(idx) is int and (cur.last_step is None or idx > cur.last_step):
-                cur.last_step = idx
-                return cur.run  # type: ignore[return-value]  # set with open
+            if type(idx) is int:
+                last = cur.last_step
+                if last is None or idx > last:
+                    if rid is not None and last is not None:
+                        _skipped(cur.missing, last + 1, idx)
+                    cur.last_step = idx
+                    return cur.run  # type: ignore[return-value]  # set with open
+                if idx in cur.missing:  # one an id's run skipped: another thread's, written late
+                    cur.missing.discard(idx)
+                    return cur.run  # type: ignore[return-value]
         if cur.starts_run(kind, record):
             cur.run = self._start(rid)
+            cur.missing = set()
         run: R = cur.run  # type: ignore[assignment]  # set by the first record
         if kind == "summary" and rid is not None:
             # A writer may go on after a summary (one written when SIGTERM arrived, say,
@@ -161,11 +179,24 @@ class RunGrouper(Generic[R]):
         return run
 
 
+def _skipped(missing: set[int], start: int, stop: int) -> None:
+    """Note the indices from ``start`` to ``stop`` (excluded) as skipped, while few are."""
+    if 0 < stop - start and stop - start + len(missing) <= MISSING_KEPT:
+        missing.update(range(start, stop))
+
+
 def _continues(last: RunAggregate, first: RunAggregate, *, by_id: bool = False) -> bool:
     """Whether ``first`` (a byte range's first run of a writer) continues ``last`` (its run
     open at the end of the range before): the index did not restart, and no summary closed
-    it (records without an id; an id's run goes on after a summary, see :class:`RunGrouper`)."""
-    restarted = first.first_step is not None and last.steps and first.first_step <= last.last_step
+    it (records without an id; an id's run goes on after a summary, see :class:`RunGrouper`).
+    An id's run restarts only at or before its first index: another thread's step written
+    late comes after that."""
+    if first.first_step is None or not last.steps:
+        restarted = False
+    elif by_id:
+        restarted = last.first_step is not None and first.first_step <= last.first_step
+    else:
+        restarted = first.first_step <= last.last_step
     return (by_id or last.summary is None) and not restarted
 
 

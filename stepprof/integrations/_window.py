@@ -13,6 +13,7 @@ import threading
 from collections import deque
 from typing import Any
 
+from .._rules import left_out
 from .._stats import median
 
 #: The prefix of every logged name (``stepprof/gpu_ms``).
@@ -34,10 +35,8 @@ class Window:
 
     def __call__(self, record: dict[str, Any]) -> None:
         """Take one finished step record (the collector thread)."""
-        if record.get("kind") != "step" or record.get("warmup") or record.get("error") is not None:
-            return
-        if record.get("compiled") or record.get("flops_counted") or record.get("explained"):
-            return  # left out of the run's figures too (their times hold compilation, counting, explaining)
+        if record.get("kind") != "step" or left_out(record) is not None:
+            return  # not a timed step: left out of the run's figures too (stepprof._rules)
         kept = {k: record.get(k) for k in (*_MEDIANS, "peak_allocated_bytes", "step")}
         phases = record.get("phases")
         if phases:
