@@ -24,6 +24,7 @@ from .._log import CHUNK_RECORDS
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
+from .._rules import span_ms
 from .._units import per_s
 from .budget import Budget
 from .hooks import Hook
@@ -154,7 +155,7 @@ def build_step_record(
     gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
     if gpu_busy is None and gpu_ms is not None:
         unavailable["gpu_busy"] = "wall time was zero"
-    samples_per_s = _samples_per_s(s, max(wall_ms, gpu_ms or 0.0), unavailable)
+    samples_per_s = _samples_per_s(s, span_ms(wall_ms, gpu_ms), unavailable)
     if s.syncs is None:
         unavailable["syncs"] = s.syncs_reason or "not counted"
         if phases:

@@ -10,6 +10,7 @@ from .._device.backend import Backend
 from .._device.facts import device_name
 from .._errors import raised_by_user
 from .._roofline import FlopCount, ideal_ms, load_calibration
+from .._rules import span_ms
 from .._units import per_s
 from .hooks import Hook
 from .sinks import Write
@@ -168,7 +169,7 @@ class FlopsHook(Hook):
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
         """Add ``flops``, ``tflops_per_s`` and ``mfu`` (and ``flops_counted``) to a step record."""
         unavailable = record["unavailable"]
-        span_ms = max(record["wall_ms"], record["gpu_ms"] or 0.0)
+        span = span_ms(record["wall_ms"], record["gpu_ms"])
         f = self.flops
         # Also a step whose count failed or raised: it ran eagerly under the counter.
         counted = step.index in self._under_counter
@@ -182,14 +183,14 @@ class FlopsHook(Hook):
             return
         flops = f["flops_per_step"]
         record["flops"] = flops
-        rate = per_s(flops, span_ms) if span_ms > 0 else None
+        rate = per_s(flops, span) if span > 0 else None
         record["tflops_per_s"] = None if rate is None else rate / 1e12
-        if span_ms <= 0:
+        if span <= 0:
             unavailable["tflops_per_s"] = "step took no measurable time"
         elif rate is None:
             unavailable["tflops_per_s"] = "flops_per_step over the step time is past a float's range"
         ideal = self.ideal_ms
-        record["mfu"] = mfu = ideal / span_ms if ideal is not None and span_ms > 0 else None
+        record["mfu"] = mfu = ideal / span if ideal is not None and span > 0 else None
         if mfu is None:
             unavailable["mfu"] = self.mfu_reason or "step took no measurable time"
         if counted:
