@@ -125,10 +125,6 @@ class Step:
                 out += pair
         return tuple(out)
 
-    def marks(self) -> list[tuple[Any, Any]]:
-        """Every (start, end) pair of device marks the step holds: its own, then its phases'."""
-        return [(self.start_mark, self.end_mark)] + [m for t in self.phases.values() for m in t.marks]
-
 
 def elapsed_ms(b: Any, start: Any, end: Any) -> float | None:
     """Device time between two marks of backend ``b``, or None if either is missing or unusable."""
