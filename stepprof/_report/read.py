@@ -72,8 +72,10 @@ class RunBoundaries:
         return new
 
 
-#: The most step indices an id's run may have skipped and still take when they arrive late.
-MISSING_KEPT = 4096
+#: The most step indices an id's run may have skipped and still take when they arrive late
+#: (a step is late by the steps other threads still had open: a few; and at 1,024 open ids the
+#: sets stay within a few MB on a hostile log).
+MISSING_KEPT = 256
 
 
 class _Open(RunBoundaries, Generic[R]):
