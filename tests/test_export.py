@@ -679,10 +679,11 @@ def test_the_trace_takes_time_linear_in_the_log(tmp_path, shape):
     took = {}
     for n in (5_000, 20_000):
         log = readerlogs.write_lines(str(tmp_path / f"{shape}{n}.jsonl"), getattr(readerlogs, shape)(n))
-        t0 = time.process_time()
-        done = _export.export_chrome([log], str(tmp_path / "t.json"))
-        took[n] = time.process_time() - t0
-        assert done.steps == n
+        for _ in range(2):  # the faster of two: one run can meet a second of someone else's work
+            t0 = time.process_time()
+            done = _export.export_chrome([log], str(tmp_path / "t.json"))
+            took[n] = min(took.get(n, float("inf")), time.process_time() - t0)
+            assert done.steps == n
     assert took[20_000] < 8 * took[5_000] + 0.5 and took[20_000] < 30, took
 
 

@@ -246,6 +246,9 @@ def test_close_returns_within_a_second_while_four_threads_keep_stepping(tmp_path
         warnings.simplefilter("error")  # no "stopped recording"
         summary = prof.close()
     took_s = time.perf_counter() - t0
+    deadline = time.monotonic() + 10  # each thread's next step is refused: wait for all of them
+    while len(refused) < THREADS and not errors and time.monotonic() < deadline:
+        time.sleep(0.01)
     stop.set()
     for t in workers:
         t.join()
