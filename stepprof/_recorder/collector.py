@@ -108,7 +108,7 @@ def build_step_record(
         counted = s.syncs is not None
         t0 = s.t0
         no_gpu = no_peak = False
-        times = s.times if s.times is not None else b.read_marks(s.flat_marks()) or ()
+        times = s.times or ()  # (read by gpu_ms() above)
         at = 1  # each phase's runs, in times' order (Step.flat_marks)
         for key, total in s.phases.items():
             pg: float | None = None

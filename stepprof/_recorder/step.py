@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-_UNREAD = object()  # Step.gpu_ms not read yet
-
 
 class OpenPhase:
     """A phase that has been entered and not yet exited: where it started."""
@@ -49,7 +47,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
-        "data_wait_ns", "data_ns", "batch_reason", "_gpu_ms", "times", "flat",
+        "data_wait_ns", "data_ns", "batch_reason", "times", "flat",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -85,7 +83,6 @@ class Step:
         self.data_wait_ns = -1
         self.data_ns = -1
         self.batch_reason: str | None = None  # why batch_size is None, when it was not inferred
-        self._gpu_ms: float | None | object = _UNREAD
         #: Each pair of :meth:`flat_marks`' device ms (None: not read yet; see :meth:`read`).
         self.times: tuple[float | None, ...] | None = None
         self.flat: tuple[Any, ...] = ()  # the flat_marks() that were read
@@ -96,23 +93,22 @@ class Step:
         if self.times is not None:
             return True
         if not self.backend.has_device_timing:  # the host: no marks, nothing to wait for
-            self.times, self._gpu_ms = (), None
+            self.times = ()
             return True
         flat = self.flat_marks()
         times = self.backend.read_marks(flat)
         if times is None:
             return False
         self.times, self.flat = times, flat
-        self._gpu_ms = times[0]
         return True
 
     def gpu_ms(self) -> float | None:
-        """The device time between its start and end marks (read once: the record and the
-        energy span both need it), or None; only once its end mark has completed."""
-        ms = self._gpu_ms
-        if ms is _UNREAD:
-            ms = self._gpu_ms = elapsed_ms(self.backend, self.start_mark, self.end_mark)
-        return ms  # type: ignore[return-value]
+        """The device time between its start and end marks (read once, by :meth:`read`: the
+        record and the energy span both need it), or None; None too while it is still running."""
+        if self.times is None and not self.read():
+            return None
+        times = self.times
+        return times[0] if times else None
 
     def flat_marks(self) -> tuple[Any, ...]:
         """Its marks as (start, end, start, end, ...): its own pair, then each phase's runs, in
