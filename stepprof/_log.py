@@ -12,7 +12,7 @@ import orjson
 
 from ._errors import ConfigError, from_signal_handler, raised_by_user, warn
 from ._sanitise import sanitise
-from ._schema import RECORD_KINDS, upgrade_record
+from ._schema import RECORD_KINDS
 from ._validate import check_log, check_read_kind, check_read_path
 
 __all__ = ["LINE_MAX_BYTES", "VALUES_MAX", "JsonlWriter", "ScanStats", "check_log", "encodable", "read", "scan"]
@@ -328,8 +328,7 @@ def scan(
     or holds more than :data:`VALUES_MAX` values, is not JSON (a torn line, bytes that are not
     UTF-8), or is no record: its ``kind`` is not a str, or a required field is unusable
     (:func:`stepprof._sanitise.sanitise`, which also reads every field of the wrong type or
-    out of range as null).  A version-1 summary comes with its version-2 names
-    (:func:`stepprof._schema.upgrade_record`).
+    out of range as null).
 
     ``start`` and ``end`` (byte offsets) read the lines that *begin* in ``[start, end)``,
     so that consecutive ranges read every line exactly once.  ``kind``: only records of this
@@ -364,8 +363,6 @@ def scan(
             k = record.get("kind")
             if kind is not None and k != kind:
                 continue
-            if k == "summary":  # only a summary can need upgrading
-                record = upgrade_record(record)
             record = sanitise(record)
             if record is None:
                 stats.skipped += 1
@@ -382,9 +379,8 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
     cut at 4,096 characters, and fields this version does not know are kept only when they
     are small and shallow (docs/schema.md).  Lines that are no record (a torn last line after
     a crash, a line over 8 MiB, a record without a str ``kind`` or a step without a usable
-    ``step``) are skipped, and one warning at the end says how many.  Records of an older
-    schema come with the current names: a version-1 summary's ``wall_ms`` and ``gpu_ms`` are
-    read as ``wall_ms_percentiles`` and ``gpu_ms_percentiles``.
+    ``step``) are skipped, and one warning at the end says how many.  Records of schema
+    version 1 (stepprof 0.1.0) are given as they were written: read 0.1.0 logs with 0.1.x.
 
     Args:
         path: a JSON-lines log written by stepprof.

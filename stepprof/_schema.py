@@ -15,10 +15,11 @@ The writer adds ``schema_version`` to a record that lacks it, ``run_id`` (the pr
 after its fields, and in a distributed run the rank fields ``rank``, ``local_rank`` and
 ``world_size`` at its end.
 
-Version 2 renamed the summary's ``wall_ms`` and ``gpu_ms`` (percentile objects) to
-``wall_ms_percentiles`` and ``gpu_ms_percentiles``, so that no column holds a float in
-one kind and an object in another.  :func:`upgrade_record` gives a version-1 record
-the version-2 names; :func:`stepprof.read` and ``_log.scan`` apply it.
+The summary's percentile objects are written as ``wall_ms_percentiles`` and
+``gpu_ms_percentiles`` (the attributes of ``stepprof.Summary`` are ``wall_ms`` and
+``gpu_ms``), so that no column holds a float in one kind and an object in another.
+Version 1 (stepprof 0.1.0) named them ``wall_ms`` and ``gpu_ms``; this version does not
+read them: 0.1.0 logs need stepprof 0.1.x.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ __all__ = [
     "SUMMARY_RENAMED",
     "step_record",
     "summary_record",
-    "upgrade_record",
 ]
 
 #: Version of the record schema; every line carries it as ``schema_version``.
@@ -47,7 +47,7 @@ RECORD_KINDS: Final = frozenset(
     {"step", "summary", "memory", "flops", "peak", "ranks", "sweep_point", "sweep_result"}
 )
 
-#: The summary's keys that version 2 renamed: version-1 name -> version-2 name.
+#: The summary's fields whose key is not their ``stepprof.Summary`` attribute: attribute -> key.
 SUMMARY_RENAMED: Final = {"wall_ms": "wall_ms_percentiles", "gpu_ms": "gpu_ms_percentiles"}
 
 
@@ -124,8 +124,8 @@ def _reasons(unavailable: dict[str, str]) -> dict[str, str]:
     return {SUMMARY_RENAMED.get(k, k): v for k, v in unavailable.items()}
 
 
-#: How a summary field is written from ``stepprof.Summary``'s attribute of the same name
-#: (version 1's name for a renamed one); the others are written as they are.
+#: How a summary field is written, by its ``stepprof.Summary`` attribute; the others are
+#: written as they are.
 _SUMMARY_WRITE: Final = {"wall_ms": _percentiles, "gpu_ms": _percentiles, "phases": _phases, "unavailable": _reasons}
 
 
@@ -164,23 +164,3 @@ def summary_record(summary: Summary) -> dict[str, Any]:
         record[key] = value if write is None else write(value)
     return record
 
-
-def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` with the version-2 names if it is a version-1 summary.
-
-    A summary without ``schema_version`` counts as version 1, and keeps the version it
-    was written with.  Keys keep their order.  Every other record is returned as it is
-    (the same object): versions 1 and 2 differ only in the summary.
-    """
-    version = record.get("schema_version")
-    if record.get("kind") != "summary" or (type(version) is int and version >= 2):
-        return record
-    upgraded = {}
-    for key, value in record.items():
-        new = SUMMARY_RENAMED.get(key)
-        if new is not None and new not in record:
-            key = new
-        elif key == "unavailable" and type(value) is dict:
-            value = {SUMMARY_RENAMED.get(k, k): v for k, v in value.items()}
-        upgraded[key] = value
-    return upgraded

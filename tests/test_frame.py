@@ -96,16 +96,6 @@ def test_several_logs_are_one_frame_with_their_rank(tmp_path, gpu, monkeypatch):
     assert df["step"].dtype == "int64"
 
 
-def test_a_version_1_summary_reads_with_the_new_names(tmp_path):
-    log = tmp_path / "v1.jsonl"
-    log.write_text(
-        '{"schema_version": 1, "kind": "summary", "steps": 2, "wall_ms": {"median": 2.0, "p10": 1.0, '
-        '"p90": 3.0}, "gpu_ms": null}\n'
-    )
-    df = stepprof.frame(log, kind="summary")
-    assert df["wall_ms_percentiles.median"].tolist() == [2.0] and "wall_ms" not in df
-
-
 @pytest.mark.parametrize("bad", [None, 3, b"run.jsonl", [], ["a.jsonl", None]])
 def test_a_log_that_is_not_a_path_is_named(bad):
     match = r"'log' must be the path of a stepprof log.*\(got .*\); e\.g\. stepprof\.frame\('run\.jsonl'\)"

@@ -1,5 +1,5 @@
 """The JSON-lines log: lines written whole, torn lines skipped, read() and its arguments,
-and version-1 logs read with the current names."""
+and version-1 logs are sent to stepprof 0.1.x."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import stepprof
 from stepprof._log import ScanStats, scan
-from stepprof._report import build_report
+from stepprof._report import build_report, render
 
 from .conftest import make
 
@@ -169,19 +169,19 @@ V1_LOG = b"""\
 """
 
 
-def test_a_version_1_log_reads_with_the_current_names(tmp_path):
+def test_a_version_1_log_reads_as_written_and_the_report_sends_it_to_0_1(tmp_path):
+    """0.1.0 logs need 0.1.x to read (CHANGELOG): its steps read, its summary comes as it was
+    written (no renaming), and the report says where to read it."""
     log = tmp_path / "v1.jsonl"
     log.write_bytes(V1_LOG)
     steps = list(stepprof.read(log, kind="step"))
     assert [r["wall_ms"] for r in steps] == [2.5, 2.0]           # steps are the same in v1 and v2
     (summary,) = stepprof.read(log, kind="summary")
-    assert summary["schema_version"] == 1                        # as written
-    assert summary["wall_ms_percentiles"] == {"median": 2.0, "p10": 2.0, "p90": 2.0}
-    assert summary["gpu_ms_percentiles"] is None and "wall_ms" not in summary and "gpu_ms" not in summary
-    assert summary["unavailable"]["gpu_ms_percentiles"] == "CUDA is not available"
-    assert list(summary).index("wall_ms_percentiles") == list(summary).index("device") + 1
-    scanned = [r for r in scan(log, ScanStats()) if r["kind"] == "summary"]
-    assert scanned == [summary]                                  # the report's reader too
+    assert summary["schema_version"] == 1 and "wall_ms_percentiles" not in summary
+    report = build_report([str(log)])
+    assert report.logs[0].schema_versions == (1,)
+    text = render(report)
+    assert "written by stepprof 0.1.0 (schema 1)" in text and "stepprof<0.2" in text
 
 
 def test_a_full_log_disk_under_warnings_as_errors_trains_every_step(gpu, capfd):

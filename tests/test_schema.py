@@ -1,5 +1,5 @@
 """The record schema: the builders match what the profiler writes, no column changes type
-between kinds, and version-1 records are upgraded."""
+between kinds."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from stepprof._schema import (
     SCHEMA_VERSION,
     step_record,
     summary_record,
-    upgrade_record,
 )
 
 from .conftest import make
@@ -149,32 +148,3 @@ def test_pandas_reads_step_wall_ms_as_float_beside_summary_and_memory(tmp_path):
     assert {"step", "memory", "summary"} <= set(df["kind"])
     assert df[lambda d: d.kind == "step"]["wall_ms"].dtype == "float64"
     assert df[lambda d: d.kind == "summary"]["wall_ms_percentiles"].notna().all()
-
-
-V1_SUMMARY = {
-    "schema_version": 1, "kind": "summary", "steps": 4, "warmup_steps": 1, "error_steps": 0,
-    "measured_steps": 3, "device": "cpu", "wall_ms": {"median": 2.0, "p10": 1.5, "p90": 2.5},
-    "gpu_ms": None, "gpu_busy_median": None, "log": "run.jsonl",
-    "unavailable": {"gpu_ms": "CUDA is not available", "gpu_busy_median": "CUDA is not available"},
-}
-
-
-def test_upgrade_renames_a_v1_summary_in_order_and_keeps_its_version():
-    up = upgrade_record(dict(V1_SUMMARY))
-    assert list(up) == [
-        "schema_version", "kind", "steps", "warmup_steps", "error_steps", "measured_steps", "device",
-        "wall_ms_percentiles", "gpu_ms_percentiles", "gpu_busy_median", "log", "unavailable",
-    ]
-    assert up["wall_ms_percentiles"] == {"median": 2.0, "p10": 1.5, "p90": 2.5}
-    assert up["gpu_ms_percentiles"] is None and up["schema_version"] == 1
-    assert up["unavailable"] == {"gpu_ms_percentiles": "CUDA is not available",
-                                 "gpu_busy_median": "CUDA is not available"}
-    unversioned = {k: v for k, v in V1_SUMMARY.items() if k != "schema_version"}
-    assert "wall_ms_percentiles" in upgrade_record(unversioned)
-
-
-def test_upgrade_leaves_v2_and_other_kinds_alone():
-    v2 = {"schema_version": 2, "kind": "summary", "wall_ms": "a foreign field", "unavailable": {"gpu_ms": "x"}}
-    step = {"schema_version": 1, "kind": "step", "wall_ms": 1.0, "unavailable": {"gpu_ms": "x"}}
-    assert upgrade_record(v2) is v2 and upgrade_record(step) is step
-    assert v2["wall_ms"] == "a foreign field" and step["unavailable"] == {"gpu_ms": "x"}

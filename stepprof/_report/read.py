@@ -2,8 +2,8 @@
 
 A log may hold several runs (one ``Profiler`` after another on the same path, or several
 processes appending to it at once) and sweeps.  :class:`RunGrouper` says which run each
-record belongs to: by its ``run_id`` when it has one, else by :class:`RunBoundaries`;
-``stepprof report`` (here) and ``stepprof plot`` (stepprof/_plot.py) both group by it.
+record belongs to, by its ``run_id``; ``stepprof report`` (here), ``stepprof plot`` and
+``stepprof export`` all group by it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
 from .._rules import RUN_KINDS as _RUN_KINDS
 
-__all__ = ["MISSING_KEPT", "OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunBoundaries", "RunGrouper",
+__all__ = ["MISSING_KEPT", "OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunGrouper",
            "Segment", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
@@ -30,67 +30,27 @@ RUNS_KEPT = 1000
 #: Sweep records kept per log, the first ones (a sweep writes one per trial, tens): each costs
 #: a few KB as a dict.  ``stepprof plot`` keeps as many.
 SWEEP_RECORDS_KEPT = 20_000
+#: The most step indices a run may have skipped and still take when they arrive late (a step
+#: is late by the steps other threads still had open: a few; and at 1,024 open ids the sets
+#: stay within a few MB on a hostile log).
+MISSING_KEPT = 256
 
 R = TypeVar("R")
 
 
-class RunBoundaries:
-    """Where one run of a log ends and the next begins, for records read in order.
+class _Open(Generic[R]):
+    """One writer's stream of records (one ``run_id``'s) and its current run.
 
-    A run ends at its ``summary``; a step whose index is not above the run's last
-    one starts a new run (a run that crashed without a summary, then a new one).
-    Only run records (``step``, ``memory``, ``summary``, ``ranks``, ``flops``) count.
-    """
-
-    __slots__ = ("open", "closed", "last_step")
-
-    def __init__(self) -> None:
-        self.open = False  # a run has begun
-        self.closed = False  # ... and its summary was read
-        self.last_step: int | None = None
-
-    def starts_run(self, kind: Any, record: dict[str, Any]) -> bool:
-        """Whether ``record`` (a run record of ``kind``) begins a new run; then tracks it."""
-        new = not self.open or (self.closed and kind != "summary")
-        if kind == "step":
-            idx = record.get("step")
-            if type(idx) is int:
-                if not new and self.last_step is not None and idx <= self.last_step:
-                    new = True
-            else:
-                idx = None
-            if new:
-                self.last_step = None
-            if idx is not None:
-                self.last_step = idx
-        elif new:
-            self.last_step = None
-        if new:
-            self.open, self.closed = True, False
-        if kind == "summary":
-            self.closed = True
-        return new
-
-
-#: The most step indices an id's run may have skipped and still take when they arrive late
-#: (a step is late by the steps other threads still had open: a few; and at 1,024 open ids the
-#: sets stay within a few MB on a hostile log).
-MISSING_KEPT = 256
-
-
-class _Open(RunBoundaries, Generic[R]):
-    """One writer's stream of records (an id's, or those without one) and its current run.
-
-    ``missing``: an id's step indices its run skipped (steps of other threads still open when
-    a later one was written): such a step arriving late belongs to the run, where an index seen
+    ``missing``: the step indices its run skipped (steps of other threads still open when a
+    later one was written): such a step arriving late belongs to the run, where an index seen
     already starts a new one.
     """
 
-    __slots__ = ("run", "missing")
+    __slots__ = ("run", "last_step", "missing")
 
     def __init__(self) -> None:
-        super().__init__()
         self.run: R | None = None
+        self.last_step: int | None = None
         self.missing: set[int] = set()
 
 
@@ -100,13 +60,14 @@ _SWITCH = object()  # no stream is current: the next record looks its own up
 class RunGrouper(Generic[R]):
     """Which run each run record belongs to, for records read in order.
 
-    A record whose ``run_id`` is a str belongs to that id's open run, wherever it lies
-    between another writer's records; the id's ``summary`` closes the run.  Records
-    without one (logs of stepprof 0.1.0, hand-written logs; an id that is not a str
-    counts as none) form runs by :class:`RunBoundaries`, as before ids, and so do an
-    id's records among themselves, except that an id's run goes on after its summary
-    (a later summary replaces it) unless the step index restarts.  Runs are made by ``new_run(run_id)`` in the order
-    of their first record.  At most :data:`OPEN_RUNS_KEPT` ids are held: past that the one
+    A record belongs to the open run of its ``run_id``, wherever it lies between other
+    writers' records.  A step whose index is neither above the run's last one nor one the
+    run skipped starts a new run of that id (a profiler that crashed, then a new one that
+    reused the id; a log copied onto itself).  A run goes on after its summary: a profiler
+    that wrote one when SIGTERM arrived and went on writes its later steps and a later
+    summary, which replaces it.  Records without a str ``run_id`` (hand-written logs) are one
+    more writer, under the same rules.  Runs are made by ``new_run(run_id)`` in the order of
+    their first record.  At most :data:`OPEN_RUNS_KEPT` ids are held: past that the one
     written least recently is dropped (a later record of it starts a new run).
 
     Args:
@@ -116,14 +77,11 @@ class RunGrouper(Generic[R]):
 
     def __init__(self, new_run: Callable[[str | None], R], *, track_heads: bool = False) -> None:
         self._new_run = new_run
-        self.legacy: _Open[R] = _Open()  # the records without an id
-        self.open: OrderedDict[str, _Open[R]] = OrderedDict()  # least recently written first
+        self.open: OrderedDict[str | None, _Open[R]] = OrderedDict()  # least recently written first
         #: Each id's first run here (it may continue a run of the previous byte range).
-        self.heads: dict[str, R] | None = {} if track_heads else None
-        #: The first run of the records without an id.
-        self.legacy_head: R | None = None
+        self.heads: dict[str | None, R] | None = {} if track_heads else None
         self._rid: Any = _SWITCH
-        self._cur: _Open[R] = self.legacy
+        self._cur: _Open[R] = _Open()
 
     def run_of(self, kind: Any, record: dict[str, Any]) -> R:
         """The run of ``record``, a run record of ``kind`` (a new one if it starts one)."""
@@ -133,34 +91,26 @@ class RunGrouper(Generic[R]):
         if rid != self._rid:
             self._switch(rid)
         cur = self._cur
-        if kind == "step" and cur.open and not cur.closed:  # the common case, written out
+        run = cur.run
+        if kind == "step":
             idx = record.get("step")
             if type(idx) is int:
                 last = cur.last_step
                 if last is None or idx > last:
-                    if rid is not None and last is not None:
+                    if last is not None:
                         _skipped(cur.missing, last + 1, idx)
                     cur.last_step = idx
-                    return cur.run  # type: ignore[return-value]  # set with open
-                if idx in cur.missing:  # one an id's run skipped: another thread's, written late
+                elif idx in cur.missing:  # one the run skipped: another thread's, written late
                     cur.missing.discard(idx)
-                    return cur.run  # type: ignore[return-value]
-        if cur.starts_run(kind, record):
-            cur.run = self._start(rid)
-            cur.missing = set()
-        run: R = cur.run  # type: ignore[assignment]  # set by the first record
-        if kind == "summary" and rid is not None:
-            # A writer may go on after a summary (one written when SIGTERM arrived, say,
-            # whose handler let training continue): its later steps continue the run, and
-            # its later summary replaces this one.  An index that restarts is a new run.
-            cur.closed = False
+                else:  # the index restarts: a new run
+                    run = None
+                    cur.last_step, cur.missing = idx, set()
+        if run is None:
+            run = cur.run = self._start(rid)
         return run
 
     def _switch(self, rid: str | None) -> None:
         self._rid = rid
-        if rid is None:
-            self._cur = self.legacy
-            return
         table = self.open
         cur = table.get(rid)
         if cur is None:
@@ -173,10 +123,7 @@ class RunGrouper(Generic[R]):
 
     def _start(self, rid: str | None) -> R:
         run = self._new_run(rid)
-        if rid is None:
-            if self.legacy_head is None:
-                self.legacy_head = run
-        elif self.heads is not None and rid not in self.heads:
+        if self.heads is not None and rid not in self.heads:
             self.heads[rid] = run
         return run
 
@@ -187,19 +134,13 @@ def _skipped(missing: set[int], start: int, stop: int) -> None:
         missing.update(range(start, stop))
 
 
-def _continues(last: RunAggregate, first: RunAggregate, *, by_id: bool = False) -> bool:
-    """Whether ``first`` (a byte range's first run of a writer) continues ``last`` (its run
-    open at the end of the range before): the index did not restart, and no summary closed
-    it (records without an id; an id's run goes on after a summary, see :class:`RunGrouper`).
-    An id's run restarts only at or before its first index: another thread's step written
-    late comes after that."""
-    if first.first_step is None or not last.steps:
-        restarted = False
-    elif by_id:
-        restarted = last.first_step is not None and first.first_step <= last.first_step
-    else:
-        restarted = first.first_step <= last.last_step
-    return (by_id or last.summary is None) and not restarted
+def _continues(last: RunAggregate, first: RunAggregate) -> bool:
+    """Whether ``first`` (a byte range's first run of an id) continues ``last`` (the id's run
+    open at the end of the range before): its index did not restart.  A run restarts only at
+    or before its first index: another thread's step written late comes after that."""
+    if first.first_step is None or not last.steps or last.first_step is None:
+        return True
+    return first.first_step > last.first_step
 
 
 class Segment:
@@ -220,13 +161,10 @@ class Segment:
         self.versions: dict[Any, int] = {}
         self.kinds: dict[str, int] = {}
         # For stitching (see RunGrouper): the runs open at the end, by id (least recently
-        # written first), and the last run of the records without an id; each id's first
-        # run here, and the first run without an id, which may continue those of the range
-        # before.
-        self.open: OrderedDict[str, RunAggregate] = OrderedDict()
-        self.legacy_last: RunAggregate | None = None
-        self.heads: dict[str, RunAggregate] = {}
-        self.legacy_head: RunAggregate | None = None
+        # written first), and each id's first run here, which may continue one of those of
+        # the range before.
+        self.open: OrderedDict[str | None, RunAggregate] = OrderedDict()
+        self.heads: dict[str | None, RunAggregate] = {}
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> Segment:
         versions, kinds, sweep_records = self.versions, self.kinds, self.sweep_records
@@ -251,9 +189,7 @@ class Segment:
                 if key in kinds or len(kinds) < 32:
                     kinds[key] = kinds.get(key, 0) + 1
         self.open = OrderedDict((rid, o.run) for rid, o in grouper.open.items() if o.run is not None)
-        self.legacy_last = grouper.legacy.run
         self.heads = grouper.heads or {}
-        self.legacy_head = grouper.legacy_head
         return self
 
     def _new_run(self, run_id: str | None) -> RunAggregate:
@@ -284,22 +220,16 @@ class Segment:
         room = max(0, SWEEP_RECORDS_KEPT - len(self.sweep_records))
         self.sweep_records.extend(later.sweep_records[:room])
         merged: dict[int, RunAggregate] = {}  # id() of a later run -> the run it continued
-        last, head = self.legacy_last, later.legacy_head
-        if last is not None and head is not None and _continues(last, head):
-            last.merge(head)
-            merged[id(head)] = last
         opened = self.open
         for rid, head in later.heads.items():
             last = opened.pop(rid, None)  # seen later: its state is the later range's
-            if last is not None and _continues(last, head, by_id=True):
+            if last is not None and _continues(last, head):
                 last.merge(head)
                 merged[id(head)] = last
         for rid, run in later.open.items():
             opened[rid] = merged.get(id(run), run)
         while len(opened) > OPEN_RUNS_KEPT:
             opened.popitem(last=False)
-        if later.legacy_last is not None:
-            self.legacy_last = merged.get(id(later.legacy_last), later.legacy_last)
         kept = {id(run) for run in later.runs}
         # Runs the later range dropped, but for a dropped head that continued one of ours.
         self.runs_dropped += later.runs_dropped - sum(1 for key in merged if key not in kept)

@@ -66,6 +66,11 @@ def render(report: Report) -> str:
         if log.skipped_lines:
             out.append(f"   skipped {log.skipped_lines:,} line(s) that are not stepprof records "
                        f"(torn, corrupt, over {LINE_MAX_BYTES // 2**20} MiB, or without a usable kind or step index)")
+        if 1 in log.schema_versions:
+            out.append(
+                "   written by stepprof 0.1.0 (schema 1): its summaries are not read here; read the log "
+                "with stepprof 0.1.x (pip install 'stepprof<0.2')"
+            )
         if log.newer_schema:
             out.append(
                 f"   written by a newer stepprof (schema {log.newer_schema}): fields this version "
