@@ -38,7 +38,7 @@ from ._validate import (
     check_warmup,
 )
 
-__all__ = ["ENERGY_EVERY_S", "FLUSH_EVERY_S", "NAMES", "ProfilerOptions"]
+__all__ = ["ENERGY_EVERY_S", "FLUSH_EVERY_S", "NAMES", "CaptureSettings", "ProfilerOptions", "SyncSettings"]
 
 
 def _flops_mode(flops: Any) -> str | None:
@@ -86,6 +86,37 @@ class ProfilerOptions:
     explain_peak: bool | int = attrs.field(default=False, converter=check_explain_peak)
     model: Any = attrs.field(default=None, converter=check_model)
     optimizer: Any = attrs.field(default=None, converter=check_optimizer)
+
+
+    @property
+    def capture(self) -> CaptureSettings:
+        """The settings of what each step boundary measures, grouped."""
+        return CaptureSettings(self.device, self.nvtx, self.boundary, self.warmup, self.phase_peaks_every)
+
+    @property
+    def sync(self) -> SyncSettings:
+        """The settings of sync counting, grouped."""
+        return SyncSettings(self.syncs, self.max_syncs, self.on_sync)
+
+
+@attrs.frozen
+class CaptureSettings:
+    """What each step boundary measures: :class:`ProfilerOptions`' fields of the same names, checked."""
+
+    device: Any  # a torch.device, or None: CUDA once the training code initialised it
+    nvtx: bool
+    boundary: str
+    warmup: int
+    phase_peaks_every: int
+
+
+@attrs.frozen
+class SyncSettings:
+    """How a step's syncs are counted (``syncs``, as ``mode``) and budgeted (``max_syncs``, ``on_sync``)."""
+
+    mode: str
+    max_syncs: int | None
+    on_sync: str
 
 
 #: The settings' names, in :class:`stepprof.Profiler`'s order.

@@ -54,7 +54,7 @@ def test_overhead_leaves_no_records_for_the_next_round(overhead, monkeypatch, tm
 
         def checked_fwd():
             if timing:
-                leftovers.extend(os.path.basename(p.log) for p in made if p._boundaries.step is None and p._collector.pending)
+                leftovers.extend(os.path.basename(p.log) for p in made if p._boundaries.threads.step() is None and p._collector.pending)
             fwd()
 
         return checked_fwd, bwd, opt

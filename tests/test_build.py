@@ -59,7 +59,7 @@ def test_a_cpu_profiler_builds_the_host_core_in_a_child_and_takes_it_at_a_step(f
     log = str(tmp_path / "run.jsonl")
     prof = stepprof.Profiler(log, device="cpu")
     b = prof._boundaries
-    walls = _step_until(prof, lambda: b.next_index > 0 and b._core is None and b._read_rss != _registry.HOST_RSS.read,
+    walls = _step_until(prof, lambda: b.next_index > 0 and b.slot.awaiting is None and b.slot.read_rss != _registry.HOST_RSS.read,
                         BUILD_WITHIN_S)
     with prof.step(batch_size=1):  # on the core
         pass
@@ -69,7 +69,7 @@ def test_a_cpu_profiler_builds_the_host_core_in_a_child_and_takes_it_at_a_step(f
     assert os.path.isfile(os.path.join(compiled.cache_dir(), "stepprof_boundary.so"))
     with open(bg.log, encoding="utf-8") as f:
         assert "the compiled boundary is ready in" in f.read()
-    assert b.core_reason is None
+    assert b.slot.core_reason is None
     # The build ran beside the loop: no step waited for it (a compile takes seconds).
     assert len(walls) >= 2 and max(walls) < 1.0, max(walls)
     rss = [r["host_rss_bytes"] for r in stepprof.read(log, kind="step")]
@@ -109,7 +109,7 @@ def test_STEPPROF_BUILD_0_turns_the_background_build_off(fresh_cache, monkeypatc
     with stepprof.Profiler(str(tmp_path / "r.jsonl"), device="cpu") as prof:
         with prof.step():
             pass
-    assert prof._boundaries.core_reason == why
+    assert prof._boundaries.slot.core_reason == why
 
 
 def test_without_a_compiler_no_build_starts_and_the_reason_names_the_fix(fresh_cache, monkeypatch):
@@ -161,7 +161,7 @@ def _why_not(b) -> str:
     if bg.log and os.path.exists(bg.log):
         with open(bg.log, encoding="utf-8", errors="replace") as f:
             log = f.read()[-3000:]
-    return (f"backend {type(b.backend).__name__}, awaiting {b._core is not None}, core_reason {b.core_reason!r}, "
+    return (f"backend {type(b.backend).__name__}, awaiting {b.slot.awaiting is not None}, core_reason {b.slot.core_reason!r}, "
             f"build: started {bg.started}, rc {bg.proc.poll() if bg.proc else None}, module {bg.module}, "
             f"reason {bg.reason!r}, log {log!r}")
 
@@ -186,7 +186,7 @@ def test_a_cuda_run_switches_to_the_compiled_boundary_it_built_at_a_step_boundar
     try:
         while b.backend is None or b.backend.boundary != "compiled":
             assert time.monotonic() < t_end, _why_not(b)
-            assert not (b.next_index and b._core is None and b.core_reason), _why_not(b)
+            assert not (b.next_index and b.slot.awaiting is None and b.slot.core_reason), _why_not(b)
             t0 = time.perf_counter()
             step()
             walls.append(time.perf_counter() - t0)
@@ -214,7 +214,7 @@ def test_two_threads_taking_the_finished_build_at_once_is_harmless(tmp_path):
         with prof.step():
             pass
         b = prof._boundaries
-        b._core = types.SimpleNamespace(module=None, reason="the background build failed (oops)")
-        b._take_core()
-        b._take_core()  # the second thread's: nothing left to take
-        assert b._core is None and b.core_reason == "the background build failed (oops)"
+        b.slot.awaiting = types.SimpleNamespace(module=None, reason="the background build failed (oops)")
+        b.slot.take_core()
+        b.slot.take_core()  # the second thread's: nothing left to take
+        assert b.slot.awaiting is None and b.slot.core_reason == "the background build failed (oops)"

@@ -21,13 +21,13 @@ def test_without_flops_or_an_exchange_no_hook_runs_at_step_entry(log, gpu):
     prof = make(log, gpu, memory_every=0)
     assert prof._flops is None and prof._exchange is None
     # The compile hook looks for torch._dynamo at the first step's entry, then retires.
-    assert _hook_types(prof._boundaries._begin_hooks) == [CompileHook]
-    assert _hook_types(prof._boundaries._end_hooks) == [MemoryHook]
+    assert _hook_types(prof._boundaries.hooks.begin) == [CompileHook]
+    assert _hook_types(prof._boundaries.hooks.end) == [MemoryHook]
     with prof.step():
         pass
-    assert prof._boundaries._begin_hooks == ()
+    assert prof._boundaries.hooks.begin == ()
     # memory_every=0: the record after warm-up was the last periodic one; none is due again.
-    assert prof._boundaries._end_hooks == ()
+    assert prof._boundaries.hooks.end == ()
     prof.close()
     kinds = [(r["kind"], r.get("trigger")) for r in stepprof.read(log)]
     assert kinds == [("step", None), ("memory", "after_warmup"), ("memory", "close"), ("summary", None)]
@@ -38,7 +38,7 @@ def test_periodic_memory_records_keep_the_memory_hook_on_the_boundaries(log, gpu
     for _ in range(5):
         with prof.step():
             pass
-    assert _hook_types(prof._boundaries._end_hooks) == [MemoryHook]
+    assert _hook_types(prof._boundaries.hooks.end) == [MemoryHook]
     prof.close()
     memory = [r["step"] for r in stepprof.read(log, kind="memory") if r["trigger"] != "close"]
     assert memory == [0, 2, 4]
@@ -46,7 +46,7 @@ def test_periodic_memory_records_keep_the_memory_hook_on_the_boundaries(log, gpu
 
 def test_the_flops_hook_leaves_the_boundaries_once_it_has_counted(log, gpu):
     prof = make(log, gpu, warmup=1, flops="auto")
-    assert _hook_types(prof._boundaries._begin_hooks) == [FlopsHook, CompileHook]
+    assert _hook_types(prof._boundaries.hooks.begin) == [FlopsHook, CompileHook]
     a = torch.ones(8, 16)
     for i in range(3):
         with prof.step():
@@ -54,8 +54,8 @@ def test_the_flops_hook_leaves_the_boundaries_once_it_has_counted(log, gpu):
         if i == 0:
             assert not prof._flops.retired  # warm-up: nothing counted yet
     assert prof._flops.retired
-    assert prof._boundaries._begin_hooks == ()
-    assert _hook_types(prof._boundaries._end_hooks) == [MemoryHook]
+    assert prof._boundaries.hooks.begin == ()
+    assert _hook_types(prof._boundaries.hooks.end) == [MemoryHook]
     prof.close()
     records = steps(log)
     assert [r["flops"] for r in records] == [None, 2 * 8 * 16 * 4, 2 * 8 * 16 * 4]
@@ -64,10 +64,10 @@ def test_the_flops_hook_leaves_the_boundaries_once_it_has_counted(log, gpu):
 
 def test_given_flops_never_run_at_the_boundaries(log, gpu):
     prof = make(log, gpu, flops_per_step=1e9)
-    assert prof._flops.retired and _hook_types(prof._boundaries._begin_hooks) == [CompileHook]
+    assert prof._flops.retired and _hook_types(prof._boundaries.hooks.begin) == [CompileHook]
     with prof.step():
         gpu.launch(1.0)
-    assert prof._boundaries._begin_hooks == ()
+    assert prof._boundaries.hooks.begin == ()
     prof.close()
     (record,) = steps(log)
     assert record["flops"] == 1e9 and record["tflops_per_s"] is not None

@@ -147,9 +147,9 @@ def test_other_steps_pay_nothing_once_the_step_is_explained(log, gpu, history):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = make(log, gpu, explain_peak=1, model=model, optimizer=opt, memory_every=0)
     hooks = prof._boundaries
-    assert any(isinstance(h, PeakHook) for h in hooks._begin_hooks)
+    assert any(isinstance(h, PeakHook) for h in hooks.hooks.begin)
     _train(prof, history, model, opt, torch.randn(4, 64), steps=3)
-    assert not any(isinstance(h, PeakHook) for h in hooks._begin_hooks + hooks._end_hooks)
+    assert not any(isinstance(h, PeakHook) for h in hooks.hooks.begin + hooks.hooks.end)
     assert "begin_phase" not in vars(hooks) and "end_phase" not in vars(hooks)
     assert all(not m._forward_pre_hooks for m in model.modules())
     assert list(model.fc1._forward_hooks) and not model.fc2._forward_hooks  # the test's own stays
@@ -518,7 +518,7 @@ def test_a_close_from_another_thread_during_the_explained_step_stops_recording(l
         model(torch.randn(4, 64)).sum().backward()  # the saved-tensor hook left on this thread is inert
     rec = next(stepprof.read(log, kind="peak"))
     assert "closed while the explained step was open" in rec["unavailable"]["bytes_by_category"]
-    assert not any(isinstance(h, PeakHook) for h in prof._boundaries._begin_hooks)
+    assert not any(isinstance(h, PeakHook) for h in prof._boundaries.hooks.begin)
     # The closing thread's saved-tensor hooks were not touched; this thread's stays, inert.
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     torch._C._autograd._pop_saved_tensors_default_hooks()

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._errors import raised_by_user
+from .._errors import raised_by_user, warn
 from .._log import CHUNK_RECORDS
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
@@ -268,6 +268,7 @@ class Collector:
         phase_peaks_every: the profiler's setting (for the reason a phase has no peak).
         collect_every_s: how often the thread harvests; None: the training thread
             harvests at each step's exit instead.
+        flush_every_ns: the most the log may lag behind a step's exit (see :meth:`catch_up`).
 
     The hooks come later, with :meth:`use`.
     """
@@ -283,8 +284,13 @@ class Collector:
         collect_every_s: float | None,
         cost_clock: Callable[[], int] = time.thread_time_ns,
         overhead_budget: float | None = None,
+        flush_every_ns: int | None = None,
     ) -> None:
         self.pending: deque[Step] = deque()
+        self._flush_every_ns = flush_every_ns
+        #: Before this step-clock reading the training thread does not check the log's lag.
+        self.catch_up_at = 0 if flush_every_ns is not None else 2**63
+        self._warned: set[str] = set()
         #: Under ``overhead_budget``: which steps are measured in full (None: all of them).
         self.budget = Budget(overhead_budget) if overhead_budget is not None else None
         self.log = log
@@ -358,6 +364,37 @@ class Collector:
         self._stop = threading.Event()
         self.lock = threading.Lock()
         self.use(())
+
+    # -- the training thread's part ------------------------------------------------
+
+    def catch_up(self, now: int) -> bool:
+        """At a step's exit: keep the log within ``flush_every_s`` of the training thread,
+        and the steps waiting to be written under ``PENDING_MAX``.
+
+        The collector thread writes every 20 ms, but it needs the GIL and a CPU, which a
+        busy training thread or other processes may hold for long stretches.  When the
+        oldest step still waiting left its exit more than ``flush_every_s`` ago, or more
+        than ``PENDING_MAX`` steps wait, the training thread writes the completed steps
+        itself (query only, never a wait on the device), taking over from the collector
+        thread (:meth:`take_over`).  The age is checked at most four times per
+        ``flush_every_s``.  Returns whether it wrote.
+        """
+        every = self._flush_every_ns
+        pending = self.pending
+        if every is not None:
+            self.catch_up_at = now + every // 4
+        overdue = every is not None and bool(pending) and now - pending[0].t1 > every
+        if not overdue and len(pending) <= PENDING_MAX:
+            return False
+        self.take_over()  # its time goes to the records it writes
+        return True
+
+    def warn_async(self) -> None:
+        """Warn, from the training thread, about what went wrong on the collector thread."""
+        for why in (self.error, self.log.failed):
+            if why is not None and why not in self._warned:
+                self._warned.add(why)
+                warn(f"stepprof: {why}; logging stopped", stacklevel=4)
 
     # -- harvesting ---------------------------------------------------------------
 

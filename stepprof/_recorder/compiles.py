@@ -225,7 +225,7 @@ class CompileHook(Hook):
 
     Args:
         step_of: the open step of a thread (by ``threading.get_ident()``; None: the
-            training thread), and whether that thread has stepped (``Boundaries.step_of``).
+            training thread), and whether that thread has stepped (``Threads.step_of``).
         next_index: the index the next step will get.
         retire: takes the hook off the step boundaries.
     """

@@ -24,6 +24,7 @@ FLOPs once counted, memory records once none is due) retires from them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -59,7 +60,7 @@ class Hook:
     """
 
     #: Off the step boundaries: no longer called at step entry and exit
-    #: (see ``Boundaries.retire``).  Records and close still reach it.
+    #: (see :meth:`ActiveHooks.retire`).  Records and close still reach it.
     retired = False
     #: Keeps each step's end mark past its record, and releases it itself.
     keeps_end_marks = False
@@ -93,3 +94,40 @@ class Hook:
 
     def on_close(self, closing: Closing) -> None:
         """At close, after every pending step's record was written."""
+
+
+class ActiveHooks:
+    """The hooks that a profiler's step boundaries call, by point: each only where its class
+    overrides the point's method, and only until it retires.
+
+    Attributes:
+        all: every hook, retired or not (:meth:`Hook.on_fail` reaches them all).
+        begin: the active hooks with an :meth:`Hook.on_step_begin`.
+        end: the active hooks with an :meth:`Hook.on_step_end`.
+    """
+
+    __slots__ = ("all", "begin", "end")
+
+    def __init__(self) -> None:
+        self.all: tuple[Hook, ...] = ()
+        self.begin: tuple[Hook, ...] = ()
+        self.end: tuple[Hook, ...] = ()
+
+    def use(self, hooks: Sequence[Hook]) -> None:
+        """Call these hooks at step entry and exit."""
+        self.all = tuple(hooks)
+        self._activate()
+
+    def retire(self, hook: Hook) -> None:
+        """Stop calling ``hook`` at step boundaries (it still gets records and close)."""
+        hook.retired = True
+        self._activate()  # new tuples: a loop over the old ones (this very call's) goes on
+
+    def clear(self) -> None:
+        """Call no hook any more (a forked child)."""
+        self.all = self.begin = self.end = ()
+
+    def _activate(self) -> None:
+        active = [h for h in self.all if not h.retired]
+        self.begin = tuple(h for h in active if type(h).on_step_begin is not Hook.on_step_begin)
+        self.end = tuple(h for h in active if type(h).on_step_end is not Hook.on_step_end)

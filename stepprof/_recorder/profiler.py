@@ -220,22 +220,20 @@ class Profiler:
             # The collector's own work is timed in its thread's CPU time: its wall time would
             # also count the stretches it waits for the GIL while the training thread runs.
             cost_clock=time.thread_time_ns if clock is REAL.clock else clock,
-            overhead_budget=self.overhead_budget,
+            overhead_budget=self.overhead_budget, flush_every_ns=round(self.flush_every_s * 1e9),
         )
         self._boundaries = b = Boundaries(
-            self._collector, backend=seams.backend, clock=clock, device=device, nvtx=nvtx,
-            syncs=syncs, warmup=self.warmup, max_syncs=self.max_syncs, on_sync=self.on_sync,
-            phase_peaks_every=self.phase_peaks_every, read_rss=HOST_RSS.read,
-            flush_every_ns=round(self.flush_every_s * 1e9), boundary=self.boundary,
+            self._collector, options.capture, options.sync, backend=seams.backend, clock=clock,
+            read_rss=HOST_RSS.read,
         )
         self._enter = b.enter
         self._exit = b.exit
         # Optional behaviour: a hook each, in the order their records follow a step's.
         self._flops = (
-            FlopsHook(given, warmup=self.warmup, backend=seams.backend, retire=b.retire)
+            FlopsHook(given, warmup=self.warmup, backend=seams.backend, retire=b.hooks.retire)
             if flops_mode is not None or given is not None else None
         )
-        self._memory = MemoryHook(warmup=self.warmup, every=self.memory_every, retire=b.retire)
+        self._memory = MemoryHook(warmup=self.warmup, every=self.memory_every, retire=b.hooks.retire)
         self._exchange = exchange = (
             ExchangeHook(_dist.Exchange(ranks_every, ident, group=group, gather=seams.gather,
                                         close_wait_s=seams.close_wait_s, budget=self._collector.budget),
@@ -245,13 +243,13 @@ class Profiler:
         if exchange is not None and self._collector.budget is not None:
             self._collector.budget.shared = True  # the ranks agree on the interval
         self._energy = EnergyHook(self.energy_every_s, clock) if self.energy_every_s is not None else None
-        self._compiles = CompileHook(b.step_of, lambda: b.next_index, b.retire)
+        self._compiles = CompileHook(b.threads.step_of, lambda: b.next_index, b.hooks.retire)
         explain = options.explain_peak
         self._peak = (
             # True: the first measured step, or the next one if FLOPs are counted on the first.
             PeakHook(self.warmup + (flops_mode == "auto") if explain is True else explain, model=options.model,
-                     optimizer=options.optimizer, ensure_backend=b.ensure_backend,
-                     watch_phases=b.watch_phases, retire=b.retire)
+                     optimizer=options.optimizer, ensure_backend=b.slot.ensure,
+                     watch_phases=b.watch_phases, retire=b.hooks.retire)
             if explain is not False else None
         )
         hooks: list[Hook] = [
@@ -454,7 +452,7 @@ class Profiler:
             if self._log.count != self._signal_written:  # else the signal's summary says it all
                 self._log.write(self._summary.to_record())
             self._log.close()
-        b.warn_async()
+        collector.warn_async()
         forget_open(self)
         return self._summary
 
@@ -484,7 +482,7 @@ class Profiler:
             budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
             energy_reason=ENERGY_OFF if self._energy is None else None,
-            boundary_reason=self._boundaries.boundary_reason(),
+            boundary_reason=self._boundaries.slot.reason(),
         )
 
     def __enter__(self) -> Profiler:
@@ -531,7 +529,7 @@ class Profiler:
     def _known_peak(self) -> int:
         """The highest step peak so far: written steps, pending ones and the open one."""
         peaks = [self._memory.peak_seen, *(s.peak for s in tuple(self._collector.pending))]
-        peaks.extend(s.peak for s in self._boundaries.open_steps())
+        peaks.extend(s.peak for s in self._boundaries.threads.open_steps())
         return max(peaks)
 
     def _memory_report(self, device: torch.device | None) -> MemoryReport:
