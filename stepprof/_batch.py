@@ -9,13 +9,14 @@ stepprof never guesses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ._errors import raised_by_user
 
-__all__ = ["NO_BATCH", "infer_batch_size"]
+__all__ = ["NO_BATCH", "infer_batch_size", "total_batch_size"]
 
 class _NoBatch:
     """The default of ``batch=``: no batch was passed (None may be a batch)."""
@@ -30,6 +31,18 @@ NO_BATCH: Any = _NoBatch()
 #: How deep into nested containers the search goes, and how many tensors it looks at.
 _DEPTH = 3
 _MAX_TENSORS = 64
+
+
+def total_batch_size(batches: Sequence[Any]) -> tuple[int | None, str | None]:
+    """The summed size of ``batches`` (gradient accumulation's micro-batches), or (None, why):
+    every batch's size must be inferred (:func:`infer_batch_size`)."""
+    total = 0
+    for i, batch in enumerate(batches):
+        size, reason = infer_batch_size(batch)
+        if size is None:
+            return None, reason if len(batches) == 1 else f"micro-batch {i}: {reason}"
+        total += size
+    return total, None
 
 
 def infer_batch_size(batch: Any) -> tuple[int | None, str | None]:

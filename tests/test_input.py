@@ -180,3 +180,53 @@ def test_iterate_never_breaks_the_loop_when_recording_failed(log):
     prof._boundaries.note_batch = None  # an internal error: calling it raises TypeError
     assert list(prof.iterate([1, 2])) == [1, 2]
     prof.close()
+
+
+def test_add_batch_sums_micro_batches_inside_a_step_and_feeds_the_next_step_outside_one(log):
+    """``Profiler.add_batch``: gradient accumulation inside a step (one call per micro-batch, or
+    all at once); outside a step, the next step's batch and fetch time, as ``iterate`` gives."""
+    prof = make(log, FakeGpu())
+    prof.begin_step(batch=torch.zeros(4, 3))   # the first micro-batch, at the step's entry
+    prof.add_batch(torch.zeros(4, 3))
+    prof.add_batch(torch.zeros(2, 3))
+    prof.end_step()
+    with prof.step():                           # all micro-batches in one call
+        prof.add_batch(torch.zeros(3), torch.zeros(5))
+    prof.begin_step()                           # one whose size cannot be inferred
+    prof.add_batch(torch.zeros(4))
+    prof.add_batch((torch.zeros(4), torch.zeros(2)))
+    prof.add_batch(torch.zeros(9))               # stays null: the reason is the first failure's
+    prof.end_step()
+    prof.add_batch(torch.zeros(6), torch.zeros(1, 2), fetch_s=0.25)  # before the step: the next one's
+    with prof.step():
+        pass
+    prof.close()
+    recs = steps(log)
+    assert [r["batch_size"] for r in recs] == [10, 8, None, 7]
+    assert "disagree" in recs[2]["unavailable"]["batch_size"]
+    assert recs[3]["data_ms"] == pytest.approx(250.0)
+    assert recs[0].get("data_ms") is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p.add_batch(), r"add_batch\(\) needs a batch"),
+    (lambda p: p.add_batch(torch.zeros(2), fetch_s=-1), r"'fetch_s' must be a finite number of seconds >= 0 \(got -1\)"),
+    (lambda p: p.add_batch(torch.zeros(2), fetch_s="1"), r"'fetch_s' must be"),
+    (lambda p: p.watch(None), r"'watcher' must be callable \(got None\).*prof\.watch\(records\.append\)"),
+])
+def test_add_batch_and_watch_name_a_bad_argument(log, call, match):
+    prof = make(log, FakeGpu())
+    with pytest.raises((stepprof.UsageError, stepprof.ConfigError), match=match):
+        call(prof)
+    prof.close()
+
+
+def test_watch_sees_every_step_record_as_written(log):
+    prof = make(log, FakeGpu())
+    seen = []
+    prof.watch(seen.append)
+    for _ in range(5):
+        with prof.step(batch_size=2):
+            pass
+    prof.close()
+    assert [r["step"] for r in seen] == [r["step"] for r in steps(log)] == list(range(5))

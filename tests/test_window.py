@@ -11,9 +11,9 @@ from tests.conftest import make
 def test_window_gets_each_measured_step_record_and_logs_medians(log, gpu):
     window = Window()
     prof = make(log, gpu, warmup=1)
-    prof._watch(window)
+    prof.watch(window)
     seen_on = []
-    prof._watch(lambda r: seen_on.append(threading.current_thread().name))
+    prof.watch(lambda r: seen_on.append(threading.current_thread().name))
     for i in range(5):
         with prof.step(batch_size=4):
             with prof.measure("forward"):
@@ -40,8 +40,8 @@ def test_a_watcher_that_raises_is_dropped_and_the_run_goes_on(log, gpu, recwarn)
     def bad(record):
         raise ValueError("boom")
 
-    prof._watch(bad)
-    prof._watch(window)
+    prof.watch(bad)
+    prof.watch(window)
     for _ in range(3):
         with prof.step():
             pass

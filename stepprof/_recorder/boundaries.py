@@ -92,11 +92,12 @@ class Boundaries(StepMeasure):
 
     # -- the threads' contexts ---------------------------------------------------------
 
-    def note_batch(self, data_ns: int, batch: tuple[int | None, str | None]) -> None:
-        """stepprof.iterate fetched a batch on this thread: ``data_ns`` in ``__next__``, its size
-        (or why not); the thread's next step takes both."""
+    def note_batch(self, data_ns: int | None, batch: tuple[int | None, str | None]) -> None:
+        """A batch for this thread's next step (``stepprof.iterate``, ``Profiler.add_batch``):
+        the nanoseconds fetching it took (None: not measured), and its size or why not."""
         ctx = self.context()
-        ctx.data_ns = data_ns if ctx.data_ns < 0 else ctx.data_ns + data_ns
+        if data_ns is not None:
+            ctx.data_ns = data_ns if ctx.data_ns < 0 else ctx.data_ns + data_ns
         ctx.batch = batch
 
     # -- entry and exit, shared by steps, phases and measured functions -------------

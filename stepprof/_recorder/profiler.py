@@ -24,11 +24,14 @@ from .._memory import MemoryReport
 from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
-from .._batch import NO_BATCH, infer_batch_size
+from .._batch import NO_BATCH, infer_batch_size, total_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._syncs import NOT_WATCHED
 from .._errors import UsageError, raised_by_user
-from .._validate import MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_group, check_name
+from .._validate import (
+    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_group, check_name,
+    check_seconds,
+)
 from .boundaries import Boundaries
 from .collector import Collector
 from .energy import ENERGY_OFF, EnergyHook
@@ -40,7 +43,6 @@ from .memory_records import MemoryHook
 from .peak import PeakHook
 from .seams import REAL, Seams
 from .sinks import LogSink, SummarySink
-from .step import Step
 from .watch import Watcher, WatchHook
 
 __all__ = ["Profiler"]
@@ -350,13 +352,37 @@ class Profiler:
             )
         self._exit(begun.pop()[1], None)
 
-    def _set_batch_size(self, batch_size: int | None, reason: str | None = None) -> None:
-        """Set the batch size of the step :meth:`begin_step` opened on this thread (a framework
-        callback learns it only at the step's end: the micro-batches of gradient accumulation);
-        ``reason``: why it is None."""
-        begun = self._begun.get(threading.get_ident())
-        if begun and isinstance(step := begun[0][1], Step):
-            step.batch_size, step.batch_reason = batch_size, reason
+    def add_batch(self, *batches: Any, fetch_s: float | None = None) -> None:
+        """The batches a step trains on, for code that fetches them where :meth:`iterate` cannot
+        wrap (a framework's hooks; gradient accumulation's micro-batches).
+
+        Inside a step open on this thread, their samples (the tensors' first dimension, as
+        for ``profile_step(batch=...)``) add to its ``batch_size``; outside one they are the
+        next step's, as :meth:`iterate`'s are, and ``fetch_s``, the seconds fetching them took,
+        adds to its ``data_ms``.  A batch whose size cannot be inferred makes ``batch_size``
+        null, with the reason.
+
+        Example:
+            >>> prof = stepprof.Profiler(None)                      # doctest: +SKIP
+            >>> prof.begin_step()                                   # doctest: +SKIP
+            >>> for micro in micro_batches:                         # doctest: +SKIP
+            ...     prof.add_batch(micro); loss_of(micro).backward()
+            >>> prof.end_step()                                     # doctest: +SKIP
+        """
+        if not batches:
+            raise UsageError("add_batch() needs a batch: prof.add_batch(batch), or several: prof.add_batch(*micro_batches)")
+        fetch_ns = None if fetch_s is None else round(check_seconds(fetch_s, "fetch_s", allow_zero=True) * 1e9)
+        if self._summary is not None or self._boundaries.broken is not None:
+            return
+        size, reason = total_batch_size(batches)
+        step = self._boundaries.threads.step()
+        if step is None:
+            self._boundaries.note_batch(fetch_ns, (size, reason))
+        elif step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
+            if size is None:
+                step.batch_size, step.batch_reason = None, reason
+            else:
+                step.batch_size = (step.batch_size or 0) + size
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
@@ -366,9 +392,14 @@ class Profiler:
         """Like :func:`stepprof.iterate`, but recording into this profiler."""
         return iterate_over(iterable, self)
 
-    def _watch(self, watcher: Watcher) -> None:
-        """Call ``watcher(record)`` with each finished step record, on the collector thread
-        (the framework callbacks' windowed figures: :mod:`stepprof.integrations`)."""
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher(record)`` with each step record as it is written, on stepprof's
+        collector thread (the framework callbacks' logged medians come from here).
+
+        ``watcher`` must return quickly and leave the record as it is; an exception it
+        raises is a warning, and it is not called again.
+        """
+        check_callable(watcher, "watcher", "e.g. prof.watch(records.append)")
         with self._collector.lock:
             hook = next((h for h in self._hooks if isinstance(h, WatchHook)), None)
             if hook is None:

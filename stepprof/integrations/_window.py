@@ -1,6 +1,6 @@
 """The figures a framework callback logs: medians over the steps finished since it last logged.
 
-Step records reach a :class:`Window` as the profiler writes them (``Profiler._watch``), on
+Step records reach a :class:`Window` as the profiler writes them (``Profiler.watch``), on
 its collector thread or on the training thread.  At each of the framework's logging steps
 the callback has the profiler write the steps whose CUDA events have completed, then
 drains the window: it holds the steps finished by then, which lag the training loop by a

@@ -25,7 +25,6 @@ except ImportError:  # pragma: no cover - the standalone package
             "install it with: pip install 'stepprof[lightning]'"
         ) from None
 
-from .._batch import infer_batch_size
 from .._errors import ConfigError, SyncBudgetExceeded, UsageError, raised_by_user, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
@@ -77,7 +76,7 @@ class StepprofCallback(pl.Callback):
         self._open = False  # a step is open (begin_step ran, end_step not yet)
         self._phase: str | None = None  # the phase open in it
         self._stepped = False  # on_before_optimizer_step fired in this micro-batch
-        self._sizes: list[tuple[int | None, str | None]] = []  # each micro-batch's (size, reason)
+        self._micro = 0  # the micro-batches of the open step (gradient accumulation)
         self._broken: str | None = None
 
     @property
@@ -119,11 +118,7 @@ class StepprofCallback(pl.Callback):
         prof = self.profiler
         assert prof is not None
         self._phase = None  # end_step closes it
-        if len(self._sizes) > 1:  # accumulation: the micro-batches' sum
-            missing = next((reason for size, reason in self._sizes if size is None), None)
-            total = None if missing else sum(size for size, _ in self._sizes if size is not None)
-            prof._set_batch_size(total, missing)
-        self._open, self._stepped, self._sizes = False, False, []
+        self._open, self._stepped, self._micro = False, False, 0
         prof.end_step(error)
 
     # -- the fit --------------------------------------------------------------------------
@@ -134,7 +129,7 @@ class StepprofCallback(pl.Callback):
         self._reset()
         self.profiler = Profiler(self._log, **self._options)
         self._window = Window()
-        self.profiler._watch(self._window)
+        self.profiler.watch(self._window)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         with self._guarded("on_train_batch_start") as active:
@@ -144,7 +139,9 @@ class StepprofCallback(pl.Callback):
             if not self._open:
                 self.profiler.begin_step(batch=batch)  # data_wait_ms: since the last step's end
                 self._open = True
-            self._sizes.append(infer_batch_size(batch))
+            else:  # accumulation: the step's batch_size is the micro-batches' sum
+                self.profiler.add_batch(batch)
+            self._micro += 1
             self._begin("forward")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
@@ -172,7 +169,7 @@ class StepprofCallback(pl.Callback):
             self._end_phase()
             accumulating = (
                 pl_module.automatic_optimization and not self._stepped
-                and len(self._sizes) < max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+                and self._micro < max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
             )
             if accumulating:
                 self._begin(DATA_WAIT)  # until the next micro-batch starts

@@ -42,7 +42,6 @@ except ImportError as e:  # pragma: no cover - the extra is in dev
 
 import torch
 
-from .._batch import infer_batch_size
 from .._errors import ConfigError, SyncBudgetExceeded, UsageError, raised_by_user, warn
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
@@ -129,7 +128,7 @@ class StepprofCallback(TrainerCallback):
         try:
             self._prof, self._summary, self._thread = prof, None, threading.get_ident()
             self._window.drain()
-            prof._watch(self._window)
+            prof.watch(self._window)
             trainer = _calling_trainer(self)
             if trainer is not None:
                 self._wrap(trainer)
@@ -147,7 +146,7 @@ class StepprofCallback(TrainerCallback):
             if self._in_step:  # the previous step never reached on_step_end
                 self._end_step(RuntimeError("on_step_end was not called for this step"))
             if self._trainer is None:
-                _note_batch(prof, -1, (None, _NO_TRAINER))
+                _note_batch(prof, None, (None, _NO_TRAINER))
             prof.begin_step()
             self._in_step = True
             if self._trainer is None:  # the hooks alone: the phase starts with the step
@@ -250,16 +249,8 @@ class StepprofCallback(TrainerCallback):
     def _note_batches(self, prof: Profiler, data_ns: int, out: Any) -> None:
         """The micro-batches of the next step: their summed size, for its ``batch_size``."""
         samples = out[0] if isinstance(out, tuple) and out else None
-        if not isinstance(samples, list) or not samples:
-            return
-        total = 0
-        for i, batch in enumerate(samples):
-            size, reason = infer_batch_size(batch)
-            if size is None:
-                _note_batch(prof, data_ns, (None, f"micro-batch {i}: {reason}"))
-                return
-            total += size
-        _note_batch(prof, data_ns, (total, None))
+        if isinstance(samples, list) and samples:
+            prof.add_batch(*samples, fetch_s=data_ns / 1e9)
 
     # -- steps and phases, guarded ----------------------------------------------------------
 
@@ -317,8 +308,9 @@ class StepprofCallback(TrainerCallback):
             self._summary = summary
 
 
-def _note_batch(prof: Profiler, data_ns: int, size: tuple[int | None, str | None]) -> None:
-    """The next step's batch size (or why there is none) and fetch time (-1: not measured)."""
+def _note_batch(prof: Profiler, data_ns: int | None, size: tuple[int | None, str | None]) -> None:
+    """The next step's batch size (or why there is none) and fetch time (None: not measured):
+    for the one reason ``Profiler.add_batch`` cannot give, that no batch was seen at all."""
     if prof._boundaries.broken is None:
         prof._boundaries.note_batch(data_ns, size)
 
