@@ -16,7 +16,7 @@ import torch
 
 from ._errors import raised_by_user
 
-__all__ = ["NO_BATCH", "infer_batch_size", "total_batch_size"]
+__all__ = ["NO_BATCH", "infer_batch_size", "leading_sizes", "sample_counts", "total_batch_size"]
 
 class _NoBatch:
     """The default of ``batch=``: no batch was passed (None may be a batch)."""
@@ -56,7 +56,7 @@ def infer_batch_size(batch: Any) -> tuple[int | None, str | None]:
     """
     sizes: dict[int, tuple[Any, ...]] = {}
     try:
-        _collect(batch, (), _DEPTH, sizes)
+        _collect(batch, (), _DEPTH, sizes, 2)
     except Exception as e:  # noqa: BLE001 - an odd batch is a missing figure, never a broken step
         if raised_by_user(e):
             raise
@@ -104,9 +104,30 @@ def _leading(x: Any) -> int | None:
     return int(shape[0]) if len(shape) > 0 else None
 
 
-def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[Any, ...]]) -> None:
-    if len(sizes) > 1:
-        return  # already in disagreement
+def leading_sizes(batch: Any) -> dict[int, tuple[Any, ...]]:
+    """Every distinct leading dimension of the tensors in ``batch``, each with where it was
+    first found, read as :func:`infer_batch_size` reads a batch (that function wants one)."""
+    sizes: dict[int, tuple[Any, ...]] = {}
+    _collect(batch, (), _DEPTH, sizes, _MAX_TENSORS)
+    return sizes
+
+
+def sample_counts(batch: Any, depth: int = _DEPTH) -> list[int]:
+    """The lengths of the lists and tuples in ``batch`` that hold tensors: a list of n
+    per-sample tensors (or of n dicts of them, as detection models take) is n samples."""
+    t = type(batch)
+    if depth == 0 or not issubclass(t, (dict, list, tuple)):
+        return []
+    items = list(dict.values(batch)) if issubclass(t, dict) else list(batch)
+    inner = [n for x in items for n in sample_counts(x, depth - 1)]
+    if issubclass(t, dict) or not leading_sizes(batch):
+        return inner
+    return [len(batch), *inner]
+
+
+def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[Any, ...]], limit: int) -> None:
+    if len(sizes) >= limit:
+        return  # enough: infer_batch_size stops at a disagreement
     t = type(x)
     if issubclass(t, torch.Tensor):
         n = _leading(x)
@@ -132,4 +153,4 @@ def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[
     for n, (k, v) in enumerate(items):
         if n >= _MAX_TENSORS:
             return
-        _collect(v, (*where, k), depth - 1, sizes)
+        _collect(v, (*where, k), depth - 1, sizes, limit)

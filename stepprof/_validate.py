@@ -591,23 +591,23 @@ def check_restore(restore: Any) -> tuple[Any, ...]:
 def check_batch(batch: Any, n: int) -> None:
     """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
 
-    Tensors (alone, or in a tuple, list or dict) must have ``n`` as some tensor's
-    leading dimension, or sit in a list or tuple of ``n`` items (a list of samples);
-    a list or tuple without tensors must have ``n`` items; a
-    dict without tensors must have a list or tuple of ``n`` items among its values.
-    Other objects cannot be sized and are accepted.
+    Tensors (found as :func:`stepprof._batch.infer_batch_size` finds them) must have ``n`` as
+    some tensor's leading dimension, or sit in a list or tuple of ``n`` items (a list of
+    samples); a list or tuple without tensors must have ``n`` items; a dict without tensors
+    must have a list or tuple of ``n`` items among its values.  Other objects cannot be sized
+    and are accepted.
     """
     if batch is None:
         raise ConfigError(
             f"make_batch({n}) returned None; make_batch(n) must return the batch of n samples "
             f"that train_step takes"
         )
-    import torch  # slow to import; see the module docstring (a trial has imported it already)
+    from ._batch import leading_sizes, sample_counts  # imports torch (a trial has already)
 
-    sizes = _leading_sizes(batch, torch.Tensor)
+    sizes = leading_sizes(batch)
     if sizes:
-        if n not in sizes and n not in _sample_list_lengths(batch, torch.Tensor):
-            got = ", ".join(str(s) for s in sorted(set(sizes)))
+        if n not in sizes and n not in sample_counts(batch):
+            got = ", ".join(str(s) for s in sorted(sizes))
             raise ConfigError(
                 f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "
                 f"tensors), not {n}; make_batch(n) must return exactly n samples"
@@ -627,34 +627,6 @@ def check_batch(batch: Any, n: int) -> None:
                 f"make_batch({n}) returned a dict whose lists hold {sorted(set(lens))} items, not {n}; "
                 f"make_batch(n) must return exactly n samples"
             )
-
-
-def _leading_sizes(batch: Any, tensor: type, depth: int = 0) -> list[int]:
-    """The leading dimensions of the tensors in a batch (a tensor, or containers of them)."""
-    if isinstance(batch, tensor):
-        return [int(batch.shape[0])] if batch.dim() >= 1 else []
-    if depth >= 3:
-        return []
-    if isinstance(batch, Mapping):
-        items: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    else:
-        return []
-    return [s for x in items for s in _leading_sizes(x, tensor, depth + 1)]
-
-
-def _sample_list_lengths(batch: Any, tensor: type, depth: int = 0) -> list[int]:
-    """The lengths of the lists and tuples in a batch that hold tensors: a list of n
-    per-sample tensors (or of n dicts of them, as detection models take) is n samples."""
-    if depth >= 3:
-        return []
-    if isinstance(batch, Mapping):
-        return [s for x in batch.values() for s in _sample_list_lengths(x, tensor, depth + 1)]
-    if isinstance(batch, (list, tuple)):
-        inner = [s for x in batch for s in _sample_list_lengths(x, tensor, depth + 1)]
-        return ([len(batch)] if _leading_sizes(batch, tensor, depth) else []) + inner
-    return []
 
 
 # -- the command line: stepprof demo | plot | calibrate ----------------------------------
