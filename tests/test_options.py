@@ -53,3 +53,14 @@ def test_configure_takes_the_options_and_names_an_unknown_one(tmp_path):
     with pytest.raises(stepprof.UsageError, match=r"configure\(\) got an unknown option 'warump'.*'warmup'"):
         stepprof.configure(warump=2)
     assert stepprof.configure().log is None  # log defaults to None, as Profiler's options do
+
+
+def test_a_callback_profiles_the_framework_device_unless_told_otherwise():
+    from stepprof.integrations._close import on_device
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert on_device({"warmup": 2}, cpu) == {"warmup": 2, "device": cpu}
+    assert on_device({}, cuda) == {"device": cuda}
+    assert on_device({"device": "cuda:0"}, cpu) == {"device": "cuda:0"}  # the user's wins
+    assert on_device({}, torch.device("meta")) == {}  # not CPU or CUDA: the profiler chooses
+    assert on_device({}, None) == {}

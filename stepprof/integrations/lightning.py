@@ -32,7 +32,7 @@ from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names, check_restore
 from ._samples import drawer
-from ._close import close_quietly
+from ._close import close_quietly, on_device
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -127,7 +127,8 @@ class StepprofCallback(pl.Callback):
         # Here, not in setup: the process group exists, and Lightning has put its signal
         # handlers in place, so the profiler's go in front of them and leave first (on_train_end).
         self._reset()
-        self.profiler = Profiler(self._log, **self._options)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        self.profiler = Profiler(self._log, **on_device(self._options, device))
         self._window = Window()
         self.profiler.watch(self._window)
 

@@ -49,7 +49,7 @@ from .._records import Summary
 from .._sweep.result import SweepResult
 from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
-from ._close import close_quietly
+from ._close import close_quietly, on_device
 from ._samples import drawer
 from ._window import Window, figures
 
@@ -124,7 +124,7 @@ class StepprofCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close(_UNFINISHED)  # a previous train() that raised outside training_step
         # The log is opened here: an unwritable path raises now, before the first step.
-        prof = Profiler(self._log, **self._options)
+        prof = Profiler(self._log, **on_device(self._options, getattr(args, "device", None)))
         try:
             self._prof, self._summary, self._thread = prof, None, threading.get_ident()
             self._window.drain()
