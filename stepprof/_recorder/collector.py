@@ -102,56 +102,8 @@ def build_step_record(
         unavailable["gpu_ms"] = unavailable["gpu_busy"] = b.gpu_reason or (
             _INTERRUPTED if s.error is not None and (s.start_mark is None or s.end_mark is None) else _NO_EVENT
         )
-    phases: dict[str, dict[str, Any]] = {}
-    if s.phases:
-        timed = b.has_device_timing  # (the host's marks are None: no phase has GPU time)
-        counted = s.syncs is not None
-        t0 = s.t0
-        no_gpu = no_peak = False
-        times = s.times or ()  # (read by gpu_ms() above)
-        at = 1  # each phase's runs, in times' order (Step.flat_marks)
-        for key, total in s.phases.items():
-            pg: float | None = None
-            n = len(total.marks)
-            if timed and len(times) >= at + n:
-                pg = 0.0
-                for ms in times[at:at + n]:
-                    if ms is None:
-                        pg = None
-                        break
-                    pg += ms
-            at += n
-            peak = total.peak
-            phases[key] = {
-                "wall_ms": total.wall_ns / 1e6,
-                "gpu_ms": pg,
-                "peak_allocated_bytes": peak if peak >= 0 else None,
-                "count": total.count,
-                "syncs": total.syncs if counted else None,
-                "start_ms": (total.t0 - t0) / 1e6,
-            }
-            if pg is None:
-                no_gpu = True
-            if peak < 0:
-                no_peak = True
-        if no_gpu:
-            unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
-        if no_peak:
-            unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
-                phase_peaks_why if not s.phase_peaks else "not read"
-            )
-    if s.shared and b.has_device_memory:  # another thread's step overlapped it
-        s.peak = -1
-        s.counters = None
-        for key, figures in phases.items():
-            figures["peak_allocated_bytes"] = None
-            unavailable["phases.peak_allocated_bytes"] = OVERLAP_REASON
-        unavailable["peak_allocated_bytes"] = unavailable["allocator"] = OVERLAP_REASON
-    peak = s.peak if s.peak >= 0 else None
-    if peak is None and "peak_allocated_bytes" not in unavailable:
-        unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
-    if s.reserved is None:
-        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or "not read"
+    phases = _phase_figures(s, b, phase_peaks_why, unavailable) if s.phases else {}
+    peak = _memory_figures(s, b, phases, unavailable)
     gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
     if gpu_busy is None and gpu_ms is not None:
         unavailable["gpu_busy"] = "wall time was zero"
@@ -161,17 +113,6 @@ def build_step_record(
         if phases:
             unavailable["phases.syncs"] = unavailable["syncs"]
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
-    if s.counters is None and "allocator" not in unavailable:
-        if on_host:
-            unavailable["allocator"] = (
-                f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
-            )
-        else:
-            unavailable["allocator"] = (
-                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
-            )
-    if on_host and s.rss is None:
-        unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
     data_wait_ms, data_ms = _data_figures(s, unavailable)
     peak_phase = _peak_phase(s, phases, unavailable) if phases else ABSENT
     # By position, in the declared order (_schema.STEP_CORE_FIELDS): a keyword call costs a µs more.
@@ -191,6 +132,77 @@ def build_step_record(
     if peak_phase is not ABSENT:
         record["peak_phase"] = peak_phase
     return record
+
+
+def _phase_figures(s: Step, b: Backend, phase_peaks_why: str, unavailable: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Each phase's figures (``phases`` of the step record), with the reasons for those null."""
+    phases: dict[str, dict[str, Any]] = {}
+    timed = b.has_device_timing  # (the host's marks are None: no phase has GPU time)
+    counted = s.syncs is not None
+    t0 = s.t0
+    no_gpu = no_peak = False
+    times = s.times or ()  # (read by gpu_ms() above)
+    at = 1  # each phase's runs, in times' order (Step.flat_marks)
+    for key, total in s.phases.items():
+        pg: float | None = None
+        n = len(total.marks)
+        if timed and len(times) >= at + n:
+            pg = 0.0
+            for ms in times[at:at + n]:
+                if ms is None:
+                    pg = None
+                    break
+                pg += ms
+        at += n
+        peak = total.peak
+        phases[key] = {
+            "wall_ms": total.wall_ns / 1e6,
+            "gpu_ms": pg,
+            "peak_allocated_bytes": peak if peak >= 0 else None,
+            "count": total.count,
+            "syncs": total.syncs if counted else None,
+            "start_ms": (total.t0 - t0) / 1e6,
+        }
+        if pg is None:
+            no_gpu = True
+        if peak < 0:
+            no_peak = True
+    if no_gpu:
+        unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
+    if no_peak:
+        unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
+            phase_peaks_why if not s.phase_peaks else "not read"
+        )
+    return phases
+
+
+def _memory_figures(s: Step, b: Backend, phases: dict[str, dict[str, Any]], unavailable: dict[str, str]) -> int | None:
+    """The step's peak (None: not known), with the reasons for its memory figures that are null."""
+    if s.shared and b.has_device_memory:  # another thread's step overlapped it
+        s.peak = -1
+        s.counters = None
+        for key, figures in phases.items():
+            figures["peak_allocated_bytes"] = None
+            unavailable["phases.peak_allocated_bytes"] = OVERLAP_REASON
+        unavailable["peak_allocated_bytes"] = unavailable["allocator"] = OVERLAP_REASON
+    peak = s.peak if s.peak >= 0 else None
+    if peak is None and "peak_allocated_bytes" not in unavailable:
+        unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
+    if s.reserved is None:
+        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or "not read"
+    on_host = not b.has_device_memory  # the host's RSS stands in for device memory
+    if s.counters is None and "allocator" not in unavailable:
+        if on_host:
+            unavailable["allocator"] = (
+                f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
+            )
+        else:
+            unavailable["allocator"] = (
+                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
+            )
+    if on_host and s.rss is None:
+        unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+    return peak
 
 
 #: Why a step's ``peak_phase`` is null when its phases' peaks were read and none reached it.

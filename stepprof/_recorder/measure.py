@@ -358,12 +358,7 @@ class StepMeasure:
         elif (now >= collector.catch_up_at or len(pending) > PENDING_MAX) and collector.catch_up(now):
             ctx.last_exit = self._clock()  # the harvest is stepprof's time, not the data wait
 
-    # -- what the boundaries add --------------------------------------------------------
-
-    def _finish_exit(self, token: Any, exc: BaseException) -> None:
-        """Close ``token``'s scope after an interrupt landed in it (:class:`~.boundaries.Boundaries`)."""
-        raise NotImplementedError
-
-    def fail(self, exc: BaseException) -> None:
-        """Stop recording after an internal error (:class:`~.boundaries.Boundaries`)."""
-        raise NotImplementedError
+    # What the boundaries add (:class:`~.boundaries.Boundaries`): closing a scope after an
+    # interrupt landed in it, and stopping recording after an internal error.
+    _finish_exit: Callable[[Any, BaseException], None]
+    fail: Callable[[BaseException], None]

@@ -23,22 +23,22 @@ from .._device.select import check_compiled, memory_backend
 from .._memory import MemoryReport
 from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
-from .._registry import HOST_RSS, forget_open, pop_active, push_active, track_open
-from .._batch import NO_BATCH, infer_batch_size, total_batch_size
+from .._registry import HOST_RSS, pop_active, push_active, track_open
+from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
-from .._syncs import NOT_WATCHED
-from .._errors import UsageError, raised_by_user
+from .._errors import raised_by_user
 from .._validate import (
     MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_group, check_name,
-    check_seconds,
 )
 from .boundaries import Boundaries
 from .collector import Collector
-from .energy import ENERGY_OFF, EnergyHook
+from .energy import EnergyHook
 from .compiles import CompileHook
 from .exchange import ExchangeHook
 from .flops import FlopsHook
-from .hooks import Closing, Hook
+from .hooked import HookedSteps
+from .hooks import Hook
+from .lifecycle import Lifecycle
 from .memory_records import MemoryHook
 from .peak import PeakHook
 from .seams import REAL, Seams
@@ -48,16 +48,12 @@ from .watch import Watcher, WatchHook
 __all__ = ["Profiler"]
 
 
-# Why an inherited profiler records nothing in a forked child (see Profiler._forked).
-_INHERITED_PREFIX = "this Profiler was inherited by the forked process"
-_INHERITED = _INHERITED_PREFIX + (
-    " {pid}: a profiler records only in the "
-    "process that created it, so it records nothing here; open a new stepprof.Profiler in the "
-    "child to profile it"
-)
+#: The settings a profiler keeps as attributes of its own.
+_SETTINGS = ("warmup", "max_syncs", "on_sync", "memory_every", "phase_peaks_every", "flush_every_s", "boundary",
+             "overhead_budget", "energy_every_s")
 
 
-class Profiler:
+class Profiler(HookedSteps, Lifecycle):
     """A profiling session: records steps and their phases to a JSON-lines log.
 
     Use it as a context manager (closing flushes the log and writes a summary)
@@ -187,27 +183,14 @@ class Profiler:
         )
         self._options = options
         check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
-        log, device, nvtx, syncs = options.log, options.device, options.nvtx, options.syncs
-        flops_mode, given = options.flops, options.flops_per_step
-        ranks_every, log_ranks = options.ranks_every, options.log_ranks
-        self.warmup = options.warmup
-        self.max_syncs = options.max_syncs
-        self.on_sync = options.on_sync
-        self.memory_every = options.memory_every
-        self.phase_peaks_every = options.phase_peaks_every
-        self.flush_every_s = options.flush_every_s
-        self.boundary = options.boundary
-        self.overhead_budget = options.overhead_budget
-        self.energy_every_s = options.energy_every_s
+        for name in _SETTINGS:  # (read back as attributes: prof.warmup, ...)
+            setattr(self, name, getattr(options, name))
         ident = _dist.identify()
-        group = check_group(options.group, ident, ranks_every)
+        group = check_group(options.group, ident, options.ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
         seams = self._seams = _seams
-        # Distributed: rank fields on every record, a log per rank, the exchange.
-        if ident is not None and log is not None:
-            log = None if log_ranks == "zero" and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
         run_id = secrets.token_hex(6)  # this writer's identity, on every record it writes
-        self._log = LogSink(log, ident.fields() if ident is not None else None, run_id)
+        self._log = _open_log(options, ident, run_id)
         self.log = self._log.path
         self._summary_sink = SummarySink(run_id)
         self._summary: Summary | None = None
@@ -230,35 +213,9 @@ class Profiler:
         )
         self._enter = b.enter
         self._exit = b.exit
-        # Optional behaviour: a hook each, in the order their records follow a step's.
-        self._flops = (
-            FlopsHook(given, warmup=self.warmup, backend=seams.backend, retire=b.hooks.retire)
-            if flops_mode is not None or given is not None else None
-        )
-        self._memory = MemoryHook(warmup=self.warmup, every=self.memory_every, retire=b.hooks.retire)
-        self._exchange = exchange = (
-            ExchangeHook(_dist.Exchange(ranks_every, ident, group=group, gather=seams.gather,
-                                        close_wait_s=seams.close_wait_s, budget=self._collector.budget),
-                         self._collector.harvest_if_free)
-            if ident is not None and ranks_every else None
-        )
-        if exchange is not None and self._collector.budget is not None:
-            self._collector.budget.shared = True  # the ranks agree on the interval
-        self._energy = EnergyHook(self.energy_every_s, clock) if self.energy_every_s is not None else None
-        self._compiles = CompileHook(b.threads.step_of, lambda: b.next_index, b.hooks.retire)
-        explain = options.explain_peak
-        self._peak = (
-            # True: the first measured step, or the next one if FLOPs are counted on the first.
-            PeakHook(self.warmup + (flops_mode == "auto") if explain is True else explain, model=options.model,
-                     optimizer=options.optimizer, ensure_backend=b.slot.ensure,
-                     watch_phases=b.watch_phases, retire=b.hooks.retire)
-            if explain is not False else None
-        )
-        hooks: list[Hook] = [
-            h for h in (self._flops, self._memory, self._peak, exchange, self._energy, self._compiles)
-            if h is not None
-        ]
-        self._hooks = hooks
+        parts = _make_hooks(options, seams, b, self._collector, ident, group)
+        self._flops, self._memory, self._peak, self._exchange, self._energy, self._compiles = parts
+        self._hooks = hooks = [h for h in parts if h is not None]
         b.use(hooks)
         self._collector.use(hooks)
         self._close_lock = threading.RLock()  # one close(): a concurrent one waits for it
@@ -289,100 +246,6 @@ class Profiler:
         """
         return StepScope(self, check_name(name), check_batch_size(batch_size),
                          *check_budget(max_syncs, on_sync), batch=batch)
-
-    # -- the same without context managers: for code that only has hooks ------------------
-
-    def begin_step(self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH) -> None:
-        """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
-
-        For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`.
-        """
-        begun = self._begun.get(threading.get_ident())
-        if begun:
-            raise UsageError(
-                "begin_step() was called while the step begun before is still open on this thread; "
-                "call prof.end_step() first"
-            )
-        name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
-        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
-            batch_size, reason = infer_batch_size(batch)
-        token = self._enter(name, batch_size, step=True, batch_reason=reason)
-        self._begun[threading.get_ident()] = [(name, token)]
-
-    def end_step(self, error: BaseException | None = None) -> None:
-        """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
-
-        Args:
-            error: the exception the step raised, recorded as its ``error``; None when it
-                completed.
-        """
-        if error is not None and not isinstance(error, BaseException):
-            raise UsageError(
-                f"end_step(error=...) takes the exception the step raised, or None (got {error!r}); "
-                f"pass e.g. end_step(error=exc) in an except block"
-            )
-        begun = self._begun.pop(threading.get_ident(), None)
-        if not begun:
-            raise UsageError("end_step() without begin_step() on this thread; call prof.begin_step() first")
-        self._exit(begun[0][1], error)  # the step's exit closes the phases left open in it
-
-    def begin_phase(self, name: str) -> None:
-        """Open a phase of the step begun on this thread, as ``with prof.measure(name)`` would."""
-        begun = self._begun.get(threading.get_ident())
-        checked = check_name(name)
-        if checked is None:
-            raise UsageError("begin_phase() needs a name: prof.begin_phase('forward')")
-        if not begun:
-            raise UsageError(
-                f"begin_phase({checked!r}) outside a step: call prof.begin_step() first"
-            )
-        begun.append((checked, self._enter(checked, None, step=False)))
-
-    def end_phase(self, name: str | None = None) -> None:
-        """Close the innermost phase :meth:`begin_phase` opened on this thread (``name``, if
-        given, must be its name)."""
-        begun = self._begun.get(threading.get_ident())
-        if not begun or len(begun) == 1:
-            raise UsageError("end_phase() without begin_phase() in the step begun on this thread")
-        open_name = begun[-1][0]
-        if name is not None and name != open_name:
-            raise UsageError(
-                f"end_phase({name!r}), but the innermost open phase is {open_name!r}; "
-                f"end {open_name!r} first"
-            )
-        self._exit(begun.pop()[1], None)
-
-    def add_batch(self, *batches: Any, fetch_s: float | None = None) -> None:
-        """The batches a step trains on, for code that fetches them where :meth:`iterate` cannot
-        wrap (a framework's hooks; gradient accumulation's micro-batches).
-
-        Inside a step open on this thread, their samples (the tensors' first dimension, as
-        for ``profile_step(batch=...)``) add to its ``batch_size``; outside one they are the
-        next step's, as :meth:`iterate`'s are, and ``fetch_s``, the seconds fetching them took,
-        adds to its ``data_ms``.  A batch whose size cannot be inferred makes ``batch_size``
-        null, with the reason.
-
-        Example:
-            >>> prof = stepprof.Profiler(None)                      # doctest: +SKIP
-            >>> prof.begin_step()                                   # doctest: +SKIP
-            >>> for micro in micro_batches:                         # doctest: +SKIP
-            ...     prof.add_batch(micro); loss_of(micro).backward()
-            >>> prof.end_step()                                     # doctest: +SKIP
-        """
-        if not batches:
-            raise UsageError("add_batch() needs a batch: prof.add_batch(batch), or several: prof.add_batch(*micro_batches)")
-        fetch_ns = None if fetch_s is None else round(check_seconds(fetch_s, "fetch_s", allow_zero=True) * 1e9)
-        if self._summary is not None or self._boundaries.broken is not None:
-            return
-        size, reason = total_batch_size(batches)
-        step = self._boundaries.threads.step()
-        if step is None:
-            self._boundaries.note_batch(fetch_ns, (size, reason))
-        elif step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
-            if size is None:
-                step.batch_size, step.batch_reason = None, reason
-            else:
-                step.batch_size = (step.batch_size or 0) + size
 
     def measure(self, name: Any = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
@@ -442,80 +305,6 @@ class Profiler:
         """
         return self._end("close" if error is None else "exception")
 
-    def _end(self, ended_by: str) -> Summary:
-        """:meth:`close`, saying how the run ended (``"close"``, ``"exception"``, ``"exit"``)."""
-        if self._summary is not None:
-            return self._summary
-        with self._close_lock:
-            if self._summary is not None:  # another thread closed it meanwhile
-                return self._summary
-            return self._close(self._ended_by or ended_by)
-
-    def _close(self, ended_by: str) -> Summary:
-        b, collector = self._boundaries, self._collector
-        try:
-            ctx = b.context()
-            if ctx.step is not None:
-                b.end_step(ctx, ctx.step, RuntimeError("profiler closed while the step was open"))
-        except Exception as e:  # noqa: BLE001 - close must always produce a summary
-            if raised_by_user(e):
-                raise
-            b.fail(e)
-        # From here on, other threads' steps neither start nor write: close writes what
-        # was pending when it began, and returns while they go on.
-        b.closing = True
-        collector.stop()
-        with collector.lock:  # held to the end: no harvest writes to a log being closed
-            try:
-                collector.finish()
-            except Exception as e:  # noqa: BLE001 - close must always produce a summary
-                if raised_by_user(e):
-                    raise
-                b.fail(e)
-            collector.pending.clear()
-            closing = Closing(collector.write, b.backend, b.next_index - 1 if b.next_index else None,
-                              b.broken is not None)
-            for hook in self._hooks:
-                hook.on_close(closing)
-            self._end_syncs()
-            self._summary = self._build_summary(ended_by)
-            b.closed = True
-            if self._log.count != self._signal_written:  # else the signal's summary says it all
-                self._log.write(self._summary.to_record())
-            self._log.close()
-        collector.warn_async()
-        forget_open(self)
-        return self._summary
-
-    def _end_syncs(self, report: bool = True) -> None:
-        """End the backend's sync session: the process's sync state comes back (unless
-        another profiler's session holds it).  A failure stops recording, if ``report``."""
-        b = self._boundaries.backend
-        try:
-            if b is not None:
-                b.end_syncs()
-        except Exception as e:  # noqa: BLE001 - close must always produce a summary
-            if raised_by_user(e):
-                raise
-            if report:
-                self._boundaries.fail(e)
-
-    def _build_summary(self, ended_by: str) -> Summary:
-        b = self._boundaries.backend
-        return self._summary_sink.summary(
-            log=self.log,
-            ended_by=ended_by,
-            device=b.device if b is not None else "none",
-            stopped=self._collector.error or self._boundaries.broken,
-            log_failed=self._log.failed,
-            flops_reason=self._flops.summary_reason() if self._flops is not None else None,
-            boundary=b.boundary if b is not None and b.has_device_timing else None,
-            budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
-            syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
-            energy_reason=ENERGY_OFF if self._energy is None else None,
-            boundary_reason=self._boundaries.slot.reason(),
-        )
-
     def __enter__(self) -> Profiler:
         push_active(self)
         return self
@@ -523,33 +312,6 @@ class Profiler:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         pop_active(self)
         self.close(exc)
-
-    def _on_signal(self, name: str) -> None:
-        """SIGTERM or SIGINT arrived (main thread): write the completed steps and a summary.
-
-        The profiler stays open: if the process goes on, later steps are recorded, and
-        :meth:`close` writes a summary again if anything was written since.
-        """
-        if self._summary is not None or self._log.writer is None or self._boundaries.broken:
-            self._ended_by = self._ended_by or name
-            return
-        self._ended_by = self._ended_by or name
-        collector = self._collector
-        # The collector thread holds this lock only while it writes; the interrupted
-        # training thread may hold it too (an inline harvest), so wait a little, no more.
-        locked = collector.lock.acquire(timeout=0.2)
-        try:
-            if locked:
-                try:
-                    collector.harvest()  # completed steps only: never waits on the device
-                except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
-                    if raised_by_user(e):
-                        raise
-            self._log.write_now(self._build_summary(self._ended_by).to_record())
-            self._signal_written = self._log.count
-        finally:
-            if locked:
-                collector.lock.release()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self._boundaries.next_index} steps"
@@ -584,20 +346,46 @@ class Profiler:
                 self._collector.write(rep.to_record())
         return rep
 
-    def _forked(self) -> None:
-        """In a forked child: drop the parent's state and record nothing more (see above)."""
-        self._end_syncs(report=False)  # the child gets the sync-debug mode, filters, functions back
-        self._collector.forget()
-        self._boundaries.forget(_INHERITED.format(pid=os.getpid()))
-        self._memory.forget()
-        if self._energy is not None:
-            self._energy.forget(_INHERITED.format(pid=os.getpid()))
-        self._compiles.forget()
-        self._hooks = [h for h in self._hooks if h is not self._exchange]
-        self._exchange = None
-        self._close_lock = threading.RLock()
-        self._begun = {}
-        self._log.forget()
+
+
+def _make_hooks(options: ProfilerOptions, seams: Seams, b: Boundaries, collector: Collector, ident: Any,
+                group: Any) -> tuple[Any, ...]:
+    """The optional behaviour, a hook each (None: off), in the order their records follow a
+    step's: FLOPs, memory, peak, the ranks' exchange, energy, compiles."""
+    given, flops_mode = options.flops_per_step, options.flops
+    flops = (
+        FlopsHook(given, warmup=options.warmup, backend=seams.backend, retire=b.hooks.retire)
+        if flops_mode is not None or given is not None else None
+    )
+    memory = MemoryHook(warmup=options.warmup, every=options.memory_every, retire=b.hooks.retire)
+    exchange = (
+        ExchangeHook(_dist.Exchange(options.ranks_every, ident, group=group, gather=seams.gather,
+                                    close_wait_s=seams.close_wait_s, budget=collector.budget),
+                     collector.harvest_if_free)
+        if ident is not None and options.ranks_every else None
+    )
+    if exchange is not None and collector.budget is not None:
+        collector.budget.shared = True  # the ranks agree on the interval
+    energy = EnergyHook(options.energy_every_s, seams.clock) if options.energy_every_s is not None else None
+    compiles = CompileHook(b.threads.step_of, lambda: b.next_index, b.hooks.retire)
+    explain = options.explain_peak
+    peak = (
+        # True: the first measured step, or the next one if FLOPs are counted on the first.
+        PeakHook(options.warmup + (flops_mode == "auto") if explain is True else explain, model=options.model,
+                 optimizer=options.optimizer, ensure_backend=b.slot.ensure,
+                 watch_phases=b.watch_phases, retire=b.hooks.retire)
+        if explain is not False else None
+    )
+    return flops, memory, peak, exchange, energy, compiles
+
+
+def _open_log(options: ProfilerOptions, ident: Any, run_id: str) -> LogSink:
+    """The run's log; in a distributed run, this rank's (or none), with its rank fields."""
+    log = options.log
+    if ident is not None and log is not None:
+        zero = options.log_ranks == "zero"
+        log = None if zero and ident.rank else _dist.rank_log_path(os.fspath(log), ident.rank)
+    return LogSink(log, ident.fields() if ident is not None else None, run_id)
 
 
 def _make_profiler(

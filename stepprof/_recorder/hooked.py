@@ -1,0 +1,119 @@
+"""A profiler's steps and phases without context managers, for code that only has hooks
+(a framework's callbacks): :class:`HookedSteps`, a part of :class:`~.profiler.Profiler`."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .._batch import NO_BATCH, infer_batch_size, total_batch_size
+from .._errors import UsageError
+from .._records import Summary
+from .._validate import check_batch_size, check_name, check_seconds
+from .boundaries import Boundaries
+
+
+class HookedSteps:
+    """``begin_step``/``end_step``, ``begin_phase``/``end_phase`` and ``add_batch``.
+
+    The tokens they open are kept per thread in ``_begun``: ``[(name, token), ...]``, the
+    step's first.  The profiler's own scopes do not use them.
+    """
+
+    _begun: dict[int, list[tuple[str | None, Any]]]
+    _boundaries: Boundaries
+    _summary: Summary | None
+    _enter: Any
+    _exit: Any
+
+    def begin_step(self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH) -> None:
+        """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
+
+        For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`.
+        """
+        begun = self._begun.get(threading.get_ident())
+        if begun:
+            raise UsageError(
+                "begin_step() was called while the step begun before is still open on this thread; "
+                "call prof.end_step() first"
+            )
+        name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
+        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
+            batch_size, reason = infer_batch_size(batch)
+        token = self._enter(name, batch_size, step=True, batch_reason=reason)
+        self._begun[threading.get_ident()] = [(name, token)]
+
+    def end_step(self, error: BaseException | None = None) -> None:
+        """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
+
+        Args:
+            error: the exception the step raised, recorded as its ``error``; None when it
+                completed.
+        """
+        if error is not None and not isinstance(error, BaseException):
+            raise UsageError(
+                f"end_step(error=...) takes the exception the step raised, or None (got {error!r}); "
+                f"pass e.g. end_step(error=exc) in an except block"
+            )
+        begun = self._begun.pop(threading.get_ident(), None)
+        if not begun:
+            raise UsageError("end_step() without begin_step() on this thread; call prof.begin_step() first")
+        self._exit(begun[0][1], error)  # the step's exit closes the phases left open in it
+
+    def begin_phase(self, name: str) -> None:
+        """Open a phase of the step begun on this thread, as ``with prof.measure(name)`` would."""
+        begun = self._begun.get(threading.get_ident())
+        checked = check_name(name)
+        if checked is None:
+            raise UsageError("begin_phase() needs a name: prof.begin_phase('forward')")
+        if not begun:
+            raise UsageError(
+                f"begin_phase({checked!r}) outside a step: call prof.begin_step() first"
+            )
+        begun.append((checked, self._enter(checked, None, step=False)))
+
+    def end_phase(self, name: str | None = None) -> None:
+        """Close the innermost phase :meth:`begin_phase` opened on this thread (``name``, if
+        given, must be its name)."""
+        begun = self._begun.get(threading.get_ident())
+        if not begun or len(begun) == 1:
+            raise UsageError("end_phase() without begin_phase() in the step begun on this thread")
+        open_name = begun[-1][0]
+        if name is not None and name != open_name:
+            raise UsageError(
+                f"end_phase({name!r}), but the innermost open phase is {open_name!r}; "
+                f"end {open_name!r} first"
+            )
+        self._exit(begun.pop()[1], None)
+
+    def add_batch(self, *batches: Any, fetch_s: float | None = None) -> None:
+        """The batches a step trains on, for code that fetches them where :meth:`iterate` cannot
+        wrap (a framework's hooks; gradient accumulation's micro-batches).
+
+        Inside a step open on this thread, their samples (the tensors' first dimension, as
+        for ``profile_step(batch=...)``) add to its ``batch_size``; outside one they are the
+        next step's, as :meth:`iterate`'s are, and ``fetch_s``, the seconds fetching them took,
+        adds to its ``data_ms``.  A batch whose size cannot be inferred makes ``batch_size``
+        null, with the reason.
+
+        Example:
+            >>> prof = stepprof.Profiler(None)                      # doctest: +SKIP
+            >>> prof.begin_step()                                   # doctest: +SKIP
+            >>> for micro in micro_batches:                         # doctest: +SKIP
+            ...     prof.add_batch(micro); loss_of(micro).backward()
+            >>> prof.end_step()                                     # doctest: +SKIP
+        """
+        if not batches:
+            raise UsageError("add_batch() needs a batch: prof.add_batch(batch), or several: prof.add_batch(*micro_batches)")
+        fetch_ns = None if fetch_s is None else round(check_seconds(fetch_s, "fetch_s", allow_zero=True) * 1e9)
+        if self._summary is not None or self._boundaries.broken is not None:
+            return
+        size, reason = total_batch_size(batches)
+        step = self._boundaries.threads.step()
+        if step is None:
+            self._boundaries.note_batch(fetch_ns, (size, reason))
+        elif step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
+            if size is None:
+                step.batch_size, step.batch_reason = None, reason
+            else:
+                step.batch_size = (step.batch_size or 0) + size
