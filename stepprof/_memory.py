@@ -243,34 +243,8 @@ def reconcile(
     """
     un: dict[str, str] = {}
     notes = list(snap.nvml.notes)
-    a = snap.allocator
-    allocated = peak = reserved = cached = split = ooms = retries = None
-    if a is None:
-        for f in _ALLOCATOR_FIELDS:
-            un[f] = snap.reasons.get("allocator", "the allocator was not read")
-    else:
-        allocated, reserved = a.allocated_bytes, a.reserved_bytes
-        peak = max(a.peak_allocated_bytes, peak_floor)
-        cached = reserved - allocated
-        split, ooms, retries = a.inactive_split_bytes, a.num_ooms, a.num_alloc_retries
-
-    mgi_used = total = None
-    if snap.free_total is None:
-        un["mem_get_info_used_bytes"] = un["total_bytes"] = snap.reasons.get(
-            "mem_get_info", "cudaMemGetInfo was not read"
-        )
-    else:
-        free, total = snap.free_total
-        mgi_used = total - free
-    if snap.nvml.process_bytes is None:
-        un["nvml_process_bytes"] = snap.nvml.process_reason or "NVML was not read"
-    if snap.nvml.device_used_bytes is None:
-        un["nvml_device_used_bytes"] = snap.nvml.device_reason or "NVML was not read"
-    if snap.nvml.power_limit_w is None:
-        un["power_limit_w"] = snap.nvml.power_limit_reason or "NVML was not read"
-    if snap.nvml.other_processes is None:
-        un["other_processes"] = snap.nvml.other_processes_reason or "NVML was not read"
-
+    allocated, peak, reserved, cached, split, ooms, retries = _allocator_figures(snap, peak_floor, un)
+    mgi_used, total = _device_figures(snap, un)
     seen, basis, why_total = _total(snap)
     residual, _, why_residual = residual_of(snap)
     if basis is None:
@@ -283,66 +257,14 @@ def reconcile(
             f"total is the device-wide use from cudaMemGetInfo: it counts every process on the GPU, "
             f"and stepprof assumes there is no other"
         )
-
-    context = None
-    if baseline is None:
-        un["context_baseline_bytes"] = "stepprof had not seen CUDA initialised before this record"
-    elif baseline.residual_bytes is None:
-        un["context_baseline_bytes"] = f"the baseline could not be measured: {baseline.reason}"
-    else:
-        context = baseline.residual_bytes
-        if basis is not None and baseline.basis != basis:
-            notes.append(
-                f"context_baseline_bytes was measured on the {baseline.basis!r} basis, this record "
-                f"on {basis!r}: compare them with care"
-            )
-
+    context = _context_baseline(baseline, basis, un, notes)
     u = unit_for(seen, reserved, residual)
-    if (
-        reference is not None and residual is not None and reference.residual_bytes is not None
-        and reference.basis == basis and residual - reference.residual_bytes >= GROWTH_NOTE_BYTES
-    ):
-        grown = residual - reference.residual_bytes
-        notes.append(
-            f"the residual grew by {format_bytes_in(grown, u)} since {reference.label} "
-            f"({format_bytes_in(reference.residual_bytes, u)} to {format_bytes_in(residual, u)}): memory outside PyTorch's "
-            f"allocator is growing (NCCL, cuDNN, another library, or CUDA memory allocated directly); "
-            f"torch.cuda.empty_cache() cannot release it"
-        )
-    if peak is not None and reserved is not None:
-        gap = reserved - peak
-        if gap >= max(FRAGMENTATION_NOTE_MIN_BYTES, FRAGMENTATION_NOTE_FRACTION * reserved):
-            expandable = "expandable_segments:true" in (alloc_conf or "").replace(" ", "").lower()
-            if expandable:
-                hint = (
-                    "expandable_segments is already on, so the gap is more likely cached blocks of an "
-                    "earlier, larger peak than splintered ones"
-                )
-            else:
-                hint = (
-                    "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts "
-                    "usually shrinks it"
-                )
-            notes.append(
-                f"reserved ({format_bytes_in(reserved, u)}) is {format_bytes_in(gap, u)} above the peak of live tensors "
-                f"({format_bytes_in(peak, u)}): the allocator holds cached blocks it cannot reuse for the sizes "
-                f"asked for (fragmentation; {format_bytes_in(split or 0, u)} in inactive split blocks); {hint}. "
-                f"torch.cuda.empty_cache() only hides it, and costs speed"
-            )
-    if ooms or retries:
-        notes.append(
-            f"the allocator has raised {ooms} out-of-memory error(s) and retried {retries} "
-            f"allocation(s) after freeing its cache since the process started (each retry "
-            f"synchronises the device and calls cudaFree): this run is at its memory limit, and a "
-            f"smaller batch or expandable_segments can be faster"
-        )
-    if residual is not None and residual < 0:
-        notes.append(
-            f"the total is {format_bytes_in(-residual, u)} below what the allocator reserves: the readings were "
-            f"microseconds apart and the driver counts differently here (MPS, MIG or a driver "
-            f"change); treat the residual as about zero"
-        )
-
+    notes += [note for note in (
+        _growth_note(residual, basis, reference, u),
+        _fragmentation_note(peak, reserved, split, alloc_conf, u),
+        _retries_note(ooms, retries),
+        _negative_residual_note(residual, u),
+    ) if note is not None]
     return MemoryReport(
         trigger=trigger,
         step=step,
@@ -367,6 +289,127 @@ def reconcile(
         unavailable=un,
         power_limit_w=snap.nvml.power_limit_w,
         other_processes=snap.nvml.other_processes,
+    )
+
+
+# -- the parts of reconcile: each returns its figures (or note) and adds the reasons of the
+# figures it could not give to ``un`` -------------------------------------------------------
+
+
+#: NVML's readings a report carries: (its field, the reading, the reading's reason when None).
+_NVML_FIELDS = (
+    ("nvml_process_bytes", "process_bytes", "process_reason"),
+    ("nvml_device_used_bytes", "device_used_bytes", "device_reason"),
+    ("power_limit_w", "power_limit_w", "power_limit_reason"),
+    ("other_processes", "other_processes", "other_processes_reason"),
+)
+
+
+def _allocator_figures(snap: Snapshot, peak_floor: int, un: dict[str, str]) -> tuple[int | None, ...]:
+    """(allocated, peak, reserved, cached, inactive split, OOMs, retries) from torch's allocator."""
+    a = snap.allocator
+    if a is None:
+        for f in _ALLOCATOR_FIELDS:
+            un[f] = snap.reasons.get("allocator", "the allocator was not read")
+        return None, None, None, None, None, None, None
+    return (a.allocated_bytes, max(a.peak_allocated_bytes, peak_floor), a.reserved_bytes,
+            a.reserved_bytes - a.allocated_bytes, a.inactive_split_bytes, a.num_ooms, a.num_alloc_retries)
+
+
+def _device_figures(snap: Snapshot, un: dict[str, str]) -> tuple[int | None, int | None]:
+    """(the device's use, its total) from ``cudaMemGetInfo``; the reasons of NVML's missing readings."""
+    mgi_used = total = None
+    if snap.free_total is None:
+        un["mem_get_info_used_bytes"] = un["total_bytes"] = snap.reasons.get(
+            "mem_get_info", "cudaMemGetInfo was not read"
+        )
+    else:
+        free, total = snap.free_total
+        mgi_used = total - free
+    for field, reading, reason in _NVML_FIELDS:
+        if getattr(snap.nvml, reading) is None:
+            un[field] = getattr(snap.nvml, reason) or "NVML was not read"
+    return mgi_used, total
+
+
+def _context_baseline(baseline: Mark | None, basis: str | None, un: dict[str, str], notes: list[str]) -> int | None:
+    """The residual when stepprof first saw CUDA initialised (a note when its basis differs)."""
+    if baseline is None:
+        un["context_baseline_bytes"] = "stepprof had not seen CUDA initialised before this record"
+        return None
+    if baseline.residual_bytes is None:
+        un["context_baseline_bytes"] = f"the baseline could not be measured: {baseline.reason}"
+        return None
+    if basis is not None and baseline.basis != basis:
+        notes.append(
+            f"context_baseline_bytes was measured on the {baseline.basis!r} basis, this record "
+            f"on {basis!r}: compare them with care"
+        )
+    return baseline.residual_bytes
+
+
+def _growth_note(residual: int | None, basis: str | None, reference: Mark | None, u: int) -> str | None:
+    """The note that memory outside PyTorch grew past the reference record, if it did."""
+    if (
+        reference is None or residual is None or reference.residual_bytes is None
+        or reference.basis != basis or residual - reference.residual_bytes < GROWTH_NOTE_BYTES
+    ):
+        return None
+    grown = residual - reference.residual_bytes
+    return (
+        f"the residual grew by {format_bytes_in(grown, u)} since {reference.label} "
+        f"({format_bytes_in(reference.residual_bytes, u)} to {format_bytes_in(residual, u)}): memory outside PyTorch's "
+        f"allocator is growing (NCCL, cuDNN, another library, or CUDA memory allocated directly); "
+        f"torch.cuda.empty_cache() cannot release it"
+    )
+
+
+def _fragmentation_note(peak: int | None, reserved: int | None, split: int | None, alloc_conf: str | None,
+                        u: int) -> str | None:
+    """The note that reserved is much larger than the peak of live tensors, if it is."""
+    if peak is None or reserved is None:
+        return None
+    gap = reserved - peak
+    if gap < max(FRAGMENTATION_NOTE_MIN_BYTES, FRAGMENTATION_NOTE_FRACTION * reserved):
+        return None
+    if "expandable_segments:true" in (alloc_conf or "").replace(" ", "").lower():
+        hint = (
+            "expandable_segments is already on, so the gap is more likely cached blocks of an "
+            "earlier, larger peak than splintered ones"
+        )
+    else:
+        hint = (
+            "setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts "
+            "usually shrinks it"
+        )
+    return (
+        f"reserved ({format_bytes_in(reserved, u)}) is {format_bytes_in(gap, u)} above the peak of live tensors "
+        f"({format_bytes_in(peak, u)}): the allocator holds cached blocks it cannot reuse for the sizes "
+        f"asked for (fragmentation; {format_bytes_in(split or 0, u)} in inactive split blocks); {hint}. "
+        f"torch.cuda.empty_cache() only hides it, and costs speed"
+    )
+
+
+def _retries_note(ooms: int | None, retries: int | None) -> str | None:
+    """The note that the allocator ran out of memory or retried, if it did."""
+    if not (ooms or retries):
+        return None
+    return (
+        f"the allocator has raised {ooms} out-of-memory error(s) and retried {retries} "
+        f"allocation(s) after freeing its cache since the process started (each retry "
+        f"synchronises the device and calls cudaFree): this run is at its memory limit, and a "
+        f"smaller batch or expandable_segments can be faster"
+    )
+
+
+def _negative_residual_note(residual: int | None, u: int) -> str | None:
+    """The note that the total is below what the allocator reserves, if it is."""
+    if residual is None or residual >= 0:
+        return None
+    return (
+        f"the total is {format_bytes_in(-residual, u)} below what the allocator reserves: the readings were "
+        f"microseconds apart and the driver counts differently here (MPS, MIG or a driver "
+        f"change); treat the residual as about zero"
     )
 
 

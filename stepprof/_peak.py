@@ -10,7 +10,8 @@ each module's forward and backward ran and when each phase did (:class:`Event`).
 module replays the trace and answers, at the instant of the high-water mark of
 allocated bytes: which blocks were live, in which category, made by which module, in
 which phase and at which op.  It needs no torch, so it is tested on the CPU with
-synthetic snapshots.
+synthetic snapshots.  The record it fills, :class:`PeakExplanation`, and its one line of
+text are in :mod:`stepprof._peak_record` (re-exported here).
 
 Sizes: torch's trace entries carry the *requested* size; the allocator's
 ``allocated_bytes`` counts *block* sizes.  A block alive at either snapshot has its exact
@@ -23,9 +24,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
+
+from ._peak_record import CATEGORIES, TOP_MODULES, ModuleBytes, PeakExplanation, unavailable_explanation
 
 __all__ = [
     "CATEGORIES",
@@ -41,14 +44,8 @@ __all__ = [
     "unavailable_explanation",
 ]
 
-#: The categories, in the order a byte is claimed (a parameter that is also saved for
-#: backward counts as a parameter).  ``temporaries``: allocated during the step and none
-#: of the above; ``other``: alive before the step and none of the above.
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "other")
+#: The categories a hook can claim, in priority order (see :data:`CATEGORIES`).
 _CLAIMED = CATEGORIES[:4]
-
-#: How many modules the record keeps, largest first.
-TOP_MODULES = 20
 
 #: The allocator's granule: every block is a multiple of it (``kMinBlockSize``).
 BLOCK_BYTES = 512
@@ -104,128 +101,6 @@ class Event:
     t_us: float
     action: str
     name: str
-
-
-@attrs.frozen
-class ModuleBytes:
-    """Live bytes at the peak that one module made: in all, and by category."""
-
-    module: str
-    total_bytes: int
-    bytes_by_category: Mapping[str, int]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"module": self.module, "total_bytes": self.total_bytes,
-                "bytes_by_category": dict(self.bytes_by_category)}
-
-
-def _modules(raw: Any) -> tuple[ModuleBytes, ...] | None:
-    if raw is None:
-        return None
-    return tuple(m if isinstance(m, ModuleBytes) else ModuleBytes(m["module"], m["total_bytes"],
-                                                                  dict(m["bytes_by_category"]))
-                 for m in raw)
-
-
-@attrs.frozen
-class PeakExplanation:
-    """One step's peak, broken down: what the ``kind: "peak"`` record holds.
-
-    Every figure may be None, with the reason in ``unavailable``.  ``bytes_by_category``
-    has every category of :data:`CATEGORIES`; its values sum to ``live_bytes``, the live
-    bytes at the replayed high-water mark, which matches ``peak_allocated_bytes`` (the
-    allocator's own counter for the step) within the allocator's rounding.
-
-    Attributes:
-        step: the explained step's index (a one-off's: its ``warmup``).
-        device: ``"cuda:N"``, or ``"cpu"``.
-        peak_allocated_bytes: the allocator's high-water mark over the step.
-        live_bytes: the bytes live at the replayed high-water mark.
-        peak_at_ms: when the peak happened, from the step's entry.
-        phase: the innermost stepprof phase open at the peak (``"outer/inner"``).
-        op: the innermost annotation open at the allocation that set the peak (an aten op or
-            your ``record_function`` range), else its innermost frame, ``name (file:line)``.
-        user_frame: the innermost frame of that allocation outside torch, ``file:line``.
-        bytes_by_category: live bytes at the peak per category.
-        modules: up to :data:`TOP_MODULES` modules, largest first.
-        outside_modules_bytes: live bytes made during the step outside any module's forward
-            or backward (the loss, the optimizer step).
-        reserved_bytes: what the allocator held from the driver at the peak.
-        fragmentation_bytes: reserved minus live bytes at the peak.
-        largest_free_block_bytes: the largest free range inside a segment at the peak.
-        live_blocks: how many blocks were live at the peak.
-        trace_entries: the allocator's history entries of the step.
-        cost_ms: the host time explaining added: recording on and off, the two snapshots
-            (outside the step's ``wall_ms``, inside its ``overhead_us``), the hooks with
-            their markers (inside ``wall_ms``) and the replay.
-        timeline_ms, timeline_bytes: live bytes over the step (at most 200 points, each
-            a bucket's maximum).
-        activations_from: ``"saved_tensors_hooks"`` or ``"stacks"``: how saved
-            activations were told from temporaries.
-        notes: sentences on what may mislead in this step's figures.
-        unavailable: field name to the reason it is None.
-    """
-
-    step: int | None = None
-    device: str = "cpu"
-    peak_allocated_bytes: int | None = None
-    live_bytes: int | None = None
-    peak_at_ms: float | None = None
-    phase: str | None = None
-    op: str | None = None
-    user_frame: str | None = None
-    bytes_by_category: Mapping[str, int] | None = None
-    modules: tuple[ModuleBytes, ...] | None = attrs.field(default=None, converter=_modules)
-    outside_modules_bytes: int | None = None
-    reserved_bytes: int | None = None
-    fragmentation_bytes: int | None = None
-    largest_free_block_bytes: int | None = None
-    live_blocks: int | None = None
-    trace_entries: int | None = None
-    cost_ms: float | None = None
-    timeline_ms: tuple[float, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
-    timeline_bytes: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
-    activations_from: str | None = None
-    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    unavailable: Mapping[str, str] = attrs.field(factory=dict)
-
-    def to_record(self) -> dict[str, Any]:
-        """The ``kind: "peak"`` record (docs/schema.md)."""
-        out: dict[str, Any] = {"kind": "peak"}
-        for field in attrs.fields(PeakExplanation):
-            value = getattr(self, field.name)
-            if field.name == "modules":
-                value = None if value is None else [m.to_dict() for m in value]
-            elif isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[field.name] = value
-        return out
-
-    @classmethod
-    def from_record(cls, record: Mapping[str, Any]) -> PeakExplanation:
-        """Back from a ``kind: "peak"`` record (fields it lacks keep their defaults)."""
-        names = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in record.items() if k in names})
-
-    def __str__(self) -> str:
-        from ._report.peak import peak_line  # formatting lives with the report
-
-        return peak_line(self.to_record())
-
-
-def unavailable_explanation(reason: str, *, step: int | None, device: str,
-                            peak_allocated_bytes: int | None = None,
-                            cost_ms: float | None = None) -> PeakExplanation:
-    """An explanation whose figures are all None, for ``reason``."""
-    fields = [f.name for f in attrs.fields(PeakExplanation)
-              if f.name not in ("step", "device", "notes", "unavailable", "cost_ms")]
-    missing = {name: reason for name in fields}
-    if peak_allocated_bytes is not None:
-        missing.pop("peak_allocated_bytes")
-    return PeakExplanation(step=step, device=device, peak_allocated_bytes=peak_allocated_bytes,
-                           cost_ms=cost_ms, unavailable=missing)
 
 
 # -- the replay ----------------------------------------------------------------------
@@ -564,25 +439,62 @@ def explain(
     dev = f"cuda:{device}"
     notes = list(notes)
     missing = dict(unavailable or {})
+    entries, t0_us, refused = _step_history(start, end, device, max_entries, t0_us)
+    if refused is not None:
+        return unavailable_explanation(refused, step=step, device=dev,
+                                       peak_allocated_bytes=peak_allocated_bytes, cost_ms=cost_ms)
+    end_live = _live_blocks(end, device)
+    run = _replay(entries, _alive_at_start(start, device, entries, end_live, notes),
+                  _exact_at_end(entries, end_live), t0_us, notes)
+    at_peak = _claimed_at_peak(run.blocks, run.peak_index, observations)
+    shift = 0.0 if in_clock else 0.5  # host times aligned to the trace: the middle of its truncated µs
+    timeline = _Timeline(module_events) if module_events is not None else None
+    categories, per_module, outside = _categorise(at_peak, activations_from, timeline, shift, missing)
+    live_bytes = sum(categories.values())
+    modules = _ranked_modules(per_module, timeline is not None, missing)
+    phase = _phase_of_peak(phase_events, run.peak_t + shift, missing)
+    op, user = _op_of_peak(entries, run, device, annotations, module_events, phase_events, timeline, shift,
+                           missing)
+    reserved, fragmentation, largest_free = _segments_at_peak(
+        start, device, entries, run, at_peak, live_bytes, notes, missing)
+    _check_counter(live_bytes, peak_allocated_bytes, notes, missing)
+    ms, values = _timeline(run.points, t0_us)
+    return PeakExplanation(
+        step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, live_bytes=live_bytes,
+        peak_at_ms=round((run.peak_t - t0_us) / 1000, 4), phase=phase, op=op, user_frame=user,
+        bytes_by_category=categories, modules=modules,
+        outside_modules_bytes=outside if timeline is not None else None,
+        reserved_bytes=reserved, fragmentation_bytes=fragmentation,
+        largest_free_block_bytes=largest_free, live_blocks=len(at_peak), trace_entries=len(entries),
+        cost_ms=cost_ms, timeline_ms=ms, timeline_bytes=values, activations_from=activations_from,
+        notes=notes, unavailable=missing,
+    )
+
+
+# -- the steps of explain: each fills in its figures, and adds its notes and the reasons
+# of the figures it could not give to ``notes`` and ``missing`` ---------------------------
+
+
+def _step_history(start: Mapping[str, Any] | None, end: Mapping[str, Any], device: int,
+                  max_entries: int | None, t0_us: float | None) -> tuple[list[dict[str, Any]], float, str | None]:
+    """(the step's trace entries, its entry in the trace's clock, why it cannot be replayed or None)."""
     trace = _device_trace(end, device)
     start_index = next((i for i, e in enumerate(trace) if e.get("action") == "snapshot"), None)
     if max_entries is not None and len(trace) >= max_entries:
-        return unavailable_explanation(
-            f"the allocator's history overflowed its bound of {max_entries} entries during the step "
-            f"(the oldest were dropped), so the step cannot be replayed; explain a smaller step",
-            step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, cost_ms=cost_ms)
+        return [], 0.0, (f"the allocator's history overflowed its bound of {max_entries} entries during the "
+                         f"step (the oldest were dropped), so the step cannot be replayed; explain a smaller step")
     if start is not None and start_index is None:
-        return unavailable_explanation(
-            "the allocator's history lacks the marker of the step's start (this torch records no "
-            "'snapshot' entries), so the step's entries cannot be told from earlier ones",
-            step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, cost_ms=cost_ms)
+        return [], 0.0, ("the allocator's history lacks the marker of the step's start (this torch records no "
+                         "'snapshot' entries), so the step's entries cannot be told from earlier ones")
     entries = _step_entries(trace, start_index)
     if t0_us is None:
         t0_us = trace[start_index]["time_us"] if start_index is not None else (
             entries[0].get("time_us", 0) if entries else 0)
+    return entries, t0_us, None
 
-    # Exact sizes: blocks alive at the end, from the end snapshot.
-    end_live = _live_blocks(end, device)
+
+def _exact_at_end(entries: list[dict[str, Any]], end_live: dict[int, int]) -> dict[int, int]:
+    """Entry index to exact size of the allocations still alive at the end snapshot."""
     last_alloc: dict[int, int] = {}
     freed_after: set[int] = set()
     for i, e in enumerate(entries):
@@ -592,27 +504,47 @@ def explain(
             freed_after.discard(e["addr"])
         elif a == "free_requested":
             freed_after.add(e["addr"])
-    exact_at_end = {i: end_live[addr] for addr, i in last_alloc.items()
-                    if addr not in freed_after and addr in end_live}
+    return {i: end_live[addr] for addr, i in last_alloc.items()
+            if addr not in freed_after and addr in end_live}
 
-    # Alive at the step's start.
+
+def _alive_at_start(start: Mapping[str, Any] | None, device: int, entries: list[dict[str, Any]],
+                    end_live: dict[int, int], notes: list[str]) -> dict[int, _Block]:
+    """The blocks alive at the step's start: the start snapshot's, else those freed or alive at
+    the end without being allocated in the step."""
     live: dict[int, _Block] = {}
     if start is not None:
         for addr, size in _live_blocks(start, device).items():
             live[addr] = _Block(addr, size, None, (), -1)
-    else:
-        seen: set[int] = set()
-        for e in entries:
-            a, addr = e.get("action"), e.get("addr")
-            if a == "alloc":
-                seen.add(addr)
-            elif a == "free_requested" and addr not in seen and addr not in live:
-                live[addr] = _Block(addr, round_block(e.get("size", 0)), None, (), -1)
-        for addr, size in end_live.items():
-            if addr not in seen and addr not in live:
-                live[addr] = _Block(addr, size, None, (), -1)
-        notes.append("no snapshot at the step's start: blocks alive before it are sized from their "
-                     "frees (rounded to 512 B), and reserved memory is unknown")
+        return live
+    seen: set[int] = set()
+    for e in entries:
+        a, addr = e.get("action"), e.get("addr")
+        if a == "alloc":
+            seen.add(addr)
+        elif a == "free_requested" and addr not in seen and addr not in live:
+            live[addr] = _Block(addr, round_block(e.get("size", 0)), None, (), -1)
+    for addr, size in end_live.items():
+        if addr not in seen and addr not in live:
+            live[addr] = _Block(addr, size, None, (), -1)
+    notes.append("no snapshot at the step's start: blocks alive before it are sized from their "
+                 "frees (rounded to 512 B), and reserved memory is unknown")
+    return live
+
+
+class _Replay(NamedTuple):
+    """The step's history replayed: every block, live bytes over time, and the high-water mark
+    (``peak_index``: the entry that set it, -1 for the step's start; ``peak_t``: its time)."""
+
+    blocks: list[_Block]
+    points: list[tuple[float, int]]
+    peak_index: int
+    peak_t: float
+
+
+def _replay(entries: list[dict[str, Any]], live: dict[int, _Block], exact_at_end: dict[int, int],
+            t0_us: float, notes: list[str]) -> _Replay:
+    """Replay the allocations and frees from the blocks ``live`` at the start (which it updates)."""
     blocks: list[_Block] = list(live.values())
     current = sum(b.size for b in live.values())
     peak, peak_index, peak_t = current, -1, t0_us
@@ -641,8 +573,12 @@ def explain(
             peak, peak_index, peak_t = current, i, e.get("time_us", t0_us)
     if unmatched_frees:
         notes.append(f"{unmatched_frees} frees of blocks the replay did not know were skipped")
+    return _Replay(blocks, points, peak_index, peak_t)
 
-    # The live set at the peak: allocated by then, not freed by then.
+
+def _claimed_at_peak(blocks: list[_Block], peak_index: int, observations: Iterable[Observation]) -> list[_Block]:
+    """The live set at the peak (allocated by then, not freed by then), each block with the
+    ranges the observations claim of it."""
     at_peak = [b for b in blocks if b.index <= peak_index and
                (b.freed_at is None or b.freed_at > peak_index)]
     by_addr = sorted(at_peak, key=lambda b: b.addr)
@@ -656,10 +592,12 @@ def explain(
             continue
         lo, hi = max(ob.ptr, b.addr), min(ob.ptr + max(ob.nbytes, 1), b.addr + b.size)
         b.ranges.setdefault(ob.category, []).append((lo, hi))
+    return at_peak
 
-    # Host times aligned to the trace fall anywhere inside its truncated µs: take the middle.
-    shift = 0.0 if in_clock else 0.5
-    timeline = _Timeline(module_events) if module_events is not None else None
+
+def _categorise(at_peak: list[_Block], activations_from: str | None, timeline: _Timeline | None,
+                shift: float, missing: dict[str, str]) -> tuple[dict[str, int], dict[str, dict[str, int]], int]:
+    """(live bytes by category, by module and category, bytes made outside every module)."""
     categories = dict.fromkeys(CATEGORIES, 0)
     per_module: dict[str, dict[str, int]] = {}
     outside = 0
@@ -681,84 +619,103 @@ def explain(
                 m = per_module.setdefault(name, {})
                 for c, n in split.items():
                     m[c] = m.get(c, 0) + n
-    live_bytes = sum(categories.values())
     if activations_from is None:
         missing["bytes_by_category.activations"] = (
             "saved tensors could not be told from temporaries in this step; they count as temporaries")
+    return categories, per_module, outside
 
-    modules: tuple[ModuleBytes, ...] | None = None
-    if timeline is not None:
-        ranked = sorted(per_module.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
-        modules = tuple(ModuleBytes(name, sum(c.values()), {k: c[k] for k in CATEGORIES if k in c})
-                        for name, c in ranked[:TOP_MODULES])
-    else:
+
+def _ranked_modules(per_module: dict[str, dict[str, int]], watched: bool,
+                    missing: dict[str, str]) -> tuple[ModuleBytes, ...] | None:
+    """The :data:`TOP_MODULES` largest modules; None when no module was ``watched``."""
+    if not watched:
         missing.setdefault("modules", "no model was given (pass model=), so no module hooks ran")
         missing.setdefault("outside_modules_bytes", missing["modules"])
+        return None
+    ranked = sorted(per_module.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    return tuple(ModuleBytes(name, sum(c.values()), {k: c[k] for k in CATEGORIES if k in c})
+                 for name, c in ranked[:TOP_MODULES])
 
-    phase = None
+
+def _phase_of_peak(phase_events: Sequence[Event] | None, t_us: float, missing: dict[str, str]) -> str | None:
+    """The innermost phase open at the peak (at ``t_us``)."""
     if "phase" in missing:
-        pass  # the caller's reason (a step whose phases were not watched)
-    elif phase_events is None or not phase_events:
+        return None  # the caller's reason (a step whose phases were not watched)
+    if phase_events is None or not phase_events:
         missing["phase"] = "the step has no phases (stepprof.measure inside the step)"
-    else:
-        phase = _phase_at(phase_events, peak_t + shift)
-        if phase is None:
-            missing["phase"] = "the peak fell outside every phase of the step"
+        return None
+    phase = _phase_at(phase_events, t_us)
+    if phase is None:
+        missing["phase"] = "the peak fell outside every phase of the step"
+    return phase
 
-    op = user = None
-    if peak_index < 0:
+
+def _op_of_peak(entries: list[dict[str, Any]], run: _Replay, device: int,
+                annotations: Sequence[Mapping[str, Any]] | None, module_events: Sequence[Event] | None,
+                phase_events: Sequence[Event] | None, timeline: _Timeline | None, shift: float,
+                missing: dict[str, str]) -> tuple[str | None, str | None]:
+    """(the op at the allocation that set the peak, its innermost frame outside torch)."""
+    if run.peak_index < 0:
         missing["op"] = missing["user_frame"] = (
             "nothing allocated during the step rose above what was alive at its start")
-    else:
-        frames = entries[peak_index].get("frames") or ()
-        op, user = _op_of(frames)
-        if annotations:
-            on_device = _on_device(annotations, device)
-            op = _op_at(_spans(on_device), _contexts(module_events or (), phase_events or ()), peak_t) or op
-        no_frames = ("the allocation that set the peak has no Python frames (made on the autograd "
-                     "engine's thread, in backward, or in C++)")
-        if op is None:
-            where = timeline.at(peak_t + shift) if timeline is not None else None
-            missing["op"] = no_frames + (f" and no annotation was open at it; it was made in {where!r}"
-                                         if where else "")
-        if user is None:
-            missing["user_frame"] = ("every frame of the allocation that set the peak is in torch"
-                                     if frames else no_frames)
+        return None, None
+    frames = entries[run.peak_index].get("frames") or ()
+    op, user = _op_of(frames)
+    if annotations:
+        on_device = _on_device(annotations, device)
+        op = _op_at(_spans(on_device), _contexts(module_events or (), phase_events or ()), run.peak_t) or op
+    no_frames = ("the allocation that set the peak has no Python frames (made on the autograd "
+                 "engine's thread, in backward, or in C++)")
+    if op is None:
+        where = timeline.at(run.peak_t + shift) if timeline is not None else None
+        missing["op"] = no_frames + (f" and no annotation was open at it; it was made in {where!r}"
+                                     if where else "")
+    if user is None:
+        missing["user_frame"] = ("every frame of the allocation that set the peak is in torch"
+                                 if frames else no_frames)
+    return op, user
 
-    reserved = fragmentation = largest_free = None
-    if start is not None:
-        segs = {s["address"]: s["total_size"] for s in _segments(start, device)}
-        pending: dict[int, int] = {}
-        at_peak_addrs = {b.addr for b in at_peak}
-        sizes = {b.addr: b.size for b in blocks}
-        for i, e in enumerate(entries):
-            if i > peak_index:
-                break
-            a = e.get("action")
-            if a in ("segment_alloc", "segment_map"):
-                segs[e["addr"]] = segs.get(e["addr"], 0) + e.get("size", 0)
-            elif a in ("segment_free", "segment_unmap"):
-                left = segs.get(e["addr"], 0) - e.get("size", 0)
-                if left > 0:
-                    segs[e["addr"]] = left
-                else:
-                    segs.pop(e["addr"], None)
-            elif a == "free_requested" and e["addr"] not in at_peak_addrs:
-                pending[e["addr"]] = sizes.get(e["addr"], round_block(e.get("size", 0)))
-            elif a == "free_completed":
-                pending.pop(e["addr"], None)
-        if any(s.get("is_expandable") for s in _segments(start, device)) or any(
-                e.get("action") == "segment_map" for e in entries):
-            notes.append("expandable segments: reserved memory at the peak is replayed from the "
-                         "mapped ranges")
-        reserved = sum(segs.values())
-        fragmentation = reserved - live_bytes
-        occupied = [(b.addr, b.addr + b.size) for b in at_peak] + [(a, a + n) for a, n in pending.items()]
-        largest_free = _free_ranges(segs, occupied)
-    else:
+
+def _segments_at_peak(start: Mapping[str, Any] | None, device: int, entries: list[dict[str, Any]],
+                      run: _Replay, at_peak: list[_Block], live_bytes: int, notes: list[str],
+                      missing: dict[str, str]) -> tuple[int | None, int | None, int | None]:
+    """(reserved, fragmentation, largest free block) at the peak, replayed from the start's segments."""
+    if start is None:
         for name in ("reserved_bytes", "fragmentation_bytes", "largest_free_block_bytes"):
             missing[name] = "no snapshot was taken at the step's start, so the segments then are unknown"
+        return None, None, None
+    segs = {s["address"]: s["total_size"] for s in _segments(start, device)}
+    pending: dict[int, int] = {}
+    at_peak_addrs = {b.addr for b in at_peak}
+    sizes = {b.addr: b.size for b in run.blocks}
+    for i, e in enumerate(entries):
+        if i > run.peak_index:
+            break
+        a = e.get("action")
+        if a in ("segment_alloc", "segment_map"):
+            segs[e["addr"]] = segs.get(e["addr"], 0) + e.get("size", 0)
+        elif a in ("segment_free", "segment_unmap"):
+            left = segs.get(e["addr"], 0) - e.get("size", 0)
+            if left > 0:
+                segs[e["addr"]] = left
+            else:
+                segs.pop(e["addr"], None)
+        elif a == "free_requested" and e["addr"] not in at_peak_addrs:
+            pending[e["addr"]] = sizes.get(e["addr"], round_block(e.get("size", 0)))
+        elif a == "free_completed":
+            pending.pop(e["addr"], None)
+    if any(s.get("is_expandable") for s in _segments(start, device)) or any(
+            e.get("action") == "segment_map" for e in entries):
+        notes.append("expandable segments: reserved memory at the peak is replayed from the "
+                     "mapped ranges")
+    reserved = sum(segs.values())
+    occupied = [(b.addr, b.addr + b.size) for b in at_peak] + [(a, a + n) for a, n in pending.items()]
+    return reserved, reserved - live_bytes, _free_ranges(segs, occupied)
 
+
+def _check_counter(live_bytes: int, peak_allocated_bytes: int | None, notes: list[str],
+                   missing: dict[str, str]) -> None:
+    """A note where the replayed peak and the allocator's counter disagree by over 1%."""
     if peak_allocated_bytes is not None and peak_allocated_bytes > 0:
         gap = abs(live_bytes - peak_allocated_bytes) / peak_allocated_bytes
         if gap > 0.01:
@@ -768,17 +725,6 @@ def explain(
                 f"allocations on other threads or devices")
     if peak_allocated_bytes is None:
         missing.setdefault("peak_allocated_bytes", "the allocator's counter was not read for this step")
-    ms, values = _timeline(points, t0_us)
-    return PeakExplanation(
-        step=step, device=dev, peak_allocated_bytes=peak_allocated_bytes, live_bytes=live_bytes,
-        peak_at_ms=round((peak_t - t0_us) / 1000, 4), phase=phase, op=op, user_frame=user,
-        bytes_by_category=categories, modules=modules,
-        outside_modules_bytes=outside if timeline is not None else None,
-        reserved_bytes=reserved, fragmentation_bytes=fragmentation,
-        largest_free_block_bytes=largest_free, live_blocks=len(at_peak), trace_entries=len(entries),
-        cost_ms=cost_ms, timeline_ms=ms, timeline_bytes=values, activations_from=activations_from,
-        notes=notes, unavailable=missing,
-    )
 
 
 def _alive_when(b: _Block, when: str | float) -> bool:

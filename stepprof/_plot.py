@@ -193,8 +193,6 @@ def run_figures(s: _Series) -> RunFigures:
 
 def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     """The figure of one run's steps: times on top, memory (or the host's RSS) below."""
-    has_gpu = any(g == g for g in s.gpu)
-    has_mem = any(p == p for p in s.peak)
     Figure, Canvas, Fmt = _matplotlib()
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
@@ -204,6 +202,29 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
         title += f" (run {run % n_runs + 1} of {n_runs})"
     fig.suptitle(title, fontsize=13)
     binned = len(s.step) > _MAX_POINTS
+    _plot_times(ax, s, binned)
+    _mark_figures(ax, s)
+    for a in (ax, mem):
+        _mark_steps(a, s, legend=a is ax)
+    ax.set_ylabel("ms per step")
+    ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
+    if any(p == p for p in s.peak):
+        _plot_allocator(mem, s, binned)
+    elif any(r == r for r in s.rss):
+        _plot_rss(mem, s)
+    else:
+        mem.text(0.5, 0.5, "no memory figures in this log", transform=mem.transAxes, ha="center", va="center")
+        mem.set_yticks([])
+    if mem.get_legend_handles_labels()[0]:
+        mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
+    mem.set_xlabel("step")
+    mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
+    return fig
+
+
+def _plot_times(ax: Any, s: _Series, binned: bool) -> None:
+    """The wall and GPU times per step (a bin's median, with its min-max band, when ``binned``)."""
+    has_gpu = any(g == g for g in s.gpu)
     for series, color, label in (
         (s.wall, "tab:blue", "wall ms (host)"),
         (s.gpu, "tab:orange", "GPU ms (CUDA events)"),
@@ -216,111 +237,117 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
             ax.fill_between(
                 x, lo, hi, color=color, alpha=0.2, lw=0, label=f"{label.split(' (')[0]}: min-max per bin"
             )
+
+
+def _mark_figures(ax: Any, s: _Series) -> None:
+    """The median wall time and the spikes (see :func:`run_figures`); the y axis, clipped above
+    when a few huge steps would flatten the rest."""
     m, top, spikes = run_figures(s)
-    if m is not None:
-        assert top is not None
-        ax.axhline(
-            m, color="tab:blue", ls="--", lw=0.8, alpha=0.7, label=f"median wall {m:.2f} ms (after warm-up)"
+    if m is None:
+        return
+    assert top is not None
+    ax.axhline(
+        m, color="tab:blue", ls="--", lw=0.8, alpha=0.7, label=f"median wall {m:.2f} ms (after warm-up)"
+    )
+    peak_all = max((w for w in s.wall if w == w), default=m)
+    ceiling = None
+    if peak_all > 4 * top:  # a few huge steps would flatten the rest: clip, and say so
+        ceiling = top * 1.6
+        ax.set_ylim(0, ceiling)
+        ax.text(
+            0.01,
+            0.90,
+            f"y axis clipped at {ceiling:,.1f} ms: the slowest step took {peak_all:,.1f} ms",
+            transform=ax.transAxes,
+            ha="left",
+            va="top",
+            fontsize=9,
+            color="tab:red",
         )
-        peak_all = max((w for w in s.wall if w == w), default=m)
-        ceiling = None
-        if peak_all > 4 * top:  # a few huge steps would flatten the rest: clip, and say so
-            ceiling = top * 1.6
-            ax.set_ylim(0, ceiling)
-            ax.text(
-                0.01,
-                0.90,
-                f"y axis clipped at {ceiling:,.1f} ms: the slowest step took {peak_all:,.1f} ms",
-                transform=ax.transAxes,
-                ha="left",
-                va="top",
-                fontsize=9,
-                color="tab:red",
-            )
-        else:
-            ax.set_ylim(bottom=0)
-        if spikes:  # drawn one by one: a bin's median hides them, the clip would cut them
-            ys = [min(w, ceiling * 0.97) if ceiling else w for _, w in spikes]
-            ax.plot(
-                [i for i, _ in spikes],
-                ys,
-                "v",
-                color="tab:red",
-                ms=7,
-                ls="none",
-                clip_on=False,
-                label=f"spikes after warm-up: {len(spikes):,} step(s) ≥ {SPIKE_FACTOR:g}x the median step",
-            )
-    for a in (ax, mem):
-        if s.warm_until is not None:
-            a.axvspan(
-                s.step[0] - 0.5,
-                s.warm_until + 0.5,
-                color="gray",
-                alpha=0.2,
-                label="warm-up (left out of the figures)" if a is ax else None,
-            )
-        if s.flops_step is not None:
-            a.axvline(
-                s.flops_step,
-                color="tab:green",
-                ls=":",
-                lw=1,
-                label="FLOPs counted (slower step)" if a is ax else None,
-            )
-        a.grid(True, alpha=0.3)
-    ax.set_ylabel("ms per step")
-    ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
-    if has_mem:
-        for series, color, label in (
-            (s.peak, "tab:purple", "peak allocated"),
-            (s.reserved, "tab:gray", "reserved"),
-        ):
-            x, med, _, hi = _binned(s.step, series)
-            mem.plot(
-                x,
-                [v / _GIB for v in (hi if binned else med)],
-                "-",
-                color=color,
-                lw=1.4,
-                label=f"{label} (GiB)",
-            )
-        nv = [(st, n) for st, n, _ in s.memory if n == n]
-        if nv:
-            mem.plot(
-                [p[0] for p in nv],
-                [p[1] / _GIB for p in nv],
-                "D",
-                color="tab:red",
-                ms=5,
-                label="nvidia-smi for this process (memory records)",
-            )
-        totals = [t for _, _, t in s.memory if t == t]
-        if totals:
-            mem.text(
-                0.01, 0.04, f"GPU total {totals[-1] / _GIB:.0f} GiB", transform=mem.transAxes, fontsize=9
-            )
-        mem.set_ylabel("GiB")
-        highest = max(
-            [v / _GIB for v in list(s.peak) + list(s.reserved) if v == v] + [p[1] / _GIB for p in nv]
-        )
-        mem.set_ylim(0, highest * 1.15)
-    elif any(r == r for r in s.rss):
-        x, med, _, _ = _binned(s.step, s.rss)
-        mem.plot(
-            x, [v / _GIB for v in med], "-", color="tab:brown", lw=1.4, label="host RSS (GiB, whole process)"
-        )
-        mem.set_ylabel("GiB")
-        # Room above the highest point: a flat line at the data maximum would sit on the frame.
-        mem.set_ylim(0, max(v for v in s.rss if v == v) / _GIB * 1.15)
     else:
-        mem.text(0.5, 0.5, "no memory figures in this log", transform=mem.transAxes, ha="center", va="center")
-        mem.set_yticks([])
-    if mem.get_legend_handles_labels()[0]:
-        mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
-    mem.set_xlabel("step")
-    mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
-    return fig
+        ax.set_ylim(bottom=0)
+    if spikes:  # drawn one by one: a bin's median hides them, the clip would cut them
+        ys = [min(w, ceiling * 0.97) if ceiling else w for _, w in spikes]
+        ax.plot(
+            [i for i, _ in spikes],
+            ys,
+            "v",
+            color="tab:red",
+            ms=7,
+            ls="none",
+            clip_on=False,
+            label=f"spikes after warm-up: {len(spikes):,} step(s) ≥ {SPIKE_FACTOR:g}x the median step",
+        )
+
+
+def _mark_steps(a: Any, s: _Series, *, legend: bool) -> None:
+    """The warm-up span, the step whose FLOPs were counted, and the grid (labelled if ``legend``)."""
+    if s.warm_until is not None:
+        a.axvspan(
+            s.step[0] - 0.5,
+            s.warm_until + 0.5,
+            color="gray",
+            alpha=0.2,
+            label="warm-up (left out of the figures)" if legend else None,
+        )
+    if s.flops_step is not None:
+        a.axvline(
+            s.flops_step,
+            color="tab:green",
+            ls=":",
+            lw=1,
+            label="FLOPs counted (slower step)" if legend else None,
+        )
+    a.grid(True, alpha=0.3)
+
+
+def _plot_allocator(mem: Any, s: _Series, binned: bool) -> None:
+    """Peak allocated and reserved per step (a bin's maximum when ``binned``), nvidia-smi's figure
+    from the memory records, and the GPU's total."""
+    for series, color, label in (
+        (s.peak, "tab:purple", "peak allocated"),
+        (s.reserved, "tab:gray", "reserved"),
+    ):
+        x, med, _, hi = _binned(s.step, series)
+        mem.plot(
+            x,
+            [v / _GIB for v in (hi if binned else med)],
+            "-",
+            color=color,
+            lw=1.4,
+            label=f"{label} (GiB)",
+        )
+    nv = [(st, n) for st, n, _ in s.memory if n == n]
+    if nv:
+        mem.plot(
+            [p[0] for p in nv],
+            [p[1] / _GIB for p in nv],
+            "D",
+            color="tab:red",
+            ms=5,
+            label="nvidia-smi for this process (memory records)",
+        )
+    totals = [t for _, _, t in s.memory if t == t]
+    if totals:
+        mem.text(
+            0.01, 0.04, f"GPU total {totals[-1] / _GIB:.0f} GiB", transform=mem.transAxes, fontsize=9
+        )
+    mem.set_ylabel("GiB")
+    highest = max(
+        [v / _GIB for v in list(s.peak) + list(s.reserved) if v == v] + [p[1] / _GIB for p in nv]
+    )
+    mem.set_ylim(0, highest * 1.15)
+
+
+def _plot_rss(mem: Any, s: _Series) -> None:
+    """The host's RSS per step (a bin's median), where the log has no GPU memory figures."""
+    x, med, _, _ = _binned(s.step, s.rss)
+    mem.plot(
+        x, [v / _GIB for v in med], "-", color="tab:brown", lw=1.4, label="host RSS (GiB, whole process)"
+    )
+    mem.set_ylabel("GiB")
+    # Room above the highest point: a flat line at the data maximum would sit on the frame.
+    mem.set_ylim(0, max(v for v in s.rss if v == v) / _GIB * 1.15)
 
 
 def _plot_sweep(path: str, records: list[dict[str, Any]], out: str) -> str:

@@ -137,26 +137,48 @@ def _render_ranks(view: DistributedView, out: list[str]) -> None:
 
 
 def _render_run(run: RunReport, out: list[str], several: bool) -> None:
-    f = run.figures
+    """One run's block, appended to ``out``: its heading, figures, details and diagnoses."""
+    out.append("")
+    out.extend(_run_head(run, several))
+    rows = _figure_rows(run)
+    width = max(len(k) for k, _ in rows)
+    for label, value in rows:
+        key = _REASON_KEYS.get(label)
+        reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
+        out.append(f"   {label:<{width}}  {value}{reason}")
+    if run.boundary == "python":
+        out.append("   " + python_boundary_line(run.unavailable.get("boundary")))
+    out.extend(_detail_lines(run))
+    out.append("")
+    out.extend(_diagnosis_lines(run))
+
+
+def _run_head(run: RunReport, several: bool) -> list[str]:
+    """The run's heading line (id, device, step counts, names), then what limits its figures."""
     head = f"-- run {run.run + 1}" if several else "--"
     if run.run_id is not None:  # a log's id may be any str: a long one is cut
         head += f" [{run.run_id if len(run.run_id) <= _ID_SHOWN else run.run_id[:_ID_SHOWN] + '…'}]"
-    out.append("")
     if run.step_name is not None:  # one of a run's step names: its steps only
         named = f"steps named {run.step_name!r}"
     else:
         named = "names: " + (", ".join(run.names[:5]) or "none")
-    out.append(
+    out = [
         f"{head} {run.device or 'no device'}: {run.steps:,} steps ({run.warmup_steps:,} warm-up, "
         f"{run.error_steps:,} failed, {run.measured_steps:,} measured); {named}"
         + (f"; batch {run.batch_size:,}" if run.batch_size else "")
-    )
+    ]
     if not run.summary_found and run.steps:
         out.append("   no summary record: the run did not close (crash or still running)")
     if run.approximate_quantiles:
         out.append("   quantiles are approximate (over 32,768 steps: rank error < 0.1%)")
     if run.malformed_steps:
         out.append(f"   {run.malformed_steps:,} step record(s) without a usable wall_ms were left out")
+    return out
+
+
+def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
+    """The run's figures as (label, value) rows: times, throughput, energy, then memory."""
+    f = run.figures
     rows = [
         ("wall ms", _spread(f.wall_ms)),
         ("GPU ms", _spread(f.gpu_ms)),
@@ -193,13 +215,12 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         rows.append(
             ("allocator retries", f"{a.num_alloc_retries:,} (cudaMalloc in {a.steps_with_device_alloc:,} steps)")
         )
-    width = max(len(k) for k, _ in rows)
-    for label, value in rows:
-        key = _REASON_KEYS.get(label)
-        reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
-        out.append(f"   {label:<{width}}  {value}{reason}")
-    if run.boundary == "python":
-        out.append("   " + python_boundary_line(run.unavailable.get("boundary")))
+    return rows
+
+
+def _detail_lines(run: RunReport) -> list[str]:
+    """The top sync sites, the phase table, the FLOPs counted and the explained peak."""
+    out = []
     if run.syncs is not None and run.syncs.sites:
         out.append("   top sync sites:")
         for s in run.syncs.sites[:5]:
@@ -220,7 +241,12 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         )
     if isinstance(run.peak, dict):
         out.extend("   " + line for line in peak_lines(run.peak))
-    out.append("")
+    return out
+
+
+def _diagnosis_lines(run: RunReport) -> list[str]:
+    """The diagnoses with their evidence and remedies, then what could not be diagnosed."""
+    out = []
     if run.diagnoses:
         out.append("   Diagnoses")
         for d in run.diagnoses:
@@ -235,3 +261,4 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         out.append("   Not diagnosed")
         for k, v in run.not_diagnosed.items():
             out.append(f"   - {k}: {v}")
+    return out
