@@ -8,7 +8,7 @@ from typing import Any
 from ._errors import ConfigError
 from ._log import read
 from ._plot import _matplotlib
-from ._report.peak import peak_line
+from ._peak_record import peak_line
 from ._units import GiB, printable
 
 __all__ = ["plot_peak"]
