@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from ._stats import median
-from ._errors import raised_by_user, warn
+from ._errors import ConfigError, raised_by_user, warn
+from ._validate import check_count
 
 __all__ = [
     "CLOSE_WAIT_S",
@@ -560,3 +561,46 @@ def _real_gather(group: Any, device_index: int | None) -> Gather:
         return pending
 
     return gather_host
+
+
+# -- the settings' checks (Profiler(ranks_every=, log_ranks=, group=)) ----------------------
+
+
+def check_ranks_every(ranks_every: Any) -> int:
+    return check_count(
+        ranks_every, "ranks_every",
+        f"pass e.g. ranks_every={RANKS_EVERY}, or 0 to turn the cross-rank exchange off",
+    )
+
+
+def check_log_ranks(log_ranks: Any) -> str:
+    if log_ranks not in LOG_RANKS:
+        raise ConfigError(
+            f"'log_ranks' must be 'all' (each rank writes <stem>.rank<R><suffix>) or 'zero' "
+            f"(only rank 0 writes a log) (got {log_ranks!r})"
+        )
+    return log_ranks
+
+
+def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
+    """``group`` if it is None or a process group this rank belongs to, else a ConfigError."""
+    if group is None:
+        return None
+    import torch.distributed  # slow to import; see the module docstring
+
+    dist = torch.distributed if torch.distributed.is_available() else None
+    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    if isinstance(group, int) and not isinstance(group, bool) and group == non_member:
+        if ident is None or not ranks_every:
+            return group  # no exchange: the group is not used
+        raise ConfigError(
+            f"this rank ({ident.rank}) is not a member of 'group' (got {group!r}: what "
+            f"torch.distributed.new_group returns to the ranks outside the group); on those ranks "
+            f"pass ranks_every=0 (or group=None to exchange on the default group)"
+        )
+    if dist is None or not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(
+            f"'group' must be a torch.distributed process group (got {group!r}); pass the group "
+            f"that torch.distributed.new_group(...) returns, or None for the default group"
+        )
+    return group

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ._device.backend import SYNC_MECHANISMS
+from ._validate import SYNC_MECHANISMS
 from ._device.facts import allocator_facts, device_facts
 from ._device.nvml import status as nvml_status
 from ._roofline import cache_dir, calibration_path, load_calibration

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from ._dist import RANKS_EVERY
+from ._dist import RANKS_EVERY, check_log_ranks, check_ranks_every
 from ._validate import (
     ENERGY_EVERY_S,
     FLUSH_EVERY_S,
@@ -24,7 +24,6 @@ from ._validate import (
     check_flops,
     check_flush_every_s,
     check_log,
-    check_log_ranks,
     check_max_syncs,
     check_memory_every,
     check_model,
@@ -33,7 +32,6 @@ from ._validate import (
     check_optimizer,
     check_overhead_budget,
     check_phase_peaks_every,
-    check_ranks_every,
     check_syncs,
     check_warmup,
 )

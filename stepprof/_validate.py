@@ -22,10 +22,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._device.backend import SYNC_MECHANISMS
-from ._dist import LOG_RANKS, RANKS_EVERY, Identity
 from ._errors import ConfigError, UsageError
 from ._schema import RECORD_KINDS
+
+#: ``Profiler(syncs=...)``: how sync points are detected: torch's sync-debug warnings (plus
+#: wrappers for the device and event waits they miss), torch's GPU-trace callbacks, or not at all.
+SYNC_MECHANISMS = ("warn", "trace", "off")
 
 __all__ = [
     "MEMORY_EVERY",
@@ -391,46 +393,6 @@ def check_overhead_budget(overhead_budget: Any) -> float | None:
             f"every step in full (got {overhead_budget!r}); pass e.g. overhead_budget=0.01 for 1%"
         )
     return float(overhead_budget)
-
-
-def check_ranks_every(ranks_every: Any) -> int:
-    return check_count(
-        ranks_every, "ranks_every",
-        f"pass e.g. ranks_every={RANKS_EVERY}, or 0 to turn the cross-rank exchange off",
-    )
-
-
-def check_log_ranks(log_ranks: Any) -> str:
-    if log_ranks not in LOG_RANKS:
-        raise ConfigError(
-            f"'log_ranks' must be 'all' (each rank writes <stem>.rank<R><suffix>) or 'zero' "
-            f"(only rank 0 writes a log) (got {log_ranks!r})"
-        )
-    return log_ranks
-
-
-def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:
-    """``group`` if it is None or a process group this rank belongs to, else a ConfigError."""
-    if group is None:
-        return None
-    import torch.distributed  # slow to import; see the module docstring
-
-    dist = torch.distributed if torch.distributed.is_available() else None
-    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
-    if isinstance(group, int) and not isinstance(group, bool) and group == non_member:
-        if ident is None or not ranks_every:
-            return group  # no exchange: the group is not used
-        raise ConfigError(
-            f"this rank ({ident.rank}) is not a member of 'group' (got {group!r}: what "
-            f"torch.distributed.new_group returns to the ranks outside the group); on those ranks "
-            f"pass ranks_every=0 (or group=None to exchange on the default group)"
-        )
-    if dist is None or not isinstance(group, dist.ProcessGroup):
-        raise ConfigError(
-            f"'group' must be a torch.distributed process group (got {group!r}); pass the group "
-            f"that torch.distributed.new_group(...) returns, or None for the default group"
-        )
-    return group
 
 
 # -- a step: Profiler.step(...), profile_step(...), measure(...) --------------------------

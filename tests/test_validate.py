@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stepprof
-from stepprof import _validate
+from stepprof import _dist, _validate
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_an_unknown_option_names_the_argument_and_the_valid_names(given, match):
         (lambda: _validate.check_warmup("3"), "'warmup' must be an int >= 0 (got '3'); pass e.g. warmup=3"),
         (lambda: _validate.check_memory_every(-5, "every"),
          "'every' must be an int >= 0 (got -5); pass e.g. every=1000, or 0 to write no periodic memory record"),
-        (lambda: _validate.check_ranks_every(1.0),
+        (lambda: _dist.check_ranks_every(1.0),
          "'ranks_every' must be an int >= 0 (got 1.0); pass e.g. ranks_every=100, or 0 to turn the "
          "cross-rank exchange off"),
         (lambda: _validate.check_max_syncs(-1),

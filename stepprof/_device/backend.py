@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from .._validate import SYNC_MECHANISMS
+
 if TYPE_CHECKING:  # annotations only: _syncs imports torch, and this module needs none
     from .._syncs import SyncTracker
 
@@ -35,10 +37,6 @@ __all__ = [
     "HostSweepBackend",
     "SweepBackend",
 ]
-
-#: How sync points are detected: torch's sync-debug warnings (plus wrappers for the
-#: device and event waits they miss), torch's GPU-trace callbacks, or not at all.
-SYNC_MECHANISMS = ("warn", "trace", "off")
 
 #: The allocator's own hidden-sync counters, reported as per-step deltas.
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")

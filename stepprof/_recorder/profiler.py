@@ -28,7 +28,7 @@ from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
 from .._validate import (
-    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_group, check_name,
+    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_name,
 )
 from .boundaries import Boundaries
 from .collector import Collector
@@ -186,7 +186,7 @@ class Profiler(HookedSteps, Lifecycle):
         for name in _SETTINGS:  # (read back as attributes: prof.warmup, ...)
             setattr(self, name, getattr(options, name))
         ident = _dist.identify()
-        group = check_group(options.group, ident, options.ranks_every)
+        group = _dist.check_group(options.group, ident, options.ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
         seams = self._seams = _seams
         run_id = secrets.token_hex(6)  # this writer's identity, on every record it writes
