@@ -170,3 +170,21 @@ def test_sketch_bench_times_a_compacting_sketch_and_writes_its_json(monkeypatch,
     assert got["values"] == 70000 and got["feed_us_per_value"] > 0
     assert got["sort_ms_numpy"] > 0 and got["sort_ms_sorted"] > 0
     assert "µs a value" in capsys.readouterr().out
+
+
+def test_inloop_share_counts_the_loops_gil_samples_in_stepprof_code(monkeypatch, tmp_path):
+    """Only the loop's samples count, and a sample is stepprof's when stepprof code is on its stack."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("inloop_share")
+    raw = tmp_path / "raw.txt"
+    loop = "thread (1): MainThread;<module> (bench/inloop_share.py:9);child.<locals>.timed_loop (bench/inloop_share.py:80)"
+    raw.write_text("\n".join([
+        "thread (1): MainThread;<module> (bench/inloop_share.py:9);make_workload (bench/overhead.py:60) 50",  # setup
+        f"{loop};forward (bench/overhead.py:70);Module._call_impl (torch/nn/modules/module.py:1) 90",
+        f"{loop};_Scope.__exit__ (stepprof/_scopes.py:79);Boundaries.exit (stepprof/_recorder/boundaries.py:170) 6",
+        "thread (2): stepprof-collector;Thread.run (threading.py:1);Collector._loop (stepprof/_recorder/collector.py:340) 4",
+    ]) + "\n")
+    got = mod.shares(str(raw))
+    assert got == {"samples": 100, "stepprof": 10, "by_thread": {"training thread": 6, "stepprof-collector": 4}}
+    lo, hi = mod._wilson(10, 100)
+    assert lo < 0.10 < hi and 0.05 < lo and hi < 0.18

@@ -1,0 +1,187 @@
+"""stepprof's share of the GIL in a host-bound training loop, by sampling (py-spy).
+
+On a host-bound (launch-bound) loop, the thread that holds the GIL is the bottleneck: any
+time stepprof holds it, on the training thread or on its own threads, the loop waits.  The
+wall-time ratio of bench/overhead.py measures that directly, but on a shared host its rounds
+spread by ±15 %, so it cannot tell 1 % from 3 %.  This script measures the same cost another
+way: py-spy samples, at ``--rate`` Hz, whichever thread holds the GIL (``--gil``), and the
+share of those samples whose stack is in stepprof's code (a C++ boundary call counts: its
+Python caller is stepprof's) is stepprof's share of the loop's GIL time, with a binomial
+95 % interval.  Times the measured step time, it is stepprof's µs a step.
+
+What it does not see: costs that hold no GIL (a CUDA call stepprof makes with it released),
+and stepprof's indirect effects on the user's code (caches it evicts, the latency of a GIL
+hand-off).  bench/overhead.py's ratio includes those; this share is the part it can resolve.
+
+Each variant runs the launch-bound step (8-layer bf16 MLP, 256 wide, batch 64, AdamW) for
+``--seconds`` in a child process of its own, under ``py-spy record``; only the samples inside
+the loop count (not the imports, the model's construction or close()).  Needs CUDA and
+py-spy (``pip install py-spy``; a wheel: see docs/benchmarks.md).
+
+    python bench/inloop_share.py [--seconds 8] [--rate 997] [--variants 'step,3 phases,...'] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+#: Profiler settings and phases per variant.
+VARIANTS = {
+    "step": ({}, False),
+    "3 phases": ({}, True),
+    "step budget=0.01": ({"overhead_budget": 0.01}, False),
+    "3 phases budget=0.01": ({"overhead_budget": 0.01}, True),
+    "step python": ({"boundary": "python"}, False),
+    "step energy off": ({"energy_every_s": None}, False),
+}
+#: The function the child's loop runs in: only samples under it count.
+LOOP = "timed_loop"
+STEPPROF_DIR = os.sep + "stepprof" + os.sep
+
+
+def child(variant: str, seconds: float, out: str) -> None:
+    """The loop, in the sampled process: warm up, then ``seconds`` of steps; write the step time."""
+    import torch
+
+    from overhead import make_workload
+    from stepprof._recorder.profiler import _make_profiler
+
+    settings, phased = VARIANTS[variant]
+    fwd, bwd, opt = make_workload(256, 64)
+    log = os.path.join(os.path.dirname(out), "run.jsonl")
+    prof = _make_profiler(log, **settings) if variant != "bare" else None
+
+    def step() -> None:
+        if prof is None:
+            fwd(); bwd(); opt()  # noqa: E702
+        elif phased:
+            with prof.step(batch_size=64):
+                with prof.measure("forward"):
+                    fwd()
+                with prof.measure("backward"):
+                    bwd()
+                with prof.measure("optimizer"):
+                    opt()
+        else:
+            with prof.step(batch_size=64):
+                fwd(); bwd(); opt()  # noqa: E702
+
+    def timed_loop() -> tuple[int, float]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < seconds:
+            step()
+            n += 1
+        torch.cuda.synchronize()
+        return n, time.perf_counter() - t0
+
+    for _ in range(200):
+        step()
+    n, elapsed = timed_loop()
+    summary = prof.close() if prof is not None else None
+    with open(out, "w") as f:
+        json.dump({"steps": n, "step_us": elapsed / n * 1e6,
+                   "overhead_us_mean": getattr(summary, "overhead_us_mean", None),
+                   "boundary": getattr(summary, "boundary", None)}, f)
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    """The 95 % Wilson interval of a proportion k/n."""
+    if n == 0:
+        return (math.nan, math.nan)
+    z, p = 1.96, k / n
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (mid - half, mid + half)
+
+
+def shares(raw: str) -> dict:
+    """From py-spy's raw output: the loop's GIL samples, and stepprof's, by thread."""
+    total = ours = 0
+    by_thread: dict[str, int] = {}
+    for line in open(raw):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        n = int(count)
+        thread = frames[0]
+        main = "MainThread" in thread
+        if main and not any(f.split(" (")[0].endswith(LOOP) for f in frames):
+            continue  # the training thread outside the timed loop
+        if not main and not any(STEPPROF_DIR in f or "(stepprof/" in f for f in frames):
+            continue  # another thread of the process that is not stepprof's (none, usually)
+        total += n
+        if not main or any("(stepprof/" in f for f in frames[1:]):
+            ours += n
+            name = "training thread" if main else thread.split(": ", 1)[-1]
+            by_thread[name] = by_thread.get(name, 0) + n
+    return {"samples": total, "stepprof": ours, "by_thread": by_thread}
+
+
+def run(variant: str, seconds: float, rate: int, spy: str, tmp: str) -> dict:
+    raw, out = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "child.json")
+    cmd = [spy, "record", "--gil", "--threads", "--rate", str(rate), "--format", "raw", "--output", raw,
+           "--", sys.executable, os.path.abspath(__file__), "--child", variant, "--seconds", str(seconds),
+           "--child-out", out]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    with open(out) as f:
+        result = json.load(f)
+    result.update(shares(raw))
+    k, n = result["stepprof"], result["samples"]
+    lo, hi = _wilson(k, n)
+    result["share"], result["share_95"] = (k / n if n else math.nan), [lo, hi]
+    result["stepprof_us_per_step"] = result["share"] * result["step_us"]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--rate", type=int, default=997, help="samples a second (a prime: no beat with the step)")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        child(args.child, args.seconds, args.child_out)
+        return
+    from _common import run_info
+
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    results = {}
+    print(f"{'variant':24s} {'step µs':>8s} {'stepprof share of GIL':>22s} {'µs/step':>8s} "
+          f"{'overhead_us_mean':>16s}  by thread")
+    for v in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = results[v] = run(v, args.seconds, args.rate, args.py_spy, tmp)
+        lo, hi = r["share_95"]
+        mean = r["overhead_us_mean"]
+        print(f"{v:24s} {r['step_us']:8.0f} {r['share']:8.2%} ({lo:.2%}-{hi:.2%}) "
+              f"{r['stepprof_us_per_step']:8.1f} {mean if mean is None else round(mean, 1)!s:>16s}  "
+              + ", ".join(f"{t} {c / r['samples']:.2%}" for t, c in sorted(r["by_thread"].items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**run_info("bench/inloop_share.py"), "seconds": args.seconds, "rate": args.rate,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
