@@ -76,16 +76,16 @@ class Boundaries(StepMeasure):
             return
         begin, end = Boundaries.begin_phase.__get__(self), Boundaries.end_phase.__get__(self)
 
-        def begin_phase(ctx: ThreadSteps, step: Step, name: str) -> OpenPhase:
-            ph = begin(ctx, step, name)
+        def begin_phase(ctx: ThreadSteps, step: Step, name: str, t_in: int) -> OpenPhase:
+            ph = begin(ctx, step, name, t_in)
             fn("enter", ph.key)
             return ph
 
-        def end_phase(ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
+        def end_phase(ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None, t_in: int) -> None:
             if ph in ctx.stack:  # it closes the phases left open inside it too
                 for top in reversed(ctx.stack[ctx.stack.index(ph):]):
                     fn("exit", top.key)
-            end(ctx, step, ph, exc)
+            end(ctx, step, ph, exc, t_in)
 
         self.begin_phase = begin_phase  # type: ignore[method-assign]
         self.end_phase = end_phase  # type: ignore[method-assign]
@@ -115,8 +115,9 @@ class Boundaries(StepMeasure):
 
         ``batch_reason``: why ``batch_size`` is None when a batch was given and its size could
         not be inferred.  ``batch``: a measured function's batch, whose size a step it opens
-        infers when it has none.
+        infers when it has none.  stepprof's time (``overhead_us``) runs from here.
         """
+        t_in = self._clock()
         if self.closed or (self.closing and (step or self.context().step is None)):
             # While close() runs, a step already open on another thread goes on: its
             # phases are measured, and its exit only queues it (close wrote what it had).
@@ -147,8 +148,8 @@ class Boundaries(StepMeasure):
             if open_step is None:
                 if batch_size is None and batch is not NO_BATCH:
                     batch_size, batch_reason = infer_batch_size(batch)
-                return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason)
-            return self.begin_phase(ctx, open_step, name or "phase")
+                return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason, t_in)
+            return self.begin_phase(ctx, open_step, name or "phase", t_in)
         except StepprofError:
             raise
         except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
@@ -164,8 +165,9 @@ class Boundaries(StepMeasure):
         """Close the step or phase that :meth:`enter` returned ``token`` for.
 
         Idempotent: a token already closed (an exit that an interrupt cut short, done
-        again by the scope) is a no-op.
+        again by the scope) is a no-op.  The step's or phase's time ends here.
         """
+        t_in = self._clock()
         if token is LIGHT_PHASE:
             return
         if token is None or self.broken is not None or self.closed:
@@ -176,13 +178,13 @@ class Boundaries(StepMeasure):
             if isinstance(token, Step):
                 ctx = token.ctx
                 if token is ctx.step:
-                    self.end_step(ctx, token, exc)
+                    self.end_step(ctx, token, exc, t_in)
                     if self.broken is not None and self._exchange is not None and ctx.hooked:
                         self._exchange.stopped_in_step()  # recording stopped within this step
             else:
                 ctx = token.ctx
                 if ctx.step is not None:
-                    self.end_phase(ctx, ctx.step, token, exc)
+                    self.end_phase(ctx, ctx.step, token, exc, t_in)
         except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
             if raised_by_user(e):
                 self._finish_exit(token, e)

@@ -61,7 +61,7 @@ class Lifecycle:
         try:
             ctx = b.context()
             if ctx.step is not None:
-                b.end_step(ctx, ctx.step, RuntimeError("profiler closed while the step was open"))
+                b.end_step(ctx, ctx.step, RuntimeError("profiler closed while the step was open"), b._clock())
         except Exception as e:  # noqa: BLE001 - close must always produce a summary
             if raised_by_user(e):
                 raise

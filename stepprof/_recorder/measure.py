@@ -126,9 +126,9 @@ class StepMeasure:
         name: str,
         batch_size: int | None,
         syncs: tuple[int | None, str | None],
-        batch_reason: str | None = None,
+        batch_reason: str | None,
+        t_in: int,
     ) -> Step:
-        t_in = self._clock()
         index = self.next_index
         self.next_index = index + 1
         if batch_size is None and batch_reason is None and ctx.batch is not None:
@@ -223,8 +223,7 @@ class StepMeasure:
                     raise
                 self.fail(e)
 
-    def begin_phase(self, ctx: ThreadSteps, step: Step, name: str) -> OpenPhase:
-        t_in = self._clock()
+    def begin_phase(self, ctx: ThreadSteps, step: Step, name: str, t_in: int) -> OpenPhase:
         b = step.backend  # a step ends on the backend it began on (see BackendSlot)
         assert b is not None
         stack = ctx.stack
@@ -256,8 +255,7 @@ class StepMeasure:
         step.overhead_ns += ph.t0 - t_in
         return ph
 
-    def end_phase(self, ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None) -> None:
-        t_in = self._clock()
+    def end_phase(self, ctx: ThreadSteps, step: Step, ph: OpenPhase, exc: BaseException | None, t_in: int) -> None:
         b = step.backend
         assert b is not None
         stack = ctx.stack
@@ -291,15 +289,15 @@ class StepMeasure:
                 break
         step.overhead_ns += self._clock() - t_in
 
-    def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None) -> None:
-        step.t1 = self._clock()
+    def end_step(self, ctx: ThreadSteps, step: Step, exc: BaseException | None, t_in: int) -> None:
+        step.t1 = t_in
         b = step.backend
         assert b is not None
         raised = exc  # the user's exception (the hooks get this one)
         try:
             if ctx.stack:  # phases left open (a generator suspended mid-phase, say)
-                self.end_phase(ctx, step, ctx.stack[0], exc)
-            t_in = self._clock()
+                self.end_phase(ctx, step, ctx.stack[0], exc, self._clock())
+                t_in = self._clock()
             mem = None
             light = step.sampled == 0
             if not light:
