@@ -7,7 +7,7 @@ Pure: no torch, no I/O but the print under ``__main__``.
 
 from __future__ import annotations
 
-from stepprof._fields import RECORDS, UNITS, WRITER_FIELDS, Field, Free, ListOf, MapOf, Obj, Scalar, Type
+from ._fields import RECORDS, UNITS, WRITER_FIELDS, Field, Free, ListOf, MapOf, Obj, Scalar, Type
 
 __all__ = ["markdown"]
 

@@ -277,6 +277,7 @@ def test_every_docs_page_is_linked_from_the_index_and_every_relative_link_resolv
                 continue
             file, _, anchor = target.partition("#")
             resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
-            if not os.path.exists(resolved) or (anchor and resolved.endswith(".md") and anchor not in _anchors(resolved)):
+            missing = not os.path.exists(resolved)
+            if missing or (anchor and resolved.endswith(".md") and anchor not in _anchors(resolved)):
                 broken.append(f"{os.path.relpath(path, root)}: {target}")
     assert broken == []
