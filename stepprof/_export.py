@@ -1,6 +1,6 @@
 """``stepprof export``: the steps of one or more logs as a Chrome/Perfetto trace or as TensorBoard scalars.
 
-docs/export.md describes both outputs.  Each log is read twice, streaming: the first pass
+docs/howto/export.md describes both outputs.  Each log is read twice, streaming: the first pass
 finds its runs (grouped as ``stepprof report`` groups them, :class:`~stepprof._report.read.RunGrouper`),
 their ranks and the earliest step; the second writes.  So a long log never sits in memory,
 and the trace's time origin and the TensorBoard directory layout are known before the first
@@ -41,7 +41,7 @@ TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")
 #: in the logs (the report, too, keeps a log's last runs).  The rest are counted.
 TB_RUNS_KEPT = 100
 
-# Short notes in the events' args; the trace's otherData and docs/export.md explain them.
+# Short notes in the events' args; the trace's otherData and docs/howto/export.md explain them.
 _GPU_ALIGNED = "starts at the host start (aligned); length exact"
 _GPU_TILED = "tiles the step's GPU span from its start (offset exact); the step's start is aligned"
 _SUMMED = "{n} runs: starts at the first, lasts their summed wall time"

@@ -5,8 +5,8 @@ kind's :class:`Field`\\ s in the order the writer puts them (then :data:`WRITER_
 log writer adds to every record).  A field's type is a :class:`Scalar` or the shape of what it
 nests (:class:`Obj`, :class:`MapOf`, :class:`ListOf`, :data:`FREE`); its unit names a
 :data:`UNITS` entry, the range a real measurement lies in.  The readers check every record read
-from a log against this (``stepprof._sanitise``); docs/schema.md describes the same fields at
-length (tests/test_fields.py keeps the two in step).  Pure data: no torch, no I/O.
+from a log against this (``stepprof._sanitise``); docs/reference/schema.md is generated from it
+(``python -m stepprof._schema_doc``; tests/test_fields.py checks it).  Pure data: no torch, no I/O.
 
 Example:
     >>> from stepprof._fields import RECORDS
@@ -115,7 +115,7 @@ class Field:
         unit: a :data:`UNITS` name (for a container: of the numbers in it), or None.
         meaning: one line.
         nullable: may be null (a figure that was not measured; ``unavailable`` says why).
-        optional: may be absent ("present only ..." in docs/schema.md).
+        optional: may be absent ("absent" in docs/reference/schema.md).
         required: a record without a usable value here is no record: the readers skip it.
         signed: may be negative (else a negative number is invalid).
     """

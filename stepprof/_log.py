@@ -377,7 +377,7 @@ def read(path: str | os.PathLike[str], *, kind: str | None = None) -> Iterator[d
     or out of its range (a negative time, 1e306 ms, an int past int64), is read as null, and
     the record's ``unavailable`` says that the log held an invalid value there; strings are
     cut at 4,096 characters, and fields this version does not know are kept only when they
-    are small and shallow (docs/schema.md).  Lines that are no record (a torn last line after
+    are small and shallow (docs/reference/schema.md).  Lines that are no record (a torn last line after
     a crash, a line over 8 MiB, a record without a str ``kind`` or a step without a usable
     ``step``) are skipped, and one warning at the end says how many.  Records of schema
     version 1 (stepprof 0.1.0) are given as they were written: read 0.1.0 logs with 0.1.x.

@@ -125,7 +125,7 @@ class PeakExplanation:
     unavailable: Mapping[str, str] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:
-        """The ``kind: "peak"`` record (docs/schema.md)."""
+        """The ``kind: "peak"`` record (docs/reference/schema.md)."""
         out: dict[str, Any] = {"kind": "peak"}
         for field in attrs.fields(PeakExplanation):
             value = getattr(self, field.name)

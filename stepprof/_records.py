@@ -159,7 +159,7 @@ class Summary:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
 
         ``wall_ms`` and ``gpu_ms`` are written as ``wall_ms_percentiles`` and
-        ``gpu_ms_percentiles`` (docs/schema.md).
+        ``gpu_ms_percentiles`` (docs/reference/schema.md).
         """
         return summary_record(self)
 

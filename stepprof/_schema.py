@@ -1,7 +1,7 @@
 """The log's record schema: its version, its kinds, and the builders of the step and summary records.
 
 Every line of a stepprof log is one record, a JSON object with ``schema_version`` and
-``kind``.  docs/schema.md describes each field.  One function builds each kind:
+``kind``.  docs/reference/schema.md describes each field.  One function builds each kind:
 
 - ``step``: :func:`step_record` (the collector's ``build_step_record`` calls it).
 - ``summary``: :func:`summary_record` (through ``stepprof.Summary.to_record``).
@@ -42,7 +42,7 @@ __all__ = [
 #: Version of the record schema; every line carries it as ``schema_version``.
 SCHEMA_VERSION: Final = 2
 
-#: The record kinds stepprof writes (docs/schema.md).
+#: The record kinds stepprof writes (docs/reference/schema.md).
 RECORD_KINDS: Final = frozenset(
     {"step", "summary", "memory", "flops", "peak", "ranks", "sweep_point", "sweep_result"}
 )
@@ -89,7 +89,7 @@ def _make_step_record() -> Any:
     exec("\n".join(lines), scope)  # noqa: S102 - our own declaration, as attrs and dataclasses do
     fn = scope["step_record"]
     fn.__module__ = __name__
-    fn.__doc__ = """A ``kind: "step"`` record, its keys in the declared order (docs/schema.md's).
+    fn.__doc__ = """A ``kind: "step"`` record, its keys in the declared order (docs/reference/schema.md's).
 
     The fields up to ``unavailable`` are always written and may be passed by position, in
     that order (the collector does: a keyword call costs a microsecond more a step).  The

@@ -92,7 +92,7 @@ def test_energy_is_positive_and_the_power_within_the_limit(tmp_path, monkeypatch
     assert len(measured) >= 100
     # One step's figure is an interpolation between the driver's refreshes of the counter: a
     # step inside a stretch it had not refreshed gets 0 J, the step where it catches up gets the
-    # rest (docs/schema.md). Windows are exact: the run's power is within the limit.
+    # rest (docs/figures.md, "Energy"). Windows are exact: the run's power is within the limit.
     assert all(r["energy_j"] >= 0 and r["energy_span_ms"] >= 0 for r in measured)
     assert sum(r["energy_j"] > 0 for r in measured) >= len(measured) // 2
     span_s = sum(r["energy_span_ms"] for r in measured) / 1e3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pydoc
+import re
 import subprocess
 import sys
 
@@ -68,7 +69,7 @@ def test_help_shows_a_docstring_and_no_private_class(name):
     sentinel in their title or signature."""
     obj = getattr(stepprof, name)
     text = pydoc.render_doc(obj, renderer=pydoc.plaintext)
-    if name != "SCHEMA_VERSION":  # a constant: an int, documented in docs/schema.md
+    if name != "SCHEMA_VERSION":  # a constant: an int, documented in docs/reference/schema.md
         assert obj.__doc__ and obj.__doc__.strip().splitlines()[0] in text
     assert "Function" not in text.splitlines()[0] and "object at 0x" not in text
     if callable(obj) and not isinstance(obj, type):
@@ -245,3 +246,38 @@ def test_the_readme_names_every_public_name_and_links_every_example():
     assert not [e for e in os.listdir(examples) if e.endswith(".py") and f"(examples/{e})" not in text]
     docs = os.path.join(os.path.dirname(README), "docs")
     assert not [d for d in os.listdir(docs) if d.endswith(".md") and f"(docs/{d})" not in text]
+
+
+def _anchors(path: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown file (code blocks left out)."""
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    found: set[str] = set()
+    for heading in re.findall(r"^#+ (.*)$", text, re.M):
+        anchor = "".join(c for c in heading.strip().lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+        found.add(anchor if anchor not in found else f"{anchor}-1")
+    return found
+
+
+def test_every_docs_page_is_linked_from_the_index_and_every_relative_link_resolves():
+    """docs/index.md links every page under docs/; each relative link in docs/, README.md and
+    CHANGELOG.md names a file that exists, and an anchor that one of its headings makes."""
+    root = os.path.dirname(README)
+    pages = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "docs")) for f in fs if f.endswith(".md")]
+    with open(os.path.join(root, "docs", "index.md"), encoding="utf-8") as f:
+        index = f.read()
+    rel = [os.path.relpath(p, os.path.join(root, "docs")) for p in pages]
+    assert not [p for p in rel if p != "index.md" and f"({p})" not in index]
+    broken = []
+    for path in [*pages, README, os.path.join(root, "CHANGELOG.md")]:
+        with open(path, encoding="utf-8") as f:
+            text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            missing = not os.path.exists(resolved)
+            if missing or (anchor and resolved.endswith(".md") and anchor not in _anchors(resolved)):
+                broken.append(f"{os.path.relpath(path, root)}: {target}")
+    assert broken == []

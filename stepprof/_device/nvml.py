@@ -387,7 +387,7 @@ EnergyRead = Callable[[], tuple[int | None, str | None]]
 def energy_counter(uuid: str | None, pci: str | None) -> tuple[EnergyRead | None, str | None]:
     """The device's total energy counter (``nvmlDeviceGetTotalEnergyConsumption``), or (None, why).
 
-    One read costs about 3.4 ms on an H200 (docs/FINDINGS): call it from a thread of its
+    One read costs about 3.4 ms on an H200 (../shared/FINDINGS.md): call it from a thread of its
     own, never on a step.  The first read is made here, so a GPU or driver without the
     counter (NotSupported) answers now.  Never raises; a later read that fails returns
     (None, why).

@@ -21,7 +21,7 @@ gates them meanwhile.
 The step records get ``compiles``, ``recompiles``, ``compile_ms``, ``graph_breaks``,
 ``recompile_reasons`` and ``compiled`` from the first step that compiled on, or on every
 step if this process had compiled a graph before the profiler's first step: a run that
-never compiles has none of these fields (docs/schema.md).
+never compiles has none of these fields (docs/reference/schema.md).
 """
 
 from __future__ import annotations

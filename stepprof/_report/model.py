@@ -1,6 +1,6 @@
 """What ``stepprof report`` found: frozen records, serialised as is by ``--json``.
 
-``attrs.asdict(report)`` is the JSON layout (:data:`REPORT_VERSION`); docs/report.md
+``attrs.asdict(report)`` is the JSON layout (:data:`REPORT_VERSION`); docs/reference/cli.md
 describes its keys.  The text rendering (:mod:`.render`) reads only these records.
 """
 

@@ -1,5 +1,5 @@
 """stepprof in Lightning: :class:`StepprofCallback` for ``Trainer.fit``, and :func:`sweep`, the
-knee-aware batch-size finder for a LightningModule.  docs/integrations.md explains both.
+knee-aware batch-size finder for a LightningModule.  docs/howto/frameworks.md explains both.
 
 Imports ``lightning.pytorch``, else ``pytorch_lightning``; ``import stepprof`` imports neither.
 """

@@ -16,7 +16,7 @@ The callback records one step per optimizer step, from the Trainer's own hooks:
 At ``on_train_begin`` the callback finds its Trainer (the caller of the hook) and wraps
 ``training_step`` and ``get_batch_samples`` on that instance (restored at train end),
 and moves itself first among the Trainer's callbacks, so that ``on_log`` adds the figures
-before the ``report_to`` callbacks read the logs.  docs/integrations.md has the details.
+before the ``report_to`` callbacks read the logs.  docs/howto/frameworks.md has the details.
 """
 
 from __future__ import annotations
