@@ -56,7 +56,7 @@ def child(variant: str, seconds: float, out: str) -> None:
     """The loop, in the sampled process: warm up, then ``seconds`` of steps; write the step time."""
     import torch
 
-    from overhead import make_workload
+    from overhead import make_workload, phased_step
     from stepprof._recorder.profiler import _make_profiler
 
     settings, phased = VARIANTS[variant]
@@ -68,13 +68,7 @@ def child(variant: str, seconds: float, out: str) -> None:
         if prof is None:
             fwd(); bwd(); opt()  # noqa: E702
         elif phased:
-            with prof.step(batch_size=64):
-                with prof.measure("forward"):
-                    fwd()
-                with prof.measure("backward"):
-                    bwd()
-                with prof.measure("optimizer"):
-                    opt()
+            phased_step(prof, 64, fwd, bwd, opt)
         else:
             with prof.step(batch_size=64):
                 fwd(); bwd(); opt()  # noqa: E702
