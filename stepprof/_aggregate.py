@@ -204,6 +204,29 @@ class PhaseTotals(Fields):
               ("count", Sum), ("steps", Sum))  # how many times it ran, and in how many steps
     __slots__ = tuple(name for name, _ in FIELDS)
 
+    def add(self, ph: dict[str, Any], syncs_counted: bool) -> None:
+        """The phase's entry in a timed step's ``phases``; its syncs count if the step counted its own."""
+        self.steps.value += 1
+        get = ph.get
+        x = get("wall_ms")
+        t = type(x)
+        if t is float or t is int:
+            self.wall.buf.append(x)
+        x = get("gpu_ms")
+        t = type(x)
+        if t is float or t is int:
+            self.gpu.buf.append(x)
+        x = get("peak_allocated_bytes")
+        t = type(x)
+        if (t is int or t is float) and (self.peak.value is None or x > self.peak.value):
+            self.peak.value = x
+        x = get("syncs")
+        if type(x) is int and syncs_counted:
+            self.syncs.value += x
+            self.sync_steps.value += 1
+        x = get("count")
+        self.count.value += x if type(x) is int else 1
+
     def figures(self) -> PhaseFigures:
         """Its figures (the sketches settled)."""
         steps, sync_steps = self.steps.value, self.sync_steps.value
@@ -493,34 +516,13 @@ class StepTotals(Fields):
         return count
 
     def _add_phases(self, phases: dict[str, Any], syncs_counted: bool) -> None:
-        """A timed step's ``phases``; a phase's syncs count if the step counted its own."""
         table = self.phases.value
         for name, entry in phases.items():
             ph = table.get(name)
             if ph is None:
                 ph = self.phases.at(name)  # made even for an entry that is not a dict
-            if ph is None or type(entry) is not dict:
-                continue
-            ph.steps.value += 1
-            get = entry.get
-            x = get("wall_ms")
-            t = type(x)
-            if t is float or t is int:
-                ph.wall.buf.append(x)
-            x = get("gpu_ms")
-            t = type(x)
-            if t is float or t is int:
-                ph.gpu.buf.append(x)
-            x = get("peak_allocated_bytes")
-            t = type(x)
-            if (t is int or t is float) and (ph.peak.value is None or x > ph.peak.value):
-                ph.peak.value = x
-            x = get("syncs")
-            if type(x) is int and syncs_counted:
-                ph.syncs.value += x
-                ph.sync_steps.value += 1
-            x = get("count")
-            ph.count.value += x if type(x) is int else 1
+            if ph is not None and type(entry) is dict:
+                ph.add(entry, syncs_counted)
 
     def _take_reasons(self, unavailable: dict[str, Any]) -> None:
         reasons = self.step_reasons
