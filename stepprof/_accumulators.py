@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from ._stats import QuantileSketch
 
 __all__ = ["TABLE_CAP", "Counter", "Fields", "First", "FirstByKey", "FirstN", "Largest", "Last", "Max",
-           "Sketch", "Sum", "Table"]
+           "Sketch", "Sum", "Table", "Value"]
 
 #: Keys a table keeps (sync sites, phase names, batch sizes, reasons); later keys are not added.
 TABLE_CAP = 256
@@ -37,23 +37,8 @@ class Sketch(QuantileSketch):
         return self
 
 
-class Sum:
-    """A running total (of ints, in a log's aggregate: the same however the log is split)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: Any = 0
-
-    def add(self, x: Any = 1) -> None:
-        self.value += x
-
-    def merge(self, other: Sum) -> None:
-        self.value += other.value
-
-
-class Max:
-    """The largest value added; ``start`` before any (None, or False for a flag)."""
+class Value:
+    """One value, ``start`` before any; a merge adds the later stretch's, if it has one."""
 
     __slots__ = ("value",)
 
@@ -61,41 +46,52 @@ class Max:
         self.value = start
 
     def add(self, x: Any) -> None:
-        if self.value is None or x > self.value:
-            self.value = x
+        raise NotImplementedError
 
-    def merge(self, other: Max) -> None:
+    def merge(self, other: Value) -> None:
         if other.value is not None:
             self.add(other.value)
 
 
-class First:
+class Sum(Value):
+    """A running total (of ints, in a log's aggregate: the same however the log is split)."""
+
+    __slots__ = ()
+
+    def __init__(self, start: Any = 0) -> None:
+        self.value = start
+
+    def add(self, x: Any = 1) -> None:
+        self.value += x
+
+
+class Max(Value):
+    """The largest value added (``Max(False)``: a flag, set by adding True)."""
+
+    __slots__ = ()
+
+    def add(self, x: Any) -> None:
+        if self.value is None or x > self.value:
+            self.value = x
+
+
+class First(Value):
     """The first value added (None before any)."""
 
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: Any = None
+    __slots__ = ()
 
     def add(self, x: Any) -> None:
         if self.value is None:
             self.value = x
 
-    def merge(self, other: First) -> None:
-        self.add(other.value)
 
-
-class Last(First):
+class Last(Value):
     """The latest value added (None before any); a merge keeps ours if the later has none."""
 
     __slots__ = ()
 
     def add(self, x: Any) -> None:
         self.value = x
-
-    def merge(self, other: First) -> None:
-        if other.value is not None:
-            self.value = other.value
 
 
 class Counter:

@@ -42,14 +42,8 @@ from ._accumulators import (TABLE_CAP, Counter, Fields, First, FirstByKey, First
 from ._records import Percentiles, PhaseFigures
 from ._rules import COMPILED, COUNTED, ERROR, MALFORMED, WARMUP, left_out, span_ms
 
-__all__ = [
-    "NO_MEASURED_STEPS",
-    "NOT_REQUESTED_FLOPS",
-    "NO_STEP_AFTER_THE_COUNT",
-    "RunAggregate",
-    "RunFigures",
-    "finite_number",
-]
+__all__ = ["NOT_REQUESTED_FLOPS", "NO_MEASURED_STEPS", "NO_STEP_AFTER_THE_COUNT", "RunAggregate", "RunFigures",
+           "finite_number"]
 
 #: Step names given their own figures per run; the steps of further names are grouped together.
 NAMES_SPLIT = 16
