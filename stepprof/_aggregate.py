@@ -712,7 +712,7 @@ class RunAggregate:
         if key != groups.key or groups.by_name is not None:
             groups.add_step(key, r, self.totals)  # before the step counts in the run's totals
         groups.last_key = key
-        if "rank" in r:
+        if "rank" in r and self.records.identity.value is None:
             self.records.take_identity(r)
         self.totals.add(r)
 
