@@ -125,3 +125,27 @@ def test_memory_stays_bounded_whatever_the_step_count():
     held = sum(len(s.buf) + sum(map(len, s.levels)) for s in agg.sketches)
     assert held < 9 * 4 * agg.wall.EXACT and agg.approximate
     assert agg.figures().wall_ms.median == pytest.approx(7.48, abs=0.02)
+
+
+def test_each_step_names_aggregate_has_its_steps_and_the_runs_other_records():
+    agg = RunAggregate(index=3)
+    agg.run_id = "r"
+    agg.add({"kind": "memory", "trigger": "periodic", "residual_bytes": 5})
+    for i in range(6):
+        agg.add_step(dict(fx.step_record(i, warmup=False, wall=2.0 + i % 2, gpu=None), name="ab"[i % 2]))
+    agg.add({"kind": "flops", "flops_per_step": 1e9})
+    agg.index = 5  # a parallel read renumbers a run after reading it
+    groups = agg.name_groups()
+    assert list(groups) == ["a", "b"] and [g.steps for g in groups.values()] == [3, 3]
+    assert {g.figures().wall_ms.median for g in groups.values()} == {2.0, 3.0}
+    assert all(g.index == 5 and g.run_id == "r" and g.memory_last == agg.memory_last for g in groups.values())
+    assert all(g.flops is None for g in groups.values()) and agg.flops is not None  # no step of theirs was counted
+
+
+def test_a_later_stretch_without_step_indices_keeps_the_last_index():
+    first, later = RunAggregate(), RunAggregate()
+    for i in range(3):
+        first.add_step(fx.step_record(i, warmup=False, wall=2.0, gpu=None))
+    later.add_step(dict(fx.step_record(0, warmup=False, wall=2.0, gpu=None), step=None))
+    first.merge(later)
+    assert (first.steps, first.first_step, first.last_step) == (4, 0, 2)

@@ -102,16 +102,7 @@ def _run_reports(agg: RunAggregate, sweep: dict[str, Any] | None) -> list[RunRep
     groups = agg.name_groups()
     if not groups:
         return [run_report(agg, sweep)]
-    reports = []
-    for name, group in groups.items():
-        group.memory_first, group.memory_last = agg.memory_first, agg.memory_last
-        group.memory_records, group.summary, group.identity = agg.memory_records, agg.summary, agg.identity
-        group.ranks_records, group.ranks_named = agg.ranks_records, agg.ranks_named
-        group.ranks_last, group.ranks_last_named = agg.ranks_last, agg.ranks_last_named
-        if group.flops_counted_step is not None or (agg.flops_counted_step is None and len(groups) == 1):
-            group.flops = agg.flops
-        reports.append(attrs.evolve(run_report(group, sweep), step_name=name))
-    return reports
+    return [attrs.evolve(run_report(group, sweep), step_name=name) for name, group in groups.items()]
 
 
 def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
@@ -206,12 +197,13 @@ def _memory(agg: RunAggregate) -> MemoryFigures:
 def _sync_table(agg: RunAggregate) -> SyncTable | None:
     if not agg.sync_steps:
         return None
-    busiest = sorted(agg.sites.items(), key=lambda kv: -kv[1][0])[:10]
+    sites = agg.totals.sites
+    busiest = sorted(sites.value.items(), key=lambda kv: -kv[1][0])[:10]
     return SyncTable(
         steps_counted=agg.sync_steps,
         mechanism=agg.sync_mechanism,
         other_threads=agg.other_threads,
-        total=int(sum(v[0] for v in agg.sites.values()) + agg.sites_dropped),
+        total=int(sum(v[0] for v in sites.value.values()) + sites.dropped),
         sites=tuple(
             SyncSite(where=where, kind=kind, code=code, count=n, per_step=n / agg.sync_steps, steps_with_it=steps)
             for (where, kind), (n, code, steps) in busiest
