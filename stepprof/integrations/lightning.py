@@ -344,7 +344,6 @@ def _prepared(trainer: Any, model: Any, device: torch.device) -> Iterator[tuple[
     home = params[0].device if params else device
     was_training, had_trainer = model.training, model._trainer
     optimizers: list[Any] = []
-    muted = contextlib.ExitStack()
     try:
         if had_trainer is None:
             model.trainer = trainer  # configure_optimizers and training_step may read self.trainer
@@ -357,23 +356,23 @@ def _prepared(trainer: Any, model: Any, device: torch.device) -> Iterator[tuple[
         if not optimizers:
             raise ConfigError("configure_optimizers() returned no optimizer; the sweep needs one to take steps")
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        def quiet(*a: Any, **k: Any) -> None:
-            return None
-
-        muted.enter_context(overridden(model, log=quiet, log_dict=quiet))  # the sweep's steps are not training to log
-        model.to(device)
-        for o in optimizers:
-            _optimizer_to(o, device)
-        model.train()
-        yield optimizers, scaler
+        with overridden(model, log=_quiet, log_dict=_quiet):  # the sweep's steps are not training to log
+            model.to(device)
+            for o in optimizers:
+                _optimizer_to(o, device)
+            model.train()
+            yield optimizers, scaler
     finally:
         model.to(home)
         for o in optimizers:
             _optimizer_to(o, home)
         model.train(was_training)
-        muted.close()
         if had_trainer is None:
             model.trainer = None
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """``self.log`` and ``self.log_dict`` during the sweep."""
 
 
 def _optimizer_to(optimizer: Any, device: torch.device) -> None:
