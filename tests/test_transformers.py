@@ -346,6 +346,8 @@ def test_sweep_refuses_what_it_cannot_do(tmp_path):
         sweep(trainer, restore=trainer.model)
     with pytest.raises(stepprof.ConfigError, match="'apply' must be True or False"):
         sweep(trainer, apply="yes")
+    with pytest.raises(stepprof.UsageError, match="unknown option 'max_bach'; did you mean 'max_batch'"):
+        sweep(trainer, max_bach=8)
     empty = Trainer(model=_model(), args=_args(tmp_path), train_dataset=None)
     with pytest.raises(stepprof.ConfigError, match="train_dataset"):
         sweep(empty)

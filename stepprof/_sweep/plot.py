@@ -8,13 +8,13 @@ figure state and no GUI backend is touched).  It is imported inside
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .._errors import MissingExtraError
 from .._units import GiB, MiB, printable
 
 if TYPE_CHECKING:  # pragma: no cover - for the annotation only; result.py imports this module
-    from .result import SweepResult
+    from .result import SweepPoint, SweepResult
 
 __all__ = ["plot_sweep"]
 
@@ -47,6 +47,24 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
 
     sizes = [p.batch_size for p in result.points if p.batch_size > 0]  # a log axis has no 0 (a log may say 0)
     lo, hi = (min(sizes), max(sizes)) if sizes else (1, 2)
+    _draw_bounds(ax, mem, result, lo, hi)
+    _draw_rates(ax, result, ran, ooms)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    if mem is not None:
+        _draw_memory(mem, ax, result, ran, ooms, lo, hi)
+    bottom = mem if mem is not None else ax
+    bottom.set_xlabel("batch size (log scale)")
+    bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    out = os.fspath(path)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
+    return out
+
+
+def _draw_bounds(ax: Any, mem: Any, result: SweepResult, lo: int, hi: int) -> None:
+    """On both axes: the log-2 batch axis, the thrash zone, ``max_fit`` and ``first_oom``
+    (labelled on the rate axis ``ax`` only)."""
     zone = result.thrash_zone
     zone_name = "slower (CPU: the cores' limit)" if result.on_host else "thrash zone"
     bracketed = result.stopped == "boundary" or result.first_oom is not None
@@ -66,6 +84,11 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
                       label=f"first OOM {result.first_oom:,}" if a is ax else None)
         a.set_xlim(lo / 1.3, hi * 1.3)
 
+
+def _draw_rates(ax: Any, result: SweepResult, ran: list[SweepPoint], ooms: list[SweepPoint]) -> None:
+    """Samples/s against batch size: the curve, its p10-p90 bars, the zone, the knee and the
+    recommendation, the out-of-memory batches."""
+    zone = result.thrash_zone
     xs = [p.batch_size for p in ran]
     if ran:
         ax.plot(xs, [p.samples_per_s for p in ran], "o-", color="tab:blue", lw=1.8, ms=5,
@@ -100,40 +123,36 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     ax.set_ylabel("samples/s")
     top_rate = max((p.batch_size / p.step_ms_p10 * 1e3 if p.step_ms_p10 else p.samples_per_s) for p in ran) if ran else 1.0
     ax.set_ylim(0, top_rate * 1.12)
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
 
-    if mem is not None:
-        with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
-        if with_peak:
-            mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / GiB for p in with_peak],
-                     "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
-        oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
-        if oom_peaks:
-            mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / GiB for p in oom_peaks],
-                     "x", color="tab:red", ms=8, mew=2, ls="none", label="held when out of memory")
-        if result.fit_bytes_per_sample and result.fit_base_bytes is not None:
-            top = max(hi, result.predicted_max or hi)
-            line_x = [lo * (top / lo) ** (i / 100) for i in range(101)]  # straight in n, curved on log x
-            mem.plot(line_x, [(result.fit_base_bytes + result.fit_bytes_per_sample * x) / GiB for x in line_x],
-                     "--", color="tab:purple", lw=1, alpha=0.6,
-                     label=f"fit: {result.fit_base_bytes / GiB:.2f} GiB + "
-                           f"{result.fit_bytes_per_sample / MiB:.2f} MiB x batch")
-        if result.capacity_bytes is not None:
-            mem.axhline(result.capacity_bytes / GiB, color="tab:red", lw=1, alpha=0.7,
-                        label=f"usable by the allocator: {result.capacity_bytes / GiB:.1f} GiB")
-        if result.predicted_max is not None:
-            mem.axvline(result.predicted_max, color="tab:purple", ls="-.", lw=1,
-                        label=f"predicted_max {result.predicted_max:,}")
-            mem.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
-            ax.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
-        mem.set_ylabel("peak memory (GiB)")
-        mem.set_ylim(bottom=0)
-        mem.legend(loc="upper left", fontsize=9, framealpha=0.9)
-    bottom = mem if mem is not None else ax
-    bottom.set_xlabel("batch size (log scale)")
-    bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    out = os.fspath(path)
-    # Without an extension matplotlib would add ".png" to the name: write the path as given.
-    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
-    return out
+
+def _draw_memory(
+    mem: Any, ax: Any, result: SweepResult, ran: list[SweepPoint], ooms: list[SweepPoint], lo: int, hi: int
+) -> None:
+    """Peak memory against batch size: the peaks, those held at out of memory, the fit's line,
+    the allocator's capacity and ``predicted_max`` (which widens both axes)."""
+    with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
+    if with_peak:
+        mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / GiB for p in with_peak],
+                 "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
+    oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
+    if oom_peaks:
+        mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / GiB for p in oom_peaks],
+                 "x", color="tab:red", ms=8, mew=2, ls="none", label="held when out of memory")
+    if result.fit_bytes_per_sample and result.fit_base_bytes is not None:
+        top = max(hi, result.predicted_max or hi)
+        line_x = [lo * (top / lo) ** (i / 100) for i in range(101)]  # straight in n, curved on log x
+        mem.plot(line_x, [(result.fit_base_bytes + result.fit_bytes_per_sample * x) / GiB for x in line_x],
+                 "--", color="tab:purple", lw=1, alpha=0.6,
+                 label=f"fit: {result.fit_base_bytes / GiB:.2f} GiB + "
+                       f"{result.fit_bytes_per_sample / MiB:.2f} MiB x batch")
+    if result.capacity_bytes is not None:
+        mem.axhline(result.capacity_bytes / GiB, color="tab:red", lw=1, alpha=0.7,
+                    label=f"usable by the allocator: {result.capacity_bytes / GiB:.1f} GiB")
+    if result.predicted_max is not None:
+        mem.axvline(result.predicted_max, color="tab:purple", ls="-.", lw=1,
+                    label=f"predicted_max {result.predicted_max:,}")
+        mem.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
+        ax.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
+    mem.set_ylabel("peak memory (GiB)")
+    mem.set_ylim(bottom=0)
+    mem.legend(loc="upper left", fontsize=9, framealpha=0.9)

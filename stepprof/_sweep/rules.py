@@ -1,15 +1,19 @@
 """Pure decisions over a sweep's points: the knee, the thrash zone, the memory fit,
-the 3% certificate on the boundary, and the recommendation with its reason."""
+the 3% certificate on the boundary, where to probe it next, and the recommendation
+with its reason."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from .._units import format_bytes
 from .result import SweepPoint
 
 __all__ = [
+    "AIM",
     "DROP",
+    "choose_probe",
     "explain_recommendation",
     "find_knee",
     "find_recommended",
@@ -27,6 +31,10 @@ _TOL_NUM, _TOL_DEN = 103, 100
 #: Samples/s more than 5% below the best of the smaller batches counts as a drop;
 #: it is also the noise margin on the bound that decides whether to backfill.
 DROP = 0.05
+#: Probes aim this far under the boundary the memory fit predicts from the bytes
+#: the device can give: the allocator never hands all of them to tensors, and
+#: aiming 3% low makes (fit here, out of memory 3% higher) the likely outcome.
+AIM = 0.97
 
 
 def ran_points(points: Sequence[SweepPoint]) -> list[SweepPoint]:
@@ -114,6 +122,61 @@ def largest_certifying_oom(lo: int) -> int:
 def smallest_certified_fit(hi: int) -> int:
     """The smallest batch whose fit certifies it within 3% of ``hi`` (which ran out of memory)."""
     return -(-(hi - 1) * _TOL_DEN // _TOL_NUM)
+
+
+def choose_probe(
+    lo: int,
+    hi: int | None,
+    *,
+    last_miss: bool,
+    boundary: float | None,
+    floor_guess: float | None,
+    max_batch: int | None,
+) -> tuple[int, str | None]:
+    """The next probe of the refine phase, and the outcome the memory fit expects
+    ("fit", "oom" or None).
+
+    Args:
+        lo: the largest batch that ran.
+        hi: the smallest batch that ran out of memory, or None.
+        last_miss: the previous probe's outcome contradicted the fit.
+        boundary: the largest batch the memory fit says fits the allocator's capacity, or None.
+        floor_guess: the largest batch the fit says fits in the most bytes held at once, or None.
+        max_batch: the user's bound, or None.
+    """
+    up = largest_certifying_oom(lo)
+    if boundary is not None and boundary <= lo:
+        boundary = None  # a batch above the predicted boundary ran: the fit is off here
+    goal = None if boundary is None else AIM * boundary
+    expect: str | None
+    if hi is None:
+        if goal is None or last_miss:
+            probe, expect = 2 * lo, None
+        elif goal <= up:
+            probe, expect = up, "oom"
+        else:
+            probe, expect = int(goal), "fit"
+    else:
+        down = smallest_certified_fit(hi)
+        # After an out-of-memory error, the bytes it held at once bound the limit from
+        # below: if that bound says a batch past the certifying point fits, aim there.
+        # The optimistic fit is not trusted again right after it was wrong; the bound is.
+        if last_miss:
+            goal = None
+        if floor_guess is not None and floor_guess > up:
+            goal = floor_guess
+        if goal is None:
+            probe, expect = round(math.sqrt(lo * hi)), None
+        elif goal >= down:
+            probe, expect = down, "fit"
+        elif goal <= up:
+            probe, expect = up, "oom"
+        else:
+            probe, expect = int(goal), "fit"
+        probe = min(max(probe, lo + 1), hi - 1)
+    if max_batch is not None and probe > max_batch:
+        probe, expect = max_batch, None
+    return probe, expect
 
 
 def explain_recommendation(

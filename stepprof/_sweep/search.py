@@ -26,24 +26,15 @@ the points (knee, thrash zone, fit, recommendation) are :mod:`stepprof._sweep.ru
 
 from __future__ import annotations
 
-import math
 import contextvars
-import os
-import secrets
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
-from .._errors import warn
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend
 from .._device.select import select_sweep_backend, upgrade_from_host
 from .._log import JsonlWriter
-from .._schema import SCHEMA_VERSION
-from .._units import format_bytes
 from .._validate import (
     check_callable,
     check_device,
@@ -54,28 +45,24 @@ from .._validate import (
     check_restore,
     check_seconds,
 )
+from .output import SweepOutput, progress_printer
 from .restore import MutedProfiler, SavedRngState, SavedState
 from .result import SweepPoint, SweepResult
 from .rules import (
     DROP,
-    explain_recommendation,
+    choose_probe,
     find_knee,
-    find_recommended,
     find_thrash_zone,
     largest_certifying_oom,
     memory_fit,
     outside_zone,
     ran_points,
-    smallest_certified_fit,
 )
 from .trial import Clock, TrialRunner, leak_note
+from .verdict import build_result
 
 __all__ = ["BatchSearch", "sweep"]
 
-#: Probes aim this far under the boundary the memory fit predicts from the bytes
-#: the device can give: the allocator never hands all of them to tensors, and
-#: aiming 3% low makes (fit here, out of memory 3% higher) the likely outcome.
-AIM = 0.97
 #: Quadruple instead of double while the last growth raised samples/s by at least
 #: 90% of the batch ratio (near-linear: the step time hardly grew).
 LINEAR = 0.9
@@ -162,6 +149,28 @@ def sweep(
     """
     check_callable(train_step, "train_step", "pass the function that runs one training step")
     check_callable(make_batch, "make_batch", "pass a function n -> batch of n samples, e.g. lambda n: x[:n]")
+    settings = _checked_settings(
+        start=start, max_batch=max_batch, time_budget_s=time_budget_s, warmup=warmup, steps=steps,
+        max_steps=max_steps, min_time_s=min_time_s, knee_within=knee_within,
+    )
+    check_progress(progress)
+    objs = check_restore(restore)
+    device = check_device(device)
+    seams = _seams.get()
+    backend = seams[0] if seams is not None else select_sweep_backend(device)
+    search = BatchSearch(
+        train_step, make_batch, backend=backend, auto_backend=seams is None and device is None,
+        say=progress_printer(progress), clock=seams[1] if seams is not None else time.perf_counter_ns,
+        **settings,
+    )
+    return _run_restoring(search, objs, log)
+
+
+def _checked_settings(
+    *, start: int, max_batch: int | None, time_budget_s: float | None, warmup: int, steps: int,
+    max_steps: int, min_time_s: float, knee_within: float,
+) -> dict[str, Any]:
+    """:func:`sweep`'s search settings, checked in the order of its signature, as :class:`BatchSearch` takes them."""
     check_int(start, "start", 1, "the first batch size to try, e.g. start=1")
     check_max_batch(max_batch, start)
     budget_s = None if time_budget_s is None else check_seconds(time_budget_s, "time_budget_s", allow_zero=False)
@@ -170,28 +179,20 @@ def sweep(
     check_int(max_steps, "max_steps", steps, f"max_steps bounds the timed steps and must be >= steps ({steps})")
     min_time = check_seconds(min_time_s, "min_time_s", allow_zero=True)
     within = check_fraction(knee_within, "knee_within", "0.10")
-    check_progress(progress)
-    objs = check_restore(restore)
-    device = check_device(device)
+    return {
+        "start": start, "max_batch": max_batch, "budget_s": budget_s, "warmup": warmup, "steps": steps,
+        "min_time_s": min_time, "max_steps": max_steps, "knee_within": within,
+    }
 
-    say: Callable[[str], Any] | None
-    if progress is True:
-        def say(line: str) -> None:
-            print(line, file=sys.stderr, flush=True)
-    else:
-        say = progress or None  # type: ignore[assignment]
-    seams = _seams.get()
-    backend = seams[0] if seams is not None else select_sweep_backend(device)
-    search = BatchSearch(
-        train_step, make_batch, backend=backend, auto_backend=seams is None and device is None,
-        start=start, max_batch=max_batch, budget_s=budget_s, say=say, warmup=warmup,
-        steps=steps, min_time_s=min_time, max_steps=max_steps, knee_within=within,
-        clock=seams[1] if seams is not None else time.perf_counter_ns,
-    )
+
+def _run_restoring(search: BatchSearch, objs: tuple[Any, ...], log: Any) -> SweepResult:
+    """Run ``search`` with ``profile_step`` muted, the log open, and the user's state (``objs``
+    and the random state) put back afterwards, also when it raises."""
+    backend = search.backend
     saved = SavedState(objs)
     # isinstance, not ``backend.index``: the test fakes carry an index without a CUDA RNG.
     rng = SavedRngState(backend.index if isinstance(backend, CudaSweepBackend) else None)
-    writer = search.writer = JsonlWriter(log) if log is not None else None  # opened last: nothing can leak it
+    writer = search.out.writer = JsonlWriter(log) if log is not None else None  # opened last: nothing can leak it
     muted = MutedProfiler()
     push_active(muted)  # type: ignore[arg-type]
     try:
@@ -235,9 +236,7 @@ class BatchSearch:
         self.start = start
         self.max_batch = max_batch
         self.budget_ns = None if budget_s is None else int(budget_s * 1e9)
-        self.writer: JsonlWriter | None = None
-        self.run_id = secrets.token_hex(6)  # this sweep's, on each record it logs
-        self.say = say
+        self.out = SweepOutput(say)
         self.knee_within = knee_within
         self.clock = clock
         self.t0 = 0
@@ -264,24 +263,16 @@ class BatchSearch:
         """Grow, refine, backfill; then log and return the result."""
         self.t0 = self.clock()
         self.capacity = self.trials.read(self.backend.capacity_bytes, "capacity_bytes")
-        if self.say is not None:
-            cap = "" if self.capacity is None else f", {format_bytes(self.capacity)} usable by torch's allocator"
-            self.say(
-                f"stepprof.sweep: on {self.backend.device}{cap}; per batch size: make_batch once, "
-                f"{self.trials.warmup} warm-up step(s), then timed steps (at least {self.trials.steps} "
-                f"and {self.trials.min_time_ns / 1e9:g} s)"
-            )
+        trials = self.trials
+        self.out.opening(
+            self.backend.device, self.capacity, warmup=trials.warmup, steps=trials.steps,
+            min_time_ns=trials.min_time_ns,
+        )
         self._grow()
         if not self.stopped:
             self._refine()
         self._backfill()
-        result = self._result()
-        self._log(result.to_record())
-        if self.writer is not None and self.writer.failed:
-            result = attrs.evolve(result, unavailable={**result.unavailable, "log": self.writer.failed})
-        if self.say is not None:
-            self.say(f"stepprof.sweep: recommended batch {result.recommended}: {result.reason}")
-        return result
+        return self.out.result(self._result())
 
     def _grow(self) -> None:
         n = self.start
@@ -379,42 +370,11 @@ class BatchSearch:
 
     def _choose(self, lo: int, hi: int | None, last_miss: bool) -> tuple[int, str | None]:
         """The next probe and the outcome the memory fit expects ("fit", "oom" or None)."""
-        up = largest_certifying_oom(lo)
-        boundary = self._boundary()
-        if boundary is not None and boundary <= lo:
-            boundary = None  # a batch above the predicted boundary ran: the fit is off here
-        goal = None if boundary is None else AIM * boundary
-        expect: str | None
-        if hi is None:
-            if goal is None or last_miss:
-                probe, expect = 2 * lo, None
-            elif goal <= up:
-                probe, expect = up, "oom"
-            else:
-                probe, expect = int(goal), "fit"
-        else:
-            down = smallest_certified_fit(hi)
-            # After an out-of-memory error, the bytes it held at once bound the limit from
-            # below: if that bound says a batch past the certifying point fits, aim there.
-            # The optimistic fit is not trusted again right after it was wrong; the bound is.
-            if last_miss:
-                goal = None
-            held = self._held_at_once()
-            floor_guess = None if held is None else self._boundary(held)
-            if floor_guess is not None and floor_guess > up:
-                goal = floor_guess
-            if goal is None:
-                probe, expect = round(math.sqrt(lo * hi)), None
-            elif goal >= down:
-                probe, expect = down, "fit"
-            elif goal <= up:
-                probe, expect = up, "oom"
-            else:
-                probe, expect = int(goal), "fit"
-            probe = min(max(probe, lo + 1), hi - 1)
-        if self.max_batch is not None and probe > self.max_batch:
-            probe, expect = self.max_batch, None
-        return probe, expect
+        held = self._held_at_once()
+        return choose_probe(
+            lo, hi, last_miss=last_miss, boundary=self._boundary(),
+            floor_guess=None if held is None else self._boundary(held), max_batch=self.max_batch,
+        )
 
     def _backfill(self) -> None:
         """Measure sizes skipped by quadrupling that could still be the recommended batch."""
@@ -464,32 +424,8 @@ class BatchSearch:
         note = leak_note(point)
         if note is not None:
             self.notes.append(note)
-        self._log(point.to_record())
-        if self.say is not None:
-            tail = ""
-            if point.oom:
-                tail = (
-                    "; memory back to the pre-trial baseline" if point.leaked_bytes == 0
-                    else f"; {format_bytes(point.leaked_bytes)} still allocated after clean-up"
-                    if point.leaked_bytes else ""
-                )
-            self.say(f"stepprof.sweep: [{point.trial:>2} {phase:<8}] {point}{tail} ({point.wall_s:.2f} s)")
+        self.out.point(point, phase)
         return point
-
-    def _log(self, record: dict[str, Any]) -> None:
-        """Append ``record`` to the sweep's log, if it has one.
-
-        The writer never raises: a write that fails (disk full) stops the log.  The
-        sweep goes on, warns once here, and the result's ``unavailable["log"]`` says why.
-        """
-        writer = self.writer
-        if writer is None or writer.failed:
-            return
-        writer.write({"schema_version": SCHEMA_VERSION, **record, "run_id": self.run_id})
-        if writer.failed:
-            warn(
-                f"stepprof.sweep: {writer.failed}; logging stopped, the sweep goes on", stacklevel=_caller_stacklevel(),
-            )
 
     def _measure(self, n: int, phase: str) -> SweepPoint:
         return self.trials.measure(
@@ -499,57 +435,10 @@ class BatchSearch:
     # -- the result ---------------------------------------------------------------------------
 
     def _result(self) -> SweepResult:
-        points = tuple(sorted(self.points, key=lambda p: p.batch_size))
-        zone = find_thrash_zone(points)
-        knee = find_knee(points, self.knee_within)
-        recommended = find_recommended(points, zone, self.knee_within)
-        max_fit = max(self.fits) if self.fits else None
-        first_oom = min(self.ooms) if self.ooms else None
-        fit = memory_fit(self.fits)
-        predicted = None
         backend = self.backend
-        unavailable = dict(self.trials.unavailable)
-        if fit is not None and self.capacity is not None:
-            predicted = max(0, math.floor((self.capacity - fit[0]) / fit[1]))
-        elif fit is None:
-            unavailable["predicted_max"] = (
-                backend.memory_reason if backend.memory_reason
-                else "fewer than two batches ran with a peak that grew with the batch"
-            )
-        else:
-            unavailable["predicted_max"] = "the allocator's capacity could not be read"
-        notes = list(self.notes)
-        if self.stopped == "plateau":
-            notes.append(
-                "growth stopped at a plateau and there are no memory figures to predict the boundary, "
-                "so the largest batch that fits was not searched; pass max_batch to sweep further"
-            )
-        elif self.stopped in ("time_budget", "probe_limit") and max_fit is not None:
-            notes.append(
-                f"the search stopped ({self.stopped}) before max_fit was bracketed within 3%"
-                + (f": the bracket is {max_fit:,} (ran) to {first_oom:,} (out of memory)" if first_oom else "")
-            )
-        reason = explain_recommendation(
-            points, zone, recommended, max_fit=max_fit, first_oom=first_oom, stopped=self.stopped,
-            knee_within=self.knee_within, max_batch=self.max_batch, on_host=backend.device == "cpu",
+        return build_result(
+            self.points, self.fits, self.ooms, stopped=self.stopped, device=backend.device,
+            capacity=self.capacity, memory_reason=backend.memory_reason, unavailable=self.trials.unavailable,
+            notes=self.notes, knee_within=self.knee_within, max_batch=self.max_batch,
+            wall_s=(self.clock() - self.t0) / 1e9,
         )
-        return SweepResult(
-            points=points, knee=knee, max_fit=max_fit, first_oom=first_oom, predicted_max=predicted,
-            thrash_zone=zone, recommended=recommended, reason=reason,
-            stopped=self.stopped, device=backend.device, trials=len(points),
-            wall_s=(self.clock() - self.t0) / 1e9, capacity_bytes=self.capacity,
-            fit_base_bytes=None if fit is None else fit[0],
-            fit_bytes_per_sample=None if fit is None else fit[1],
-            knee_within=self.knee_within, notes=tuple(notes), unavailable=unavailable,
-        )
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside stepprof."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
-        frame, level = frame.f_back, level + 1
-    return level

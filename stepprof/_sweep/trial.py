@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from .._errors import from_signal_handler, raised_by_user
-from .._stats import quantile
+from .._records import Percentiles
 from .._units import format_bytes, per_s
 from .._validate import check_batch
 from .result import SweepPoint
@@ -305,8 +305,8 @@ class TrialRunner:
             backend.release(mark)
         if spans is None:  # CUDA without events: the average over the synchronised span
             return (t_end - steps.stamps[0]) / 1e6 / timed, None, None
-        ordered = sorted(spans)
-        return quantile(ordered, 0.5), quantile(ordered, 0.1), quantile(ordered, 0.9)
+        spread = Percentiles.of(spans)  # the same percentiles as the profiler's Summary.wall_ms and gpu_ms
+        return (None, None, None) if spread is None else (spread.median, spread.p10, spread.p90)
 
     def _allocator_events(
         self, steps: _TimedSteps, unavailable: dict[str, str]

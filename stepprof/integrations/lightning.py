@@ -7,7 +7,6 @@ Imports ``lightning.pytorch``, else ``pytorch_lightning``; ``import stepprof`` i
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -29,10 +28,17 @@ from .._errors import ConfigError, SyncBudgetExceeded, UsageError, raised_by_use
 from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._sweep.result import SweepResult
-from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names, check_restore
-from ._samples import drawer
 from ._close import close_quietly, on_device
+from ._sweep_adapter import (
+    apply_recommended,
+    batch_maker,
+    check_sweep_options,
+    overridden,
+    restored,
+    run_sweep,
+    step_optimizers,
+)
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -233,13 +239,6 @@ class StepprofCallback(pl.Callback):
 
 # -- the sweep --------------------------------------------------------------------------------
 
-#: The options that pass through to :func:`stepprof.sweep` (``device`` and ``restore`` are ours).
-_SWEEP_NAMES = tuple(
-    n for n, p in inspect.signature(_sweep).parameters.items()
-    if p.kind is p.KEYWORD_ONLY and n != "device"
-)
-
-
 def sweep(
     trainer: Any,
     model: Any,
@@ -278,15 +277,7 @@ def sweep(
     Returns:
         The :class:`stepprof.SweepResult`.
     """
-    if not isinstance(model, pl.LightningModule):
-        raise UsageError(f"'model' must be a LightningModule (got {type(model).__name__}); pass the module you fit")
-    if not model.automatic_optimization:
-        raise ConfigError(
-            "sweep needs automatic optimization (got model.automatic_optimization=False): with manual "
-            "optimization only your training_step knows a step; call stepprof.sweep(train_step, make_batch) "
-            "with your own train_step"
-        )
-    check_option_names(sweep_options, _SWEEP_NAMES, "stepprof.integrations.lightning.sweep")
+    _check_sweep(model, sweep_options)
     datamodule = datamodule if datamodule is not None else getattr(trainer, "datamodule", None)
     holders = _batch_holders(model, datamodule, batch_arg_name)
     if apply and not holders:
@@ -302,20 +293,33 @@ def sweep(
         loader = _train_loader(model, datamodule)
         train_step = _train_step(trainer, model, optimizers, scaler)
         make_batch = _batch_maker(loader, model, device)
-        restore = (model, *optimizers, *((scaler,) if scaler is not None else ()), *extra)
-        result = _sweep(train_step, make_batch, restore=restore, device=str(device), **sweep_options)
+        restore = restored(model, optimizers, scaler, extra)
+        result = run_sweep(train_step, make_batch, restore=restore, device=str(device), **sweep_options)
 
     if apply:
-        if result.recommended is None:
-            warn(f"stepprof: the sweep recommended no batch ({result.reason}); "
-                          f"{batch_arg_name} was left as it was", stacklevel=2)
-        else:
+        def set_batch(n: int) -> None:
             for holder in holders:
                 if isinstance(holder, dict):
-                    holder[batch_arg_name] = result.recommended
+                    holder[batch_arg_name] = n
                 else:
-                    setattr(holder, batch_arg_name, result.recommended)
+                    setattr(holder, batch_arg_name, n)
+
+        apply_recommended(result, set_batch, lambda reason: (
+            f"stepprof: the sweep recommended no batch ({reason}); {batch_arg_name} was left as it was"))
     return result
+
+
+def _check_sweep(model: Any, sweep_options: dict[str, Any]) -> None:
+    """A UsageError or ConfigError for a model or an option :func:`sweep` cannot take."""
+    if not isinstance(model, pl.LightningModule):
+        raise UsageError(f"'model' must be a LightningModule (got {type(model).__name__}); pass the module you fit")
+    if not model.automatic_optimization:
+        raise ConfigError(
+            "sweep needs automatic optimization (got model.automatic_optimization=False): with manual "
+            "optimization only your training_step knows a step; call stepprof.sweep(train_step, make_batch) "
+            "with your own train_step"
+        )
+    check_sweep_options(sweep_options, "stepprof.integrations.lightning.sweep", taken=("device",))
 
 
 def _batch_holders(model: Any, datamodule: Any, name: str) -> list[Any]:
@@ -339,7 +343,6 @@ def _prepared(trainer: Any, model: Any, device: torch.device) -> Iterator[tuple[
     params = list(model.parameters())
     home = params[0].device if params else device
     was_training, had_trainer = model.training, model._trainer
-    muted = {name: model.__dict__.get(name) for name in ("log", "log_dict")}
     optimizers: list[Any] = []
     try:
         if had_trainer is None:
@@ -353,24 +356,23 @@ def _prepared(trainer: Any, model: Any, device: torch.device) -> Iterator[tuple[
         if not optimizers:
             raise ConfigError("configure_optimizers() returned no optimizer; the sweep needs one to take steps")
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        model.log = model.log_dict = lambda *a, **k: None  # the sweep's steps are not training to log
-        model.to(device)
-        for o in optimizers:
-            _optimizer_to(o, device)
-        model.train()
-        yield optimizers, scaler
+        with overridden(model, log=_quiet, log_dict=_quiet):  # the sweep's steps are not training to log
+            model.to(device)
+            for o in optimizers:
+                _optimizer_to(o, device)
+            model.train()
+            yield optimizers, scaler
     finally:
         model.to(home)
         for o in optimizers:
             _optimizer_to(o, home)
         model.train(was_training)
-        for name, value in muted.items():
-            if value is None:
-                model.__dict__.pop(name, None)
-            else:
-                model.__dict__[name] = value
         if had_trainer is None:
             model.trainer = None
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """``self.log`` and ``self.log_dict`` during the sweep."""
 
 
 def _optimizer_to(optimizer: Any, device: torch.device) -> None:
@@ -419,15 +421,8 @@ def _train_step(trainer: Any, model: Any, optimizers: list[Any], scaler: Any) ->
             )
         for o in optimizers:  # Lightning zeroes the gradients before backward
             o.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            for o in optimizers:
-                scaler.step(o)
-            scaler.update()
-        else:
-            loss.backward()
-            for o in optimizers:
-                o.step()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        step_optimizers(optimizers, scaler)
 
     return train_step
 
@@ -462,12 +457,10 @@ def _batch_maker(loader: Any, model: Any, device: torch.device) -> Any:
             "the train dataloader has batch_size=None (its dataset yields whole batches); the sweep "
             "needs a dataset of samples to make batches of any size"
         )
-    samples = drawer(dataset, "the train dataset has no sample; the sweep needs real samples")
 
-    def make_batch(n: int) -> Any:
-        batch = collate(samples(n))
+    def to_device(batch: Any) -> Any:
         batch = model.on_before_batch_transfer(batch, 0)
         batch = model.transfer_batch_to_device(batch, device, 0)
         return model.on_after_batch_transfer(batch, 0)
 
-    return make_batch
+    return batch_maker(dataset, collate, to_device, "the train dataset has no sample; the sweep needs real samples")

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -47,10 +47,17 @@ from .._options import NAMES, ProfilerOptions
 from .._recorder.profiler import Profiler
 from .._records import Summary
 from .._sweep.result import SweepResult
-from .._sweep.search import sweep as _sweep
 from .._validate import check_option_names
 from ._close import close_quietly, on_device
-from ._samples import drawer
+from ._sweep_adapter import (
+    apply_recommended,
+    batch_maker,
+    check_sweep_options,
+    overridden,
+    restored,
+    run_sweep,
+    step_optimizers,
+)
 from ._window import Window, figures
 
 __all__ = ["StepprofCallback", "sweep"]
@@ -363,6 +370,36 @@ def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepRe
     Returns:
         The :class:`stepprof.SweepResult`.
     """
+    _check_sweep(trainer, apply, sweep_options)
+    dataset = trainer.train_dataset
+    if dataset is None:
+        raise ConfigError(
+            "sweep(trainer) draws its batches from trainer.train_dataset, which is None; "
+            "pass train_dataset=... to the Trainer"
+        )
+    args = trainer.args
+    device = torch.device(args.device)
+    if device.type in ("cuda", "cpu"):
+        sweep_options.setdefault("device", "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+    make_batch = _batch_maker(trainer, dataset)
+    model = trainer.model
+    with _one_step_per_batch(trainer) as optimizer:
+        scaler = getattr(trainer.accelerator, "scaler", None)  # fp16: the loss is scaled in backward
+        train_step = _train_step(trainer, optimizer, scaler)
+        result = run_sweep(train_step, make_batch, restore=restored(model, [optimizer], scaler), **sweep_options)
+    if apply:
+        def set_batch(n: int) -> None:
+            args.per_device_train_batch_size = n
+            trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
+
+        apply_recommended(result, set_batch, lambda reason: (
+            f"stepprof: sweep(apply=True) left per_device_train_batch_size at "
+            f"{args.per_device_train_batch_size}: no batch size is recommended ({reason})"))
+    return result
+
+
+def _check_sweep(trainer: Any, apply: Any, sweep_options: dict[str, Any]) -> None:
+    """A UsageError or ConfigError for what :func:`sweep` cannot do."""
     if not isinstance(trainer, Trainer):
         raise UsageError(
             f"sweep() takes a transformers.Trainer (got {type(trainer).__name__}); "
@@ -375,30 +412,36 @@ def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepRe
             "sweep(trainer) restores the Trainer's model and optimizer itself and takes no 'restore' "
             f"(got restore={sweep_options['restore']!r}); leave it out"
         )
+    check_sweep_options(sweep_options, "stepprof.integrations.transformers.sweep")
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         raise ConfigError(
             "sweep(trainer) runs the model on one device, without DeepSpeed or FSDP "
             "(the Trainer has one of them on); sweep a Trainer built without them"
         )
-    dataset = trainer.train_dataset
-    if dataset is None:
-        raise ConfigError(
-            "sweep(trainer) draws its batches from trainer.train_dataset, which is None; "
-            "pass train_dataset=... to the Trainer"
-        )
-    args = trainer.args
-    device = torch.device(args.device)
-    if device.type in ("cuda", "cpu"):
-        sweep_options.setdefault("device", "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+
+
+@contextlib.contextmanager
+def _one_step_per_batch(trainer: Any) -> Iterator[Any]:
+    """The Trainer's optimizer (created if it has none, and dropped again afterwards), with
+    one micro-batch per optimizer step; the model's train/eval mode as it was afterwards."""
     model = trainer.model
     created = trainer.optimizer is None
     optimizer = trainer.create_optimizer() if created else trainer.optimizer
-    accelerator = trainer.accelerator
-    scaler = getattr(accelerator, "scaler", None)  # fp16: the loss is scaled in backward
-    restore = (model, optimizer) if scaler is None else (model, optimizer, scaler)
-    max_norm = args.max_grad_norm
-    make_batch = _batch_maker(trainer, dataset)
+    was_training = model.training
+    try:
+        # Set by the Trainer's loop for each step; training_step divides the loss by it.
+        with overridden(trainer, current_gradient_accumulation_steps=1):
+            yield optimizer
+    finally:
+        model.train(was_training)
+        if created:
+            trainer.optimizer = None
 
+
+def _train_step(trainer: Any, optimizer: Any, scaler: Any) -> Callable[[Any], None]:
+    """``train_step(batch)``: the Trainer's ``training_step`` under its mixed precision,
+    gradient clipping as ``args.max_grad_norm`` asks, the optimizer step and ``zero_grad``."""
+    model, accelerator, max_norm = trainer.model, trainer.accelerator, trainer.args.max_grad_norm
     training_step = trainer.training_step
     if getattr(training_step, "_stepprof", False):  # a callback's wrapper, left by a train() that raised
         training_step = training_step.__wrapped__
@@ -408,37 +451,10 @@ def sweep(trainer: Any, *, apply: bool = False, **sweep_options: Any) -> SweepRe
             training_step(model, batch)
         if max_norm is not None and max_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        step_optimizers([optimizer], scaler)
         model.zero_grad()
 
-    was_training = model.training
-    missing = object()
-    # Set by the Trainer's loop for each step; training_step divides the loss by it.
-    accumulation = getattr(trainer, "current_gradient_accumulation_steps", missing)
-    trainer.current_gradient_accumulation_steps = 1
-    try:
-        result = _sweep(train_step, make_batch, restore=restore, **sweep_options)
-    finally:
-        model.train(was_training)
-        if accumulation is missing:
-            del trainer.current_gradient_accumulation_steps
-        else:
-            trainer.current_gradient_accumulation_steps = accumulation
-        if created:
-            trainer.optimizer = None
-    if apply:
-        if result.recommended is None:
-            warn(
-                f"stepprof: sweep(apply=True) left per_device_train_batch_size at "
-                f"{args.per_device_train_batch_size}: no batch size is recommended ({result.reason})", stacklevel=2)
-        else:
-            args.per_device_train_batch_size = result.recommended
-            trainer._train_batch_size = args.train_batch_size  # what get_train_dataloader reads
-    return result
+    return train_step
 
 
 def _batch_maker(trainer: Any, dataset: Any) -> Callable[[int], Any]:
@@ -455,9 +471,7 @@ def _batch_maker(trainer: Any, dataset: Any) -> Callable[[int], Any]:
         dataset = trainer._remove_unused_columns(dataset, description="training")
     else:
         collate = trainer._get_collator_with_removed_columns(collate, description="training")
-    draw = drawer(dataset, "sweep(trainer): trainer.train_dataset has no sample; give the Trainer samples to train on")
-
-    def make_batch(n: int) -> Any:
-        return trainer._prepare_inputs(collate(draw(n)))
-
-    return make_batch
+    return batch_maker(
+        dataset, collate, trainer._prepare_inputs,
+        "sweep(trainer): trainer.train_dataset has no sample; give the Trainer samples to train on",
+    )
