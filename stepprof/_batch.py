@@ -9,14 +9,14 @@ stepprof never guesses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ._errors import raised_by_user
+from ._errors import ConfigError, raised_by_user
 
-__all__ = ["NO_BATCH", "infer_batch_size", "leading_sizes", "sample_counts", "total_batch_size"]
+__all__ = ["NO_BATCH", "check_batch", "infer_batch_size", "leading_sizes", "sample_counts", "total_batch_size"]
 
 class _NoBatch:
     """The default of ``batch=``: no batch was passed (None may be a batch)."""
@@ -154,3 +154,42 @@ def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[
         if n >= _MAX_TENSORS:
             return
         _collect(v, (*where, k), depth - 1, sizes, limit)
+
+
+def check_batch(batch: Any, n: int) -> None:
+    """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
+
+    Tensors (found as :func:`stepprof._batch.infer_batch_size` finds them) must have ``n`` as
+    some tensor's leading dimension, or sit in a list or tuple of ``n`` items (a list of
+    samples); a list or tuple without tensors must have ``n`` items; a dict without tensors
+    must have a list or tuple of ``n`` items among its values.  Other objects cannot be sized
+    and are accepted.
+    """
+    if batch is None:
+        raise ConfigError(
+            f"make_batch({n}) returned None; make_batch(n) must return the batch of n samples "
+            f"that train_step takes"
+        )
+    sizes = leading_sizes(batch)
+    if sizes:
+        if n not in sizes and n not in sample_counts(batch):
+            got = ", ".join(str(s) for s in sorted(sizes))
+            raise ConfigError(
+                f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "
+                f"tensors), not {n}; make_batch(n) must return exactly n samples"
+            )
+        return
+    if isinstance(batch, (list, tuple)):
+        if len(batch) != n:
+            raise ConfigError(
+                f"make_batch({n}) returned a {type(batch).__name__} of {len(batch)} items, not {n}; "
+                f"make_batch(n) must return exactly n samples"
+            )
+        return
+    if isinstance(batch, Mapping):
+        lens = [len(v) for v in batch.values() if isinstance(v, (list, tuple))]
+        if lens and n not in lens:
+            raise ConfigError(
+                f"make_batch({n}) returned a dict whose lists hold {sorted(set(lens))} items, not {n}; "
+                f"make_batch(n) must return exactly n samples"
+            )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ._errors import ConfigError, UsageError
@@ -33,7 +33,6 @@ __all__ = [
     "MEMORY_EVERY",
     "ON_SYNC",
     "PHASE_PEAKS_EVERY",
-    "check_batch",
     "check_batch_size",
     "check_budget",
     "check_calibrate_device",
@@ -548,47 +547,6 @@ def check_restore(restore: Any) -> tuple[Any, ...]:
                 f"module or an optimizer (got {obj!r}); pass e.g. restore=(model, optimizer)"
             )
     return objs
-
-
-def check_batch(batch: Any, n: int) -> None:
-    """Raise if ``make_batch(n)`` returned a batch whose size is detectably not ``n``.
-
-    Tensors (found as :func:`stepprof._batch.infer_batch_size` finds them) must have ``n`` as
-    some tensor's leading dimension, or sit in a list or tuple of ``n`` items (a list of
-    samples); a list or tuple without tensors must have ``n`` items; a dict without tensors
-    must have a list or tuple of ``n`` items among its values.  Other objects cannot be sized
-    and are accepted.
-    """
-    if batch is None:
-        raise ConfigError(
-            f"make_batch({n}) returned None; make_batch(n) must return the batch of n samples "
-            f"that train_step takes"
-        )
-    from ._batch import leading_sizes, sample_counts  # imports torch (a trial has already)
-
-    sizes = leading_sizes(batch)
-    if sizes:
-        if n not in sizes and n not in sample_counts(batch):
-            got = ", ".join(str(s) for s in sorted(sizes))
-            raise ConfigError(
-                f"make_batch({n}) returned a batch of {got} samples (the leading dimension of its "
-                f"tensors), not {n}; make_batch(n) must return exactly n samples"
-            )
-        return
-    if isinstance(batch, (list, tuple)):
-        if len(batch) != n:
-            raise ConfigError(
-                f"make_batch({n}) returned a {type(batch).__name__} of {len(batch)} items, not {n}; "
-                f"make_batch(n) must return exactly n samples"
-            )
-        return
-    if isinstance(batch, Mapping):
-        lens = [len(v) for v in batch.values() if isinstance(v, (list, tuple))]
-        if lens and n not in lens:
-            raise ConfigError(
-                f"make_batch({n}) returned a dict whose lists hold {sorted(set(lens))} items, not {n}; "
-                f"make_batch(n) must return exactly n samples"
-            )
 
 
 # -- the command line: stepprof demo | plot | calibrate ----------------------------------

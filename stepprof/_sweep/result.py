@@ -9,7 +9,6 @@ from typing import Any
 import attrs
 
 from .._units import format_bytes, format_count, printable
-from .plot import plot_sweep
 
 __all__ = ["SweepPoint", "SweepResult"]
 
@@ -145,6 +144,8 @@ class SweepResult:
         Returns:
             The path written.
         """
+        from .plot import plot_sweep  # the view, loaded when drawn (tests/test_layers.py allows it)
+
         return plot_sweep(self, path)
 
     def __str__(self) -> str:

@@ -25,7 +25,7 @@ import torch
 from .._errors import from_signal_handler, raised_by_user
 from .._records import Percentiles
 from .._units import format_bytes, per_s
-from .._validate import check_batch
+from .._batch import check_batch
 from .result import SweepPoint
 
 __all__ = ["TrialRunner", "is_oom", "leak_note"]
