@@ -4,7 +4,8 @@ On a host-bound (launch-bound) loop, the thread that holds the GIL is the bottle
 time stepprof holds it, on the training thread or on its own threads, the loop waits.  The
 wall-time ratio of bench/overhead.py measures that directly, but on a shared host its rounds
 spread by ±15 %, so it cannot tell 1 % from 3 %.  This script measures the same cost another
-way: py-spy samples, at ``--rate`` Hz, whichever thread holds the GIL (``--gil``), and the
+way: py-spy samples, at ``--rate`` Hz and without pausing the process (``--nonblocking``), whichever
+thread holds the GIL (``--gil``), and the
 share of those samples whose stack is in stepprof's code (a C++ boundary call counts: its
 Python caller is stepprof's) is stepprof's share of the loop's GIL time, with a binomial
 95 % interval.  Times the measured step time, it is stepprof's µs a step.
@@ -18,7 +19,7 @@ Each variant runs the launch-bound step (8-layer bf16 MLP, 256 wide, batch 64, A
 the loop count (not the imports, the model's construction or close()).  Needs CUDA and
 py-spy (``pip install py-spy``; a wheel: see docs/benchmarks.md).
 
-    python bench/inloop_share.py [--seconds 8] [--rate 997] [--variants 'step,3 phases,...'] [--json PATH]
+    python bench/inloop_share.py [--seconds 8] [--rate 199] [--variants 'step,3 phases,...'] [--json PATH]
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def shares(raw: str) -> dict:
 
 def run(variant: str, seconds: float, rate: int, spy: str, tmp: str) -> dict:
     raw, out = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "child.json")
-    cmd = [spy, "record", "--gil", "--threads", "--rate", str(rate), "--format", "raw", "--output", raw,
+    cmd = [spy, "record", "--gil", "--threads", "--nonblocking", "--rate", str(rate), "--format", "raw", "--output", raw,
            "--", sys.executable, os.path.abspath(__file__), "--child", variant, "--seconds", str(seconds),
            "--child-out", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -144,7 +145,8 @@ def run(variant: str, seconds: float, rate: int, spy: str, tmp: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--rate", type=int, default=997, help="samples a second (a prime: no beat with the step)")
+    ap.add_argument("--rate", type=int, default=199, help="samples a second (a prime: no beat with the step); "
+                    "py-spy falls behind past a few hundred with --gil")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
