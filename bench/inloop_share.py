@@ -4,9 +4,8 @@ On a host-bound (launch-bound) loop, the thread that holds the GIL is the bottle
 time stepprof holds it, on the training thread or on its own threads, the loop waits.  The
 wall-time ratio of bench/overhead.py measures that directly, but on a shared host its rounds
 spread by ±15 %, so it cannot tell 1 % from 3 %.  This script measures the same cost another
-way: py-spy samples, at ``--rate`` Hz and without pausing the process (``--nonblocking``), whichever
-thread holds the GIL (``--gil``), and the
-share of those samples whose stack is in stepprof's code (a C++ boundary call counts: its
+way: py-spy samples, at ``--rate`` Hz and without pausing the process (``--nonblocking``),
+whichever thread holds the GIL (``--gil``), and the share of those samples whose stack is in stepprof's code (a C++ boundary call counts: its
 Python caller is stepprof's) is stepprof's share of the loop's GIL time, with a binomial
 95 % interval.  Times the measured step time, it is stepprof's µs a step.
 
