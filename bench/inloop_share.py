@@ -1,22 +1,24 @@
-"""stepprof's share of the GIL in a host-bound training loop, by sampling (py-spy).
+"""stepprof's share of the training thread in a host-bound training loop, by sampling (py-spy).
 
-On a host-bound (launch-bound) loop, the thread that holds the GIL is the bottleneck: any
-time stepprof holds it, on the training thread or on its own threads, the loop waits.  The
-wall-time ratio of bench/overhead.py measures that directly, but on a shared host its rounds
-spread by ±15 %, so it cannot tell 1 % from 3 %.  This script measures the same cost another
-way: py-spy samples, at ``--rate`` Hz and without pausing the process (``--nonblocking``),
-whichever thread holds the GIL (``--gil``), and the share of those samples whose stack is in stepprof's code (a C++ boundary call counts: its
-Python caller is stepprof's) is stepprof's share of the loop's GIL time, with a binomial
-95 % interval.  Times the measured step time, it is stepprof's µs a step.
+On a host-bound (launch-bound) loop the training thread is the critical path: every µs it spends
+in stepprof's code delays the next launch.  The wall-time ratio of bench/overhead.py measures
+the whole cost, but on a shared host its rounds spread by ±15 %, so it cannot tell 1 % from
+3 %.  This script measures the training thread's part another way: py-spy samples the process
+at ``--rate`` Hz without pausing it (``--nonblocking``), and the share of the training thread's
+samples inside the loop whose stack is in stepprof's code (a C++ boundary call counts: its
+Python caller is stepprof's) is stepprof's share of that thread's time, with a binomial 95 %
+interval; times the step time, it is µs a step.  stepprof's own threads (collector, energy) are
+given as their samples over the training thread's: roughly their CPU a step.
 
-What it does not see: costs that hold no GIL (a CUDA call stepprof makes with it released),
-and stepprof's indirect effects on the user's code (caches it evicts, the latency of a GIL
-hand-off).  bench/overhead.py's ratio includes those; this share is the part it can resolve.
+What it does not see: the training thread waiting for the GIL that stepprof's threads hold
+(torch lets go of the GIL inside each op, so those threads mostly run in between; py-spy counts
+such a wait as idle), and indirect effects (caches stepprof evicts).  So the training thread's
+share is a lower bound of what the loop loses; bench/overhead.py's ratio includes the rest.
 
 Each variant runs the launch-bound step (8-layer bf16 MLP, 256 wide, batch 64, AdamW) for
 ``--seconds`` in a child process of its own, under ``py-spy record``; only the samples inside
 the loop count (not the imports, the model's construction or close()).  Needs CUDA and
-py-spy (``pip install py-spy``; a wheel: see docs/benchmarks.md).
+py-spy (``pip install py-spy``).
 
     python bench/inloop_share.py [--seconds 8] [--rate 199] [--variants 'step,3 phases,...'] [--json PATH]
 """
@@ -104,30 +106,29 @@ def _wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def shares(raw: str) -> dict:
-    """From py-spy's raw output: the loop's GIL samples, and stepprof's, by thread."""
+    """From py-spy's raw output: the training thread's samples in the loop, how many of them
+    are in stepprof's code, and the samples of each of stepprof's own threads."""
     total = ours = 0
-    by_thread: dict[str, int] = {}
+    others: dict[str, int] = {}
     for line in open(raw):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         frames = stack.split(";")
         n = int(count)
-        thread = frames[0]
-        main = "MainThread" in thread
-        if main and not any(f.split(" (")[0].endswith(LOOP) for f in frames):
-            continue  # the training thread outside the timed loop
-        if not main and not any(STEPPROF_DIR in f or "(stepprof/" in f for f in frames):
-            continue  # another thread of the process that is not stepprof's (none, usually)
-        total += n
-        if not main or any("(stepprof/" in f for f in frames[1:]):
-            ours += n
-            name = "training thread" if main else thread.split(": ", 1)[-1]
-            by_thread[name] = by_thread.get(name, 0) + n
-    return {"samples": total, "stepprof": ours, "by_thread": by_thread}
+        if "MainThread" in frames[0]:
+            if not any(f.split(" (")[0].endswith(LOOP) for f in frames):
+                continue  # outside the timed loop
+            total += n
+            if any("(stepprof/" in f or STEPPROF_DIR in f for f in frames[1:]):
+                ours += n
+        elif any("(stepprof/" in f or STEPPROF_DIR in f for f in frames):
+            name = frames[0].split(": ", 1)[-1]
+            others[name] = others.get(name, 0) + n
+    return {"samples": total, "stepprof": ours, "threads": others}
 
 
 def run(variant: str, seconds: float, rate: int, spy: str, tmp: str) -> dict:
     raw, out = os.path.join(tmp, "raw.txt"), os.path.join(tmp, "child.json")
-    cmd = [spy, "record", "--gil", "--threads", "--nonblocking", "--rate", str(rate), "--format", "raw", "--output", raw,
+    cmd = [spy, "record", "--threads", "--nonblocking", "--rate", str(rate), "--format", "raw", "--output", raw,
            "--", sys.executable, os.path.abspath(__file__), "--child", variant, "--seconds", str(seconds),
            "--child-out", out]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -138,14 +139,14 @@ def run(variant: str, seconds: float, rate: int, spy: str, tmp: str) -> dict:
     lo, hi = _wilson(k, n)
     result["share"], result["share_95"] = (k / n if n else math.nan), [lo, hi]
     result["stepprof_us_per_step"] = result["share"] * result["step_us"]
+    result["threads_us_per_step"] = {t: c / n * result["step_us"] for t, c in result["threads"].items()} if n else {}
     return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0)
-    ap.add_argument("--rate", type=int, default=199, help="samples a second (a prime: no beat with the step); "
-                    "py-spy falls behind past a few hundred with --gil")
+    ap.add_argument("--rate", type=int, default=199, help="samples a second (a prime: no beat with the step)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
@@ -162,16 +163,16 @@ def main() -> None:
     if unknown:
         sys.exit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     results = {}
-    print(f"{'variant':24s} {'step µs':>8s} {'stepprof share of GIL':>22s} {'µs/step':>8s} "
-          f"{'overhead_us_mean':>16s}  by thread")
+    print(f"{'variant':22s} {'step µs':>8s} {'training thread in stepprof':>29s} {'µs/step':>8s} "
+          f"{'overhead_us_mean':>16s}  stepprof's threads, µs/step")
     for v in names:
         with tempfile.TemporaryDirectory() as tmp:
             r = results[v] = run(v, args.seconds, args.rate, args.py_spy, tmp)
         lo, hi = r["share_95"]
         mean = r["overhead_us_mean"]
-        print(f"{v:24s} {r['step_us']:8.0f} {r['share']:8.2%} ({lo:.2%}-{hi:.2%}) "
+        print(f"{v:22s} {r['step_us']:8.0f} {r['share']:14.2%} ({lo:.2%}-{hi:.2%}) "
               f"{r['stepprof_us_per_step']:8.1f} {mean if mean is None else round(mean, 1)!s:>16s}  "
-              + ", ".join(f"{t} {c / r['samples']:.2%}" for t, c in sorted(r["by_thread"].items())))
+              + ", ".join(f"{t} {us:.1f}" for t, us in sorted(r["threads_us_per_step"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**run_info("bench/inloop_share.py"), "seconds": args.seconds, "rate": args.rate,

@@ -173,7 +173,8 @@ def test_sketch_bench_times_a_compacting_sketch_and_writes_its_json(monkeypatch,
 
 
 def test_inloop_share_counts_the_loops_gil_samples_in_stepprof_code(monkeypatch, tmp_path):
-    """Only the loop's samples count, and a sample is stepprof's when stepprof code is on its stack."""
+    """Only the training thread's samples in the loop count, a sample is stepprof's when stepprof's
+    code is on its stack, and stepprof's own threads are counted apart."""
     monkeypatch.syspath_prepend(BENCH)
     mod = importlib.import_module("inloop_share")
     raw = tmp_path / "raw.txt"
@@ -185,6 +186,6 @@ def test_inloop_share_counts_the_loops_gil_samples_in_stepprof_code(monkeypatch,
         "thread (2): stepprof-collector;Thread.run (threading.py:1);Collector._loop (stepprof/_recorder/collector.py:340) 4",
     ]) + "\n")
     got = mod.shares(str(raw))
-    assert got == {"samples": 100, "stepprof": 10, "by_thread": {"training thread": 6, "stepprof-collector": 4}}
+    assert got == {"samples": 96, "stepprof": 6, "threads": {"stepprof-collector": 4}}
     lo, hi = mod._wilson(10, 100)
     assert lo < 0.10 < hi and 0.05 < lo and hi < 0.18
