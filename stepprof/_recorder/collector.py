@@ -49,6 +49,30 @@ OVERLAP_REASON = (
 )
 
 
+class Flag:
+    """A flag threads share without a lock, which the training thread sets and clears.
+
+    Not a ``threading.Event``: its ``set()`` takes a lock in Python code, and an exception from
+    a signal handler (a watchdog's ``TimeoutError``) can land between that lock's acquire and
+    the ``with`` that releases it, which leaves it held, and the next ``set()`` waits forever
+    (tests/test_watchdog.py's random alarms once hung the suite there).
+    """
+
+    __slots__ = ("_on",)
+
+    def __init__(self) -> None:
+        self._on = False
+
+    def set(self) -> None:
+        self._on = True
+
+    def clear(self) -> None:
+        self._on = False
+
+    def is_set(self) -> bool:
+        return self._on
+
+
 _NO_PREVIOUS = "no previous step on this thread returned from its exit (the first step, or one cut short)"
 
 
@@ -320,7 +344,7 @@ class Collector:
         self._not_sampled_why: tuple[int, str] | None = None
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
-        self._wanted = threading.Event()  # a training thread waits for the lock
+        self._wanted = Flag()  # a training thread waits for the lock
         self.use(())
 
     def use(self, hooks: Sequence[Hook]) -> None:
@@ -459,7 +483,7 @@ class Collector:
             hook.on_finish()
         self.harvest()
 
-    def harvest(self, max_steps: int | None = None, until: threading.Event | None = None) -> bool:
+    def harvest(self, max_steps: int | None = None, until: Flag | None = None) -> bool:
         """Write the pending steps, oldest first, whose events have all completed.
 
         At most ``max_steps`` of them; None: at most those pending when it began, so that a
