@@ -168,7 +168,6 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     from stepprof._recorder.profiler import _make_profiler
 
     monkeypatch.setattr(collector_module, "PENDING_MAX", 300)
-    monkeypatch.setattr("stepprof._recorder.measure.PENDING_MAX", 300)
     if starved == "never runs":
         monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
     else:

@@ -37,7 +37,7 @@ from .._device.backend import MARK, POP, PUSH, READ, RESET, Backend
 from .._errors import from_signal_handler, raised_by_user
 from .._options import CaptureSettings, SyncSettings
 from .backend_slot import BackendSlot
-from .collector import PENDING_MAX, Collector
+from .collector import Collector
 from .exchange import ExchangeHook
 from .hooks import ActiveHooks
 from .step import OpenPhase, PhaseTotals, Step
@@ -353,7 +353,7 @@ class StepMeasure:
         if collector.thread is None:
             collector.start()
             ctx.last_exit = self._clock()
-        elif (now >= collector.catch_up_at or len(pending) > PENDING_MAX) and collector.catch_up(now):
+        elif (now >= collector.catch_up_at or len(pending) > collector.harvest_at) and collector.catch_up(now):
             ctx.last_exit = self._clock()  # the harvest is stepprof's time, not the data wait
 
     # What the boundaries add (:class:`~.boundaries.Boundaries`): closing a scope after an
