@@ -213,6 +213,55 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     assert len(steps(log)) == n
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_completed_steps_are_written_young_and_a_hold_is_retried_every_harvest_at_steps(tmp_path, monkeypatch, held):
+    """With the collector thread kept from running (a tight loop holds the GIL), the training
+    thread writes the completed steps once more than ``HARVEST_AT`` wait, so that they die
+    before the GC promotes them; steps that cannot be written yet (a hook holds them) are
+    tried again only once ``HARVEST_AT`` more wait, not at every step."""
+    from stepprof._recorder import collector as collector_module
+    from stepprof._recorder.hooks import Hook
+    from stepprof._recorder.profiler import _make_profiler
+
+    monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
+    harvests = []
+    harvest = collector_module.Collector.harvest
+
+    def counted(self, *args, **kwargs):
+        harvests.append(len(self.pending))
+        return harvest(self, *args, **kwargs)
+
+    monkeypatch.setattr(collector_module.Collector, "harvest", counted)
+
+    class Hold(Hook):
+        on = True
+
+        def holds(self, step):
+            return self.on
+
+    log = str(tmp_path / "young.jsonl")
+    prof = _make_profiler(log, device="cpu", energy_every_s=None, flush_every_s=3600.0)
+    hold = Hold()
+    if held:
+        prof._collector.use([*prof._hooks, hold])
+    most = 0
+    n = 3 * collector_module.HARVEST_AT + 10
+    for _ in range(n):
+        with prof.step(batch_size=1):
+            pass
+        most = max(most, len(prof._collector.pending))
+    if held:
+        # Held: one harvest each time HARVEST_AT more steps wait, none in between.
+        assert harvests == [(collector_module.HARVEST_AT + 1) * k for k in (1, 2, 3)]
+        assert most == n
+        hold.on = False
+    else:
+        assert most == collector_module.HARVEST_AT  # the 257th is written at its own exit
+        assert len(harvests) == n // (collector_module.HARVEST_AT + 1)
+    prof.close()
+    assert len(steps(log)) == n
+
+
 def test_read_marks_is_none_until_every_end_completes_and_a_missing_time_is_none(gpu):
     a = gpu.mark()
     gpu.launch(2.0)
