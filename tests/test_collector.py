@@ -160,14 +160,13 @@ def test_a_harvest_writes_its_records_in_one_system_call(log, gpu, monkeypatch):
 def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tmp_path, monkeypatch, starved):
     """The collector thread never runs, or runs slowly while it holds its lock (as when other
     processes starve it of CPU): the training thread writes each step within
-    ``flush_every_s``, and never lets more than ``PENDING_MAX`` steps wait (the memory they
-    hold)."""
+    ``flush_every_s``, and never lets more than ``HARVEST_AT`` completed steps wait (the memory
+    they hold)."""
     import threading
 
     from stepprof._recorder import collector as collector_module
     from stepprof._recorder.profiler import _make_profiler
 
-    monkeypatch.setattr(collector_module, "PENDING_MAX", 300)
     if starved == "never runs":
         monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
     else:
@@ -206,9 +205,9 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
         written = sum(b'"kind":"step"' in line for line in f)
     prof.close()
     assert prof._collector.thread is not None and n > 1000
-    assert most_pending <= 301  # the step just appended, then written
+    assert most_pending <= collector_module.HARVEST_AT + 1  # the step just appended, then written
     assert oldest_s < 0.05 + 0.05  # flush_every_s, and a check every quarter of it
-    assert written >= n - 301
+    assert written >= n - collector_module.HARVEST_AT - 1
     assert slowest_s < 0.1  # the training thread waited one slow record, never a chunk
     assert len(steps(log)) == n
 

@@ -165,7 +165,7 @@ def test_rss_is_flat_between_100k_and_1m_steps():
 
 def test_rss_with_a_log_is_flat_between_100k_and_1m_steps():
     """The same 1M empty steps with two phases, written to a log (about 60 s on 2 cores): the
-    steps waiting for the collector are bounded (``PENDING_MAX``), so RSS at 1M steps is
+    steps waiting for the collector are bounded (``HARVEST_AT``), so RSS at 1M steps is
     within 10 MiB of RSS at 100k."""
     import tempfile
 

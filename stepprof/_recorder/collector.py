@@ -36,15 +36,14 @@ COLLECT_EVERY_S = 0.02
 #: The most steps the collector thread writes before it lets go of its lock (it also
 #: stops early when a training thread asks for the lock: :meth:`Collector.take_over`).
 HARVEST_CHUNK = 256
-#: Steps waiting past which the training thread writes them itself, whatever their age:
-#: the bound on the memory they hold when the collector thread is starved of CPU.
-PENDING_MAX = 2048
-#: Steps waiting past which the training thread writes those that have completed, and then
-#: again each time this many more wait.  A step is a dozen or more objects that the
-#: interpreter's cyclic GC tracks; one that waits for hundreds of steps (a tight loop
-#: keeps the collector thread from the GIL) outlives two young collections and joins the
-#: oldest generation, whose growth triggers full collections: 45 ms each with torch loaded
-#: on the 2-core CPU, 4.1 µs a step of a near-empty 3-phase loop at 2048 (0.3 µs at 256).
+#: Steps waiting past which the training thread writes those that have completed (it needs
+#: no collector thread, which a tight loop keeps from the GIL), and then again each time this
+#: many more wait: steps whose events are still running or that a hook holds (the energy
+#: sample after them, up to ``energy_every_s``) are tried once per this many steps, never at
+#: every step.  Steps held young die young: a step is a dozen or more objects that the
+#: interpreter's cyclic GC tracks, and one that outlives two young collections joins the
+#: oldest generation, whose growth triggers full collections (45 ms each with torch loaded
+#: on the 2-core CPU: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
 HARVEST_AT = 256
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
@@ -414,16 +413,14 @@ class Collector:
 
     def catch_up(self, now: int) -> bool:
         """At a step's exit: keep the log within ``flush_every_s`` of the training thread,
-        the steps waiting young (:data:`HARVEST_AT`) and under ``PENDING_MAX``.
+        and the steps waiting young (:data:`HARVEST_AT`).
 
         The collector thread writes every 20 ms, but it needs the GIL and a CPU, which a
         busy training thread or other processes may hold for long stretches.  When the
         oldest step still waiting left its exit more than ``flush_every_s`` ago, or more
-        than ``PENDING_MAX`` steps wait, the training thread writes the completed steps
+        than :attr:`harvest_at` steps wait, the training thread writes the completed steps
         itself (query only, never a wait on the device), taking over from the collector
-        thread (:meth:`take_over`).  It does so too once more than :attr:`harvest_at` steps
-        wait, then again once ``HARVEST_AT`` more do (the GPU may lag behind), and at every
-        step past ``PENDING_MAX``.  The age is checked at most four times per
+        thread (:meth:`take_over`).  The age is checked at most four times per
         ``flush_every_s``.  Returns whether it wrote.
         """
         every = self._flush_every_ns
@@ -543,7 +540,7 @@ class Collector:
                     self.log.begin_batch()
             return False
         finally:
-            self.harvest_at = min(len(pending) + HARVEST_AT, PENDING_MAX)  # (see catch_up)
+            self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
             self.log.end_batch()
             if written:
                 self.ns_per_record = (clock() - t0) / written
