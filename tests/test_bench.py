@@ -189,3 +189,36 @@ def test_inloop_share_counts_the_loops_gil_samples_in_stepprof_code(monkeypatch,
     assert got == {"samples": 96, "stepprof": 6, "threads": {"stepprof-collector": 4}}
     lo, hi = mod._wilson(10, 100)
     assert lo < 0.10 < hi and 0.05 < lo and hi < 0.18
+
+
+def test_long_loop_charges_each_thread_and_gc_generation_and_aggregates_spy_frames(tmp_path):
+    """A short run on the CPU: the training thread carries the loop's CPU, the GC table has each
+    generation, and py-spy's raw frames are counted per thread by function, lines merged."""
+    import json
+    import subprocess
+
+    out = tmp_path / "long.json"
+    subprocess.run([sys.executable, os.path.join(BENCH, "long_loop.py"), "--variant", "3 phases",
+                    "--seconds", "0.3", "--json", str(out)], check=True, capture_output=True, timeout=120)
+    got = json.loads(out.read_text())
+    assert got["steps"] > 100 and got["step_us"] > 0 and got["variant"] == "3 phases"
+    main = [v for k, v in got["loop_ns_per_step"].items() if k.startswith("MainThread#")]
+    assert main and main[0] > 0
+    assert sorted(got["gc"]) == ["0", "1", "2"] and all(v["count"] >= 0 for v in got["gc"].values())
+    saved = list(sys.path)  # (the module puts the repository and bench/ on it)
+    sys.path.insert(0, BENCH)
+    try:
+        mod = importlib.import_module("long_loop")
+    finally:
+        sys.path[:] = saved
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (1): MainThread;timed_loop (bench/long_loop.py:90);Boundaries.exit (stepprof/_recorder/boundaries.py:170) 6\n"
+        "thread (1): MainThread;timed_loop (bench/long_loop.py:91);Boundaries.exit (stepprof/_recorder/boundaries.py:172) 4\n"
+        "thread (2): stepprof-collector;Collector._loop (stepprof/_recorder/collector.py:340) 3\n")
+    agg = mod.aggregate(str(raw))
+    main = agg["thread (1): MainThread"]
+    assert main["samples"] == 10
+    assert dict(main["self"]) == {"Boundaries.exit (stepprof/_recorder/boundaries.py)": 10}
+    assert dict(main["incl"])["timed_loop (bench/long_loop.py)"] == 10
+    assert agg["thread (2): stepprof-collector"]["samples"] == 3
