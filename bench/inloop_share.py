@@ -58,7 +58,7 @@ def child(variant: str, seconds: float, out: str) -> None:
     """The loop, in the sampled process: warm up, then ``seconds`` of steps; write the step time."""
     import torch
 
-    from overhead import make_workload, phased_step
+    from overhead import any_step, make_workload
     from stepprof._recorder.profiler import _make_profiler
 
     settings, phased = VARIANTS[variant]
@@ -67,13 +67,7 @@ def child(variant: str, seconds: float, out: str) -> None:
     prof = _make_profiler(log, **settings) if variant != "bare" else None
 
     def step() -> None:
-        if prof is None:
-            fwd(); bwd(); opt()  # noqa: E702
-        elif phased:
-            phased_step(prof, 64, fwd, bwd, opt)
-        else:
-            with prof.step(batch_size=64):
-                fwd(); bwd(); opt()  # noqa: E702
+        any_step(prof, phased, 64, fwd, bwd, opt)
 
     def timed_loop() -> tuple[int, float]:
         torch.cuda.synchronize()

@@ -61,6 +61,7 @@ def diff(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 def child(variant: str, work: str, seconds: float, out: str) -> None:
     import torch
+    from overhead import any_step
     from stepprof._recorder.profiler import _make_profiler
 
     settings, phased = VARIANTS[variant]
@@ -76,19 +77,7 @@ def child(variant: str, work: str, seconds: float, out: str) -> None:
     prof = _make_profiler(log, **settings) if settings is not None else None
 
     def step() -> None:
-        if prof is None:
-            fwd(); bwd(); opt()  # noqa: E702
-        elif phased:
-            with prof.step(batch_size=64):
-                with prof.measure("forward"):
-                    fwd()
-                with prof.measure("backward"):
-                    bwd()
-                with prof.measure("optimizer"):
-                    opt()
-        else:
-            with prof.step(batch_size=64):
-                fwd(); bwd(); opt()  # noqa: E702
+        any_step(prof, phased, 64, fwd, bwd, opt)
 
     def timed_loop() -> tuple[int, float]:
         sync()

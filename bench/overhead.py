@@ -79,6 +79,17 @@ def make_workload(width: int, batch: int, depth: int = 8, device: str | torch.de
     return forward, backward, optimizer
 
 
+def any_step(prof, phased, batch, fwd, bwd, opt):
+    """One step: bare (``prof`` None), a step record, or with :func:`phased_step`'s phases."""
+    if prof is None:
+        fwd(); bwd(); opt()  # noqa: E702
+    elif phased:
+        phased_step(prof, batch, fwd, bwd, opt)
+    else:
+        with prof.step(batch_size=batch):
+            fwd(); bwd(); opt()  # noqa: E702
+
+
 def phased_step(prof, batch, fwd, bwd, opt):
     """One step with forward/backward/optimizer phases: the README's loop."""
     with prof.step(batch_size=batch):
