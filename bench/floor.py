@@ -8,10 +8,11 @@ round runs the bare loop and each variant once, in a shuffled order; a variant's
 round is its CPU time less the bare loop's of that round, over the steps.  The table gives the
 median over rounds and the range (min-max).
 
-Two more columns split it: the part spent in ``close()``, which writes the records a short run
-still holds (each waits for the energy sample after it, every 0.5 s): most of the collector's
-work per record; and the training thread's own CPU in the loop, less the bare loop's (its
-boundaries, and any harvest it took over).
+Two more columns split it: the part spent in ``close()``, which writes the records still
+waiting (each waits for the energy sample after it, every 0.5 s; it is built once its events
+have completed); and the training thread's own CPU in the loop, less the bare loop's (its
+boundaries, and any harvest it took over).  ``--steps`` past ``energy_every_s`` of steps (the
+default 3,000 near-empty steps take less) shows a long run's steady state.
 
 Variants:
   step        ``prof.step(batch_size=8)``, the default settings;

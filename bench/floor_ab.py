@@ -9,7 +9,7 @@ The base is a git revision (exported into a temporary directory with ``git archi
 directory that holds a copy of its ``stepprof/`` and ``bench/`` (where there is no git, such as
 a device machine's copy of the working tree).
 
-    python bench/floor_ab.py --base b330aee [--rounds 9] [--device auto|cpu|cuda] [--json PATH]
+    python bench/floor_ab.py --base b330aee [--rounds 9] [--steps 3000] [--device auto|cpu|cuda] [--json PATH]
     python bench/floor_ab.py --base-dir /path/to/base/tree ...
 """
 
@@ -40,10 +40,10 @@ def export(rev: str, into: str) -> str:
     return into
 
 
-def one_round(tree: str, seed: int, device: str, out: str) -> dict:
+def one_round(tree: str, seed: int, device: str, out: str, steps: int) -> dict:
     subprocess.run(
         [sys.executable, os.path.join(tree, "bench", "floor.py"), "--rounds", "1", "--seed", str(seed),
-         "--device", device, "--json", out],
+         "--device", device, "--steps", str(steps), "--json", out],
         check=True, capture_output=True,
     )
     with open(out) as f:
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     base.add_argument("--base-dir", help="a directory holding the base's stepprof/ and bench/")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--steps", type=int, default=3000, help="steps a run (floor.py's --steps)")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stepprof-floor-ab-") as tmp:
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict]] = {"base": [], "head": []}
         for i in range(1, args.rounds + 1):
             for name, tree in (("base", base_tree), ("head", HERE)):
-                runs[name].append(one_round(tree, i, args.device, os.path.join(tmp, f"{name}-{i}.json")))
+                runs[name].append(one_round(tree, i, args.device, os.path.join(tmp, f"{name}-{i}.json"), args.steps))
     info = runs["head"][0]
     print(f"stepprof floor A/B on {info['gpu']}, torch {info['torch']}: {args.rounds} interleaved rounds "
           f"of {info['steps']} steps, base {args.base or args.base_dir}")
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_median": statistics.median(ratio)}
         print(f"  {v:10s} {statistics.median(b):8.1f} {min(b):6.1f}-{max(b):<6.1f} {statistics.median(h):8.1f} "
               f"{min(h):6.1f}-{max(h):<6.1f} {statistics.median(ratio):6.3f} {min(ratio):.3f}-{max(ratio):.3f}")
-    for part, title in (("close", "of it in close() (the records a short run still holds, written there)"),
+    for part, title in (("close", "of it in close() (the records still waiting, written there)"),
                         ("training", "the training thread's own, in the loop")):
         key = f"{part}_median_us"
         have = [v for v in table if all(key in r["variants"][v] for r in runs["base"] + runs["head"])]

@@ -298,8 +298,9 @@ class StepTotals(Fields):
     def sketches(self) -> tuple[Sketch, ...]:
         return tuple(getattr(self, name) for name in _SKETCHES)
 
-    def add(self, r: dict[str, Any]) -> None:
-        """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step."""
+    def add(self, r: dict[str, Any]) -> bool:
+        """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step
+        (then True)."""
         # Numbers are taken as orjson gives them: int or float (JSON has no NaN or
         # infinity); anything else (a str, a bool, null) is treated as missing.
         get = r.get
@@ -332,17 +333,19 @@ class StepTotals(Fields):
         why = left_out(r)  # the timed-step rule (stepprof._rules), which every view applies
         if why is not None and why in _NOT_MEASURED:
             getattr(self, _NOT_MEASURED[why]).value += 1
-            return
+            return False
         self.measured.value += 1
         if idx >= 0 and self.first_measured.value is None:
             self.first_measured.value = idx
         if why is None:
             self._add_timed(r, idx)
-        elif why is COUNTED:
+            return True
+        if why is COUNTED:
             self.flops_counted_step.add(idx if idx >= 0 else None)
         elif why is COMPILED:
             self.compile_steps.add()
             self.compile_step_list.add(idx)
+        return False
 
     def _add_timed(self, r: dict[str, Any], idx: int) -> None:
         """A timed step's figures."""
@@ -454,6 +457,14 @@ class StepTotals(Fields):
                     break
                 if type(why) is str:
                     kept.add((idx, why[:500]))
+
+    def add_late(self, r: dict[str, Any], batch: Any) -> None:
+        """A timed step's late fields (:meth:`RunAggregate.add_late`)."""
+        if "energy_j" in r:
+            self._add_energy(r, batch)
+        reasons = r.get("unavailable")
+        if reasons:
+            self._take_reasons(reasons)
 
     def _add_energy(self, r: dict[str, Any], batch: Any) -> None:
         x, span = r.get("energy_j"), r.get("energy_span_ms")
@@ -608,6 +619,13 @@ class NameGroups:
             group = groups[key] = StepTotals()
         group.add(r)
 
+    def add_late(self, key: str, r: dict[str, Any], batch: Any) -> None:
+        """A timed step's late fields, to its name group (none while the run has one name)."""
+        if self.by_name is not None:
+            group = self.by_name.get(key) or self.by_name.get(OTHER_NAMES)
+            if group is not None:
+                group.add_late(r, batch)
+
     def add_peak(self, record: dict[str, Any]) -> None:
         """A peak record follows its step's record: it goes to that step's name group."""
         if self.key is None:
@@ -704,8 +722,9 @@ class RunAggregate:
         else:
             self.records.add(kind, record)
 
-    def add_step(self, r: dict[str, Any]) -> None:
-        """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step."""
+    def add_step(self, r: dict[str, Any]) -> bool:
+        """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step
+        (then True)."""
         groups = self.groups
         name = r.get("name")
         key = name if type(name) is str else NO_NAME
@@ -714,7 +733,15 @@ class RunAggregate:
         groups.last_key = key
         if "rank" in r and self.records.identity.value is None:
             self.records.take_identity(r)
-        self.totals.add(r)
+        return self.totals.add(r)
+
+    def add_late(self, r: dict[str, Any], name: Any, batch: Any, timed: bool) -> None:
+        """The late fields ``r`` (with their ``unavailable``) of a step record of this ``name``
+        that :meth:`add_step` took before them: energy, which waits for the sample after the
+        step; ``timed``: whether the step is a timed one (``stepprof._rules.left_out``)."""
+        if timed:
+            self.totals.add_late(r, batch)
+            self.groups.add_late(name if type(name) is str else NO_NAME, r, batch)
 
     def merge(self, later: RunAggregate) -> None:
         """Fold in ``later``: the same run, continued in a later stretch of the log."""

@@ -80,7 +80,8 @@ class JsonlWriter:
         drops and retakes the GIL, which the training thread may then have to give up.  They
         go in chunks of :data:`CHUNK_RECORDS` lines: a thousand encoded lines held at once
         cost glibc's malloc several times what encoding them does (bench/floor.py: 3.4 µs a
-        record against 0.6 in chunks of 64).
+        record against 0.6 in chunks of 64).  An item that is ``bytes`` is lines
+        :func:`encode_line` made already.
         """
         if self._fd is None:
             return
@@ -90,9 +91,9 @@ class JsonlWriter:
         for i in range(0, len(records), CHUNK_RECORDS):
             chunk = records[i:i + CHUNK_RECORDS]
             try:
-                line = b"".join([dumps(r, option=option) for r in chunk])
+                line = b"".join([r if type(r) is bytes else dumps(r, option=option) for r in chunk])
             except orjson.JSONEncodeError:  # a value JSON cannot hold: repair that record alone
-                line = b"".join([_encode(r) for r in chunk])
+                line = b"".join([r if type(r) is bytes else encode_line(r) for r in chunk])
             if not self._write(line):
                 return
 
@@ -146,7 +147,7 @@ _INT_RANGE = (-(2**63), 2**64 - 1)
 _MAX_DEPTH = 128
 
 
-def _encode(record: Any) -> bytes:
+def encode_line(record: Any) -> bytes:
     """One record as a line: as it is if orjson takes it, else repaired; never raises."""
     option = orjson.OPT_APPEND_NEWLINE
     try:

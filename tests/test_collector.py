@@ -212,14 +212,37 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     assert len(steps(log)) == n
 
 
+class Late:
+    """A late hook (a stand-in for energy): its field comes once ``ready``, or at close; odd
+    steps get it null, with a reason."""
+
+    def __new__(cls):
+        from stepprof._recorder.hooks import Hook
+
+        class _Late(Hook):
+            ready = False
+
+            def late(self, step, record):
+                return (step.index,)
+
+            def fill(self, token, final):
+                if not (self.ready or final):
+                    return None
+                (i,) = token
+                if i % 2:
+                    return {"late_ms": None}, {"late_ms": f"step {i} is odd"}
+                return {"late_ms": i / 2}, {}
+
+        return _Late()
+
+
 @pytest.mark.parametrize("held", [False, True])
-def test_completed_steps_are_written_young_and_a_hold_is_retried_every_harvest_at_steps(tmp_path, monkeypatch, held):
+def test_completed_steps_are_written_young_and_held_ones_wait_as_untracked_lines(tmp_path, monkeypatch, held):
     """With the collector thread kept from running (a tight loop holds the GIL), the training
     thread writes the completed steps once more than ``HARVEST_AT`` wait, so that they die
-    before the GC promotes them; steps that cannot be written yet (a hook holds them) are
-    tried again only once ``HARVEST_AT`` more wait, not at every step."""
+    before the GC promotes them.  A record whose late field is not known yet (energy) waits
+    built and encoded: no step object waits, and what does wait the GC does not track."""
     from stepprof._recorder import collector as collector_module
-    from stepprof._recorder.hooks import Hook
     from stepprof._recorder.profiler import _make_profiler
 
     monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
@@ -231,34 +254,79 @@ def test_completed_steps_are_written_young_and_a_hold_is_retried_every_harvest_a
         return harvest(self, *args, **kwargs)
 
     monkeypatch.setattr(collector_module.Collector, "harvest", counted)
-
-    class Hold(Hook):
-        on = True
-
-        def holds(self, step):
-            return self.on
-
     log = str(tmp_path / "young.jsonl")
     prof = _make_profiler(log, device="cpu", energy_every_s=None, flush_every_s=3600.0)
-    hold = Hold()
+    late = Late()
     if held:
-        prof._collector.use([*prof._hooks, hold])
+        prof._collector.use([*prof._hooks, late])
     most = 0
     n = 3 * collector_module.HARVEST_AT + 10
     for _ in range(n):
         with prof.step(batch_size=1):
             pass
         most = max(most, len(prof._collector.pending))
+    assert most == collector_module.HARVEST_AT  # the 257th is written at its own exit
+    assert len(harvests) == n // (collector_module.HARVEST_AT + 1)
+    held_now = prof._collector.held
     if held:
-        # Held: one harvest each time HARVEST_AT more steps wait, none in between.
-        assert harvests == [(collector_module.HARVEST_AT + 1) * k for k in (1, 2, 3)]
-        assert most == n
-        hold.on = False
+        assert steps(log) == [] and len(held_now) == 3 * (collector_module.HARVEST_AT + 1)
+        gc.collect()
+        assert not any(gc.is_tracked(entry) for entry in held_now)
+        late.ready = True
     else:
-        assert most == collector_module.HARVEST_AT  # the 257th is written at its own exit
-        assert len(harvests) == n // (collector_module.HARVEST_AT + 1)
+        assert not held_now
     prof.close()
-    assert len(steps(log)) == n
+    records = steps(log)
+    assert [r["step"] for r in records] == list(range(n))
+    if held:
+        assert [r["late_ms"] for r in records[:4]] == [0.0, None, 1.0, None]
+        assert records[1]["unavailable"]["late_ms"] == "step 1 is odd"
+        assert "late_ms" not in records[0]["unavailable"]
+
+
+def test_a_held_record_is_the_record_it_would_have_been_and_its_events_go_back_at_once(log, gpu):
+    """A record that waits for a late field gives its step's events back to the pool when it
+    is built, not when it is written (a run shorter than ``energy_every_s`` would make new
+    events for every step); written, it is the same record, the late field added, and the
+    records after it (memory) still follow it."""
+    late = Late()
+    records = []
+    for hook_on in (False, True):
+        path = log + str(hook_on)
+        g = type(gpu)()
+        prof = make(path, g, memory_every=2)
+        if hook_on:
+            prof._collector.use([*prof._hooks, late])
+        for _ in range(4):
+            with prof.step():
+                with prof.measure("forward"):
+                    g.launch(2.0)
+                g.launch(1.0)
+                g.host(0.5)
+        g.host(10.0)  # the device finishes steps 0-3
+        with prof.step():
+            g.launch(1.0)
+        if hook_on:
+            assert steps(path, prof) == []  # held: nothing written yet
+            # Steps 0-3, each its own two events and its phase's end (the phase starts on the step's).
+            assert len(g.released) == 4 * 3 == g.marks_made - 2
+            late.ready = True
+        summary = prof.close()
+        assert len(g.released) == g.marks_made  # each once
+        records.append(list(stepprof.read(path)))
+        assert summary.steps == 5
+    bare, held = records
+    assert [(r["kind"], r.get("step")) for r in held] == [(r["kind"], r.get("step")) for r in bare]
+    for a, b in zip(bare, held):
+        if a["kind"] == "step":
+            assert b.pop("late_ms") == (None if a["step"] % 2 else a["step"] / 2)
+            if a["step"] % 2:
+                assert b["unavailable"].pop("late_ms") == f"step {a['step']} is odd"
+        for r in (a, b):
+            for k in ("run_id", "overhead_us", "start_unix_s", "unix_s", "log"):
+                r.pop(k, None)
+        if a["kind"] != "summary":
+            assert a == b
 
 
 def test_read_marks_is_none_until_every_end_completes_and_a_missing_time_is_none(gpu):

@@ -7,6 +7,12 @@ hooks and the sinks (the log and the summary), and writes them to the log togeth
 one system call.  The hooks' own records (flops, memory, ranks) reach both sinks through
 :meth:`Collector.write`.
 
+A record with a field known only later (energy: the sample after the step, up to
+``energy_every_s`` away) waits in ``held``, built and encoded: a flat tuple of its line and
+the late hook's token, which the GC untracks at its first young collection; every later
+record waits behind it, to keep the log's order.  A step that waited as a :class:`Step` outlived the young collections and triggered
+full ones (on the H200, 7 µs a step of a near-empty loop).
+
 The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
 (tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
 """
@@ -19,8 +25,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import orjson
+
 from .._errors import raised_by_user, warn
-from .._log import CHUNK_RECORDS
+from .._log import CHUNK_RECORDS, encode_line
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
@@ -40,7 +48,7 @@ HARVEST_CHUNK = 256
 #: no collector thread, which a tight loop keeps from the GIL), and then again each time this
 #: many more wait: steps whose events are still running or that a hook holds (the energy
 #: sample after them, up to ``energy_every_s``) are tried once per this many steps, never at
-#: every step.  Steps held young die young: a step is a dozen or more objects that the
+#: every step.  Steps written young die young: a step is a dozen or more objects that the
 #: interpreter's cyclic GC tracks, and one that outlives two young collections joins the
 #: oldest generation, whose growth triggers full collections (45 ms each with torch loaded
 #: on the 2-core CPU: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
@@ -329,6 +337,9 @@ class Collector:
         flush_every_ns: int | None = None,
     ) -> None:
         self.pending: deque[Step] = deque()
+        #: Built records waiting for a late field, oldest first: (line, name, batch_size,
+        #: whether the step is timed, the lines after it, their count, *the late hook's token).
+        self.held: deque[tuple[Any, ...]] = deque()
         self._flush_every_ns = flush_every_ns
         #: Before this step-clock reading the training thread does not check the log's lag.
         self.catch_up_at = 0 if flush_every_ns is not None else 2**63
@@ -362,7 +373,11 @@ class Collector:
         self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
         self._harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
         self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
-        self._hold_hooks = tuple(h for h in hooks if type(h).holds is not Hook.holds)
+        late = [h for h in hooks if type(h).late is not Hook.late]
+        if len(late) > 1:
+            raise ValueError(f"at most one hook may have late fields, not {late!r}")
+        #: The hook whose fields come late (energy), or None.
+        self._late = late[0] if late else None
         self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
 
     # -- the thread ---------------------------------------------------------------
@@ -404,6 +419,7 @@ class Collector:
     def forget(self) -> None:
         """After a fork: the pending steps and the thread are the parent's."""
         self.pending = deque()
+        self.held = deque()
         self.thread = None
         self._stop = threading.Event()
         self.lock = threading.Lock()
@@ -473,7 +489,7 @@ class Collector:
 
     def finish(self) -> None:
         """At close: wait for the pending steps' own events, then write them all."""
-        if not self.pending:
+        if not self.pending and not self.held:
             return
         # Steps that finished before any internal error are still written.  Wait on their
         # own events, not the whole device: a collective that another rank never joins (an
@@ -487,9 +503,14 @@ class Collector:
                 marks.extend(end for _, end in total.marks)
         for b, marks in waits.values():
             b.wait(marks)
-        for hook in self._hold_hooks:
-            hook.on_finish()
+        if self._late is not None:
+            self._late.on_finish()
         self.harvest()
+        self.log.begin_batch()
+        try:
+            self._write_held(final=True)
+        finally:
+            self.log.end_batch()
 
     def harvest(self, max_steps: int | None = None, until: Flag | None = None) -> bool:
         """Write the pending steps, oldest first, whose events have all completed.
@@ -503,6 +524,13 @@ class Collector:
         """
         for hook in self._harvest_hooks:
             hook.on_harvest(self.write)
+        if self.held:
+            self.log.begin_batch()
+            try:
+                if self._write_held(False, until):
+                    return True
+            finally:
+                self.log.end_batch()
         pending = self.pending
         if not pending:
             self.harvest_at = HARVEST_AT
@@ -522,18 +550,24 @@ class Collector:
                 s = pending[0]
                 if not s.read():  # its end events, or a phase's on another stream, still running
                     return False
-                for hook in self._hold_hooks:  # a figure not known yet (energy): a later harvest
-                    if hook.holds(s):
-                        return False
                 pending.popleft()
-                record = self._build(s)
+                record, token = self._build(s)
                 record["overhead_us"] += share_us
                 if budget is not None and not s.warmup and s.error is None:
                     budget.add(s.sampled != 0, record["overhead_us"], record["wall_ms"])
-                log_write(record)
-                add_step(record)
-                for hook in self._after_hooks:
-                    hook.after_record(s, self.write)
+                if token is not None and not self.held:  # its late fields may be known already
+                    filled = self._late.fill(token, False)  # type: ignore[union-attr]
+                    if filled is not None:
+                        record.update(filled[0])
+                        record["unavailable"].update(filled[1])
+                        token = None
+                if token is None and not self.held:
+                    log_write(record)
+                    add_step(record)
+                    for hook in self._after_hooks:
+                        hook.after_record(s, self.write)
+                else:
+                    self._hold(s, record, token)
                 written += 1
                 if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
                     self.log.end_batch()
@@ -547,6 +581,57 @@ class Collector:
                 if budget is not None:
                     budget.choose()
 
+    def _hold(self, s: Step, record: dict[str, Any], token: tuple[Any, ...] | None) -> None:
+        """Keep a built record until its late fields are known (:attr:`held`): folded into
+        the summary now, its line and those of the records after it encoded now."""
+        timed = self.summary.add_step(record)
+        encode = self.log.encode
+        entry = (encode(record), s.name, s.batch_size, timed)
+        if self._after_hooks:
+            after: list[dict[str, Any]] = []
+            for hook in self._after_hooks:
+                hook.after_record(s, after.append)
+            for r in after:
+                self.summary.add(r)
+            entry += (b"".join([encode(r) for r in after]), len(after))
+        else:
+            entry += (b"", 0)
+        self.held.append(entry + token if token is not None else entry)
+
+    def _write_held(self, final: bool, until: Flag | None = None) -> bool:
+        """Write the held records, oldest first, whose late fields are known now (all, if
+        ``final``: at close, after the hooks' :meth:`~Hook.on_finish`), inside the log's
+        batch; returns whether it stopped early, once ``until`` was set."""
+        held = self.held
+        log = self.log
+        n = 0
+        while held:
+            if until is not None and until.is_set():
+                return True
+            n += 1
+            if not n % CHUNK_RECORDS:  # (as in harvest)
+                log.end_batch()
+                log.begin_batch()
+            entry = held[0]
+            line, name, batch, timed, after, n_after = entry[:6]
+            token = entry[6:]
+            filled = self._late.fill(token, final) if token else ({}, {})  # type: ignore[union-attr]
+            if filled is None:
+                return False
+            held.popleft()
+            fields, reasons = filled
+            if reasons:  # (rare: a sampler that stopped) the reasons go inside "unavailable"
+                record = orjson.loads(line)
+                record.update(fields)
+                record["unavailable"].update(reasons)
+                line = encode_line(record)
+            elif fields and line:  # '{...}\n' -> '{..., "energy_j": ...}\n'
+                line = b"%b,%b\n" % (line[:-2], orjson.dumps(fields)[1:])
+            if fields:
+                self.summary.add_late({**fields, "unavailable": reasons}, name, batch, timed)
+            log.write_lines(line + after, 1 + n_after)
+        return False
+
     def _not_sampled(self) -> str:
         """Why a light step has no GPU figures (the interval it was chosen under)."""
         budget = self.budget
@@ -556,8 +641,9 @@ class Collector:
             why = self._not_sampled_why = (budget.interval, budget.reason(budget.interval))
         return why[1]
 
-    def _build(self, s: Step) -> dict[str, Any]:
-        """Build a completed step's record, hand it to the hooks, release its marks."""
+    def _build(self, s: Step) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
+        """Build a completed step's record, hand it to the hooks, release its marks; with the
+        late hook's token (None: it has no late field)."""
         b = s.backend
         record = build_step_record(
             s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
@@ -566,6 +652,7 @@ class Collector:
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
+        token = self._late.late(s, record) if self._late is not None else None
         if b.has_device_timing:  # (the host's marks are None: none to release)
             b.release_marks(s.flat, s.end_mark if self._keep_end_marks else None)
-        return record
+        return record, token

@@ -16,8 +16,10 @@ without GPU time (a light step under ``overhead_budget``) is shifted by the last
 Over consecutive steps the interpolation errors cancel: the sum of their ``energy_j`` is the
 counter's difference between the window's two ends.
 
-A step's record waits for a sample taken after its span (:meth:`EnergyHook.holds`), so the
-log lags by up to ``energy_every_s`` more; at close the sampler takes a last sample once the
+A step's record waits for a sample taken after its span (:meth:`EnergyHook.fill`), so the
+log lags by up to ``energy_every_s`` more.  It waits built and encoded, a line and the span's
+two ints, which the GC does not track: steps that waited as objects outlived the young
+collections and triggered full ones.  At close the sampler takes a last sample once the
 device is done, and nothing waits.  The training thread makes no call for any of this: the
 sampler starts when the collector first sees a CUDA step.
 """
@@ -168,34 +170,43 @@ class EnergyHook(Hook):
         self._stopped: str | None = None  # why no sampler may start (a forked child)
         self._prev_end: int | None = None  # the previous training-thread step's span end
         self._lag = 0  # its end less its host t1
-        self._span: tuple[int, int, int, bool] | None = None  # (step, start, end, wait) of the step at hand
         #: A step waits at most this long past its end for a sample (a stuck NVML call).
         self._patience_ns = int((10 * every_s + 5) * 1e9)
 
     # -- collector ------------------------------------------------------------------
 
-    def holds(self, step: Step) -> bool:
-        """Whether ``step``'s record waits for a sample after its span (its events have completed)."""
+    def late(self, step: Step, record: dict[str, Any]) -> tuple[int, int] | None:
+        """The step's span (start, end) to :meth:`fill` once a sample after it came; the fields
+        null with the reason now where no sample can cover it."""
         b = step.backend
-        if step.thread is not None or not b.has_device_timing:
-            return False
-        sampler = self.sampler
-        if sampler is None:
-            if self._stopped is not None:
-                return False
-            sampler = self.sampler = Sampler(b, self.every_s, self._clock, self._opener)
-        span = self._span
-        if span is None or span[0] != step.index:
-            span = self._span = self._span_of(step, sampler)
-        if not span[3]:
-            return False
-        latest = sampler.latest()
-        if (latest is not None and latest >= span[2]) or not sampler.running:
-            return False
-        return self._clock() - span[2] < self._patience_ns
+        why = None
+        if not b.has_device_timing:
+            why = ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
+        elif step.thread is not None:
+            why = OTHER_THREAD
+        else:
+            sampler = self.sampler
+            if sampler is None and self._stopped is None:  # the first CUDA step starts it
+                sampler = self.sampler = Sampler(b, self.every_s, self._clock, self._opener)
+            if sampler is None:
+                why = f"no energy sample: {self._stopped} before the sampler started"
+            else:
+                start, end = self._span_of(step)
+                first = sampler.times[0] if sampler.times else None
+                if first is not None and start >= first:
+                    return start, end
+                # Before the sampler's first sample (or none yet): no later one covers it.
+                why = sampler.reason or NOT_YET
+                record["energy_span_ms"] = (end - start) / 1e6
+                record["energy_j"] = None
+                record["unavailable"]["energy_j"] = why
+                return None
+        record["energy_j"] = record["energy_span_ms"] = None
+        record["unavailable"]["energy_j"] = record["unavailable"]["energy_span_ms"] = why
+        return None
 
-    def _span_of(self, s: Step, sampler: Sampler) -> tuple[int, int, int, bool]:
-        """(index, start, end, whether to wait for a sample) of a training-thread CUDA step."""
+    def _span_of(self, s: Step) -> tuple[int, int]:
+        """(start, end) of a training-thread CUDA step's span; the next one starts at its end."""
         now = self._clock()
         prev = self._prev_end
         gpu_ms = s.gpu_ms()
@@ -209,49 +220,27 @@ class EnergyHook(Hook):
         if prev is not None:
             end = max(end, prev)
             start = prev
-        first = sampler.times[0] if sampler.times else None
-        # Wait only for a step the samples can cover: once the sampler runs, from its first sample on.
-        wait = first is not None and start >= first
-        return s.index, start, end, wait
+        self._prev_end = end
+        self._lag = end - s.t1
+        return start, end
 
-    def on_record(self, step: Step, record: dict[str, Any]) -> None:
-        """Add ``energy_j`` and ``energy_span_ms`` (null with the reason where there is none)."""
-        unavailable = record["unavailable"]
-        energy = span_ms = None
-        why = None
-        b = step.backend
-        if not b.has_device_timing:
-            why = ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
-        elif step.thread is not None:
-            why = OTHER_THREAD
-        else:
-            sampler = self.sampler
-            span = self._span
-            if sampler is None or span is None or span[0] != step.index:
-                why = (f"no energy sample: {self._stopped} before the sampler started"
-                       if self._stopped else "the energy sampler did not start")
-            else:
-                _, start, end, _ = span
-                self._prev_end = end
-                self._lag = end - step.t1
-                span_ms = (end - start) / 1e6
-                energy = sampler.energy_j(start, end)
-                if energy is None:
-                    first = sampler.times[0] if sampler.times else None
-                    if sampler.reason is not None:
-                        why = sampler.reason
-                    elif first is None or start < first:
-                        why = NOT_YET
-                    else:
-                        why = ("no energy sample after the step's end: the sampler stopped, or none "
-                               "came within the wait")
-                sampler.trim(start)
-        record["energy_j"] = energy
-        record["energy_span_ms"] = span_ms
-        if energy is None:
-            unavailable["energy_j"] = why
-            if span_ms is None:
-                unavailable["energy_span_ms"] = why
+    def fill(self, token: tuple[int, int], final: bool) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """``energy_j`` over the span, once a sample at or after its end came (None until then;
+        null with the reason if the sampler stopped first, or none came within the patience)."""
+        start, end = token
+        sampler = self.sampler
+        assert sampler is not None  # (a token is only given once it started; a fork drops both)
+        energy = sampler.energy_j(start, end)
+        if energy is None and not final and sampler.running:
+            latest = sampler.latest()
+            if (latest is None or latest < end) and self._clock() - end < self._patience_ns:
+                return None
+        sampler.trim(start)
+        fields = {"energy_j": energy, "energy_span_ms": (end - start) / 1e6}
+        if energy is not None:
+            return fields, {}
+        return fields, {"energy_j": sampler.reason or (
+            "no energy sample after the step's end: the sampler stopped, or none came within the wait")}
 
     # -- close and fork ---------------------------------------------------------------
 

@@ -55,7 +55,7 @@ class Hook:
     """The points where the recorder calls optional behaviour; each does nothing here.
 
     Training thread: :meth:`on_step_begin`, :meth:`on_step_end`, :meth:`on_fail`.
-    Collector: :meth:`on_harvest`, :meth:`holds`, :meth:`on_record`, :meth:`after_record`.
+    Collector: :meth:`on_harvest`, :meth:`on_record`, :meth:`late`, :meth:`fill`, :meth:`after_record`.
     Close: :meth:`on_finish`, :meth:`on_close`.
     """
 
@@ -77,17 +77,25 @@ class Hook:
     def on_harvest(self, write: Write) -> None:
         """At the start of each harvest."""
 
-    def holds(self, step: Step) -> bool:
-        """Whether the completed ``step`` (the oldest pending) must wait: its record, and every
-        later one, are written at a later harvest."""
-        return False
-
     def on_finish(self) -> None:
         """At close, once the pending steps' events have completed, before their last
-        harvest: from here on :meth:`holds` must say False."""
+        harvest: from here on :meth:`fill` must not say None."""
 
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
         """Amend a completed step's record before it is written (its marks are still held)."""
+
+    def late(self, step: Step, record: dict[str, Any]) -> tuple[Any, ...] | None:
+        """Amend the record like :meth:`on_record`, but for fields known only later (energy:
+        the sample after the step): return a token for :meth:`fill` then, a non-empty tuple
+        of ints, floats or strings (the record waits encoded, untracked by the GC), else
+        None.  At most one hook of a profiler has late fields."""
+        return None
+
+    def fill(self, token: tuple[Any, ...], final: bool) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """The late fields of the record :meth:`late` gave ``token`` for, and the reasons of
+        those null; None while they are not known yet (never once ``final``).  The record,
+        and every later one, wait until they are."""
+        return None
 
     def after_record(self, step: Step, write: Write) -> None:
         """Write the records that follow a step's record."""

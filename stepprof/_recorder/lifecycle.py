@@ -78,6 +78,7 @@ class Lifecycle:
                     raise
                 b.fail(e)
             collector.pending.clear()
+            collector.held.clear()
             closing = Closing(collector.write, b.backend, b.next_index - 1 if b.next_index else None,
                               b.broken is not None)
             for hook in self._hooks:

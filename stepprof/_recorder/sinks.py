@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._aggregate import RunAggregate
-from .._log import JsonlWriter
+from .._log import JsonlWriter, encode_line
 from .._records import Summary
 from .._schema import SCHEMA_VERSION
 
@@ -35,7 +35,8 @@ class LogSink:
         self.path = self.writer.path if self.writer else None
         self._rank_fields = rank_fields
         self._run_id = run_id
-        self._batch: list[dict[str, Any]] | None = None  # records of the harvest in progress
+        #: Records of the harvest in progress (and lines :meth:`encode` made).
+        self._batch: list[dict[str, Any] | bytes] | None = None
         #: Records handed to the log so far.
         self.count = 0
 
@@ -44,23 +45,41 @@ class LogSink:
         """Why writing stopped (the disk filled up, say), or None."""
         return self.writer.failed if self.writer is not None else None
 
+    def _stamp(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record as the log holds it: ``schema_version`` first, ``run_id``, the rank fields."""
+        if "schema_version" not in record:
+            record = {"schema_version": SCHEMA_VERSION, **record}
+        record["run_id"] = self._run_id
+        rank_fields = self._rank_fields
+        if rank_fields is not None:
+            if "world_size" in record or "rank" in record or "local_rank" in record:
+                # A ranks record keeps its own world_size: its group's (the same by default).
+                record.update({k: v for k, v in rank_fields.items() if k not in record})
+            else:
+                record.update(rank_fields)
+        return record
+
     def write(self, record: dict[str, Any]) -> None:
         if self.writer is not None:
-            if "schema_version" not in record:
-                record = {"schema_version": SCHEMA_VERSION, **record}
-            record["run_id"] = self._run_id
-            rank_fields = self._rank_fields
-            if rank_fields is not None:
-                if "world_size" in record or "rank" in record or "local_rank" in record:
-                    # A ranks record keeps its own world_size: its group's (the same by default).
-                    record.update({k: v for k, v in rank_fields.items() if k not in record})
-                else:
-                    record.update(rank_fields)
+            record = self._stamp(record)
             self.count += 1
             if self._batch is not None:  # inside a harvest: written with the others
                 self._batch.append(record)
             else:
                 self.writer.write(record)
+
+    def encode(self, record: dict[str, Any]) -> bytes:
+        """The record's line, to :meth:`write_lines` later (b"" without a log)."""
+        return encode_line(self._stamp(record)) if self.writer is not None else b""
+
+    def write_lines(self, lines: bytes, n: int) -> None:
+        """Write ``n`` records' lines that :meth:`encode` made (with the batch, inside a harvest)."""
+        if self.writer is not None and lines:
+            self.count += n
+            if self._batch is not None:
+                self._batch.append(lines)
+            else:
+                self.writer.write_many((lines,))
 
     def write_now(self, record: dict[str, Any]) -> None:
         """Write ``record`` at once, even inside a harvest (a signal's summary: the process
@@ -105,8 +124,10 @@ class SummarySink:
         agg.run_id = run_id
         #: Fold in any record of the run (step, flops, memory, ranks).
         self.add: Write = agg.add
-        #: Fold in a step record (the collector's hot path: no dispatch on ``kind``).
-        self.add_step: Write = agg.add_step
+        #: Fold in a step record (the collector's hot path: no dispatch on ``kind``); True if timed.
+        self.add_step: Callable[[dict[str, Any]], bool] = agg.add_step
+        #: Fold in the late fields of a step record added before them.
+        self.add_late = agg.add_late
 
     def summary(
         self,
