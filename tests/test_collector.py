@@ -354,3 +354,11 @@ def test_release_marks_gives_each_mark_back_once_but_the_kept_one(gpu):
     a, b, c = gpu.mark(), gpu.mark(), gpu.mark()
     gpu.release_marks((a, c, a, b, None, c), keep=c)
     assert gpu.released == [a, b]
+
+
+def test_one_hook_at_most_has_late_fields(log, gpu):
+    """Held records carry one hook's token (a flat tuple): a second late hook is refused."""
+    prof = make(log, gpu)
+    with pytest.raises(ValueError, match="at most one hook may have late fields"):
+        prof._collector.use([*prof._hooks, Late(), Late()])
+    prof.close()
