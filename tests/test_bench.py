@@ -222,3 +222,23 @@ def test_long_loop_charges_each_thread_and_gc_generation_and_aggregates_spy_fram
     assert dict(main["self"]) == {"Boundaries.exit (stepprof/_recorder/boundaries.py)": 10}
     assert dict(main["incl"])["timed_loop (bench/long_loop.py)"] == 10
     assert agg["thread (2): stepprof-collector"]["samples"] == 3
+
+
+def test_record_costs_splits_a_record_into_its_parts_and_unwraps_them(monkeypatch):
+    """bench/record_costs.py: every part of an inline harvest is charged (less the wrappers'
+    own cost), the parts fit inside the harvest, and the classes get their methods back."""
+    from stepprof._recorder import collector as collector_mod
+    from stepprof._recorder import step
+
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("record_costs")
+    before = collector_mod.Collector.harvest, step.Step.read
+    res = mod.run(200, 2, energy=False, no_gc=False, device="cpu")
+    assert (collector_mod.Collector.harvest, step.Step.read) == before
+    parts = res["us_per_record"]
+    assert {"harvest", "read", "build", "summary", "log"} <= parts.keys()
+    assert "hold" not in parts  # nothing waits without energy
+    assert res["calls"]["build"] == 200 and res["calls"]["summary"] == 200
+    inside = parts["read"] + parts["build"] + parts["summary"] + parts["log"]
+    assert 0 < inside <= parts["harvest"] * 1.05 + 1.0
+    assert res["wrapper_ns"] > 0
