@@ -308,3 +308,33 @@ def test_stepprof_env_states_the_power_limit_and_other_processes(monkeypatch, nv
     assert got["other_processes"] == 0
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: 1 / 0)
     assert _env._power(0)["power_limit_reason"].startswith("ZeroDivisionError")
+
+
+def test_a_signal_writes_the_steps_waiting_for_their_sample_with_the_reason(log, gated):
+    """SIGTERM writes the completed steps and a summary, also those whose records wait for
+    the energy sample after them: the process may end before it comes.  Their energy is null
+    with the reason; the run goes on, and later steps get theirs."""
+    nvml, gpu = gated.nvml, gated.nvml.gpu
+    nvml.set_power(300.0)
+    prof = make(log, gpu, energy_every_s=0.05)
+    run_step(prof, gpu)
+    run_step(prof, gpu)
+    gated.sample(prof)
+    for _ in range(3):
+        run_step(prof, gpu)
+    assert [r["step"] for r in steps(log)] == [0, 1]  # steps 2.. wait for a sample after them
+    prof._on_signal("SIGTERM")
+    recs = list(stepprof.read(log))
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [0, 1, 2, 3, 4]
+    assert recs[-1]["kind"] == "summary" and recs[-1]["ended_by"] == "SIGTERM"
+    for r in steps(log)[2:]:
+        assert r["energy_j"] is None and r["energy_span_ms"] > 0
+        assert r["unavailable"]["energy_j"] == "SIGTERM arrived before the energy sample after this step"
+    run_step(prof, gpu)
+    gated.sample(prof)
+    run_step(prof, gpu)
+    gated.release()
+    prof.close()
+    last = steps(log)
+    assert [r["step"] for r in last] == list(range(7))
+    assert last[5]["energy_j"] is not None and last[6]["energy_j"] is not None

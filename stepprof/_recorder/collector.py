@@ -598,10 +598,20 @@ class Collector:
             entry += (b"", 0)
         self.held.append(entry + token if token is not None else entry)
 
-    def _write_held(self, final: bool, until: Flag | None = None) -> bool:
+    def write_held_now(self, why: str) -> None:
+        """Write every held record now, a late field not known yet null for ``why`` (a signal:
+        the process may end before the sample that would complete it).  Under :attr:`lock`."""
+        self.log.begin_batch()
+        try:
+            self._write_held(True, why=why)
+        finally:
+            self.log.end_batch()
+
+    def _write_held(self, final: bool, until: Flag | None = None, why: str | None = None) -> bool:
         """Write the held records, oldest first, whose late fields are known now (all, if
-        ``final``: at close, after the hooks' :meth:`~Hook.on_finish`), inside the log's
-        batch; returns whether it stopped early, once ``until`` was set."""
+        ``final``: at close, after the hooks' :meth:`~Hook.on_finish`; ``why``: the reason
+        for those still unknown), inside the log's batch; returns whether it stopped early,
+        once ``until`` was set."""
         held = self.held
         log = self.log
         n = 0
@@ -615,7 +625,7 @@ class Collector:
             entry = held[0]
             line, name, batch, timed, after, n_after = entry[:6]
             token = entry[6:]
-            filled = self._late.fill(token, final) if token else ({}, {})  # type: ignore[union-attr]
+            filled = self._late.fill(token, final, why) if token else ({}, {})  # type: ignore[union-attr]
             if filled is None:
                 return False
             held.popleft()

@@ -224,9 +224,12 @@ class EnergyHook(Hook):
         self._lag = end - s.t1
         return start, end
 
-    def fill(self, token: tuple[int, int], final: bool) -> tuple[dict[str, Any], dict[str, str]] | None:
+    def fill(
+        self, token: tuple[int, int], final: bool, why: str | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]] | None:
         """``energy_j`` over the span, once a sample at or after its end came (None until then;
-        null with the reason if the sampler stopped first, or none came within the patience)."""
+        null with the reason if the sampler stopped first, or none came within the patience,
+        or ``why`` when ``final`` came first)."""
         start, end = token
         sampler = self.sampler
         assert sampler is not None  # (a token is only given once it started; a fork drops both)
@@ -239,7 +242,7 @@ class EnergyHook(Hook):
         fields = {"energy_j": energy, "energy_span_ms": (end - start) / 1e6}
         if energy is not None:
             return fields, {}
-        return fields, {"energy_j": sampler.reason or (
+        return fields, {"energy_j": sampler.reason or why or (
             "no energy sample after the step's end: the sampler stopped, or none came within the wait")}
 
     # -- close and fork ---------------------------------------------------------------

@@ -91,10 +91,12 @@ class Hook:
         None.  At most one hook of a profiler has late fields."""
         return None
 
-    def fill(self, token: tuple[Any, ...], final: bool) -> tuple[dict[str, Any], dict[str, str]] | None:
+    def fill(
+        self, token: tuple[Any, ...], final: bool, why: str | None = None
+    ) -> tuple[dict[str, Any], dict[str, str]] | None:
         """The late fields of the record :meth:`late` gave ``token`` for, and the reasons of
-        those null; None while they are not known yet (never once ``final``).  The record,
-        and every later one, wait until they are."""
+        those null; None while they are not known yet (never once ``final``: then null, with
+        ``why`` as the reason if one is given).  The record, and every later one, wait."""
         return None
 
     def after_record(self, step: Step, write: Write) -> None:

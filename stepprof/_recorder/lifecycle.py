@@ -140,6 +140,8 @@ class Lifecycle:
             if locked:
                 try:
                     collector.harvest()  # completed steps only: never waits on the device
+                    # Those waiting for their energy sample too: the process may end now.
+                    collector.write_held_now(f"{name} arrived before the energy sample after this step")
                 except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
                     if raised_by_user(e):
                         raise
