@@ -225,12 +225,12 @@ class Late:
             def late(self, step, record):
                 return (step.index,)
 
-            def fill(self, token, final):
+            def fill(self, token, final, why=None):
                 if not (self.ready or final):
                     return None
                 (i,) = token
                 if i % 2:
-                    return {"late_ms": None}, {"late_ms": f"step {i} is odd"}
+                    return {"late_ms": None}, {"late_ms": why or f"step {i} is odd"}
                 return {"late_ms": i / 2}, {}
 
         return _Late()
