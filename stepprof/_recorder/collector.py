@@ -10,8 +10,9 @@ one system call.  The hooks' own records (flops, memory, ranks) reach both sinks
 A record with a field known only later (energy: the sample after the step, up to
 ``energy_every_s`` away) waits in ``held``, built and encoded: a flat tuple of its line and
 the late hook's token, which the GC untracks at its first young collection; every later
-record waits behind it, to keep the log's order.  A step that waited as a :class:`Step` outlived the young collections and triggered
-full ones (on the H200, 7 µs a step of a near-empty loop).
+record waits behind it, to keep the log's order.  Steps that waited as :class:`Step` objects
+outlived the young collections and triggered full ones (on the H200, 4-6 µs a step of a
+near-empty loop, 16-19 with 3 phases: bench/long_loop.py).
 
 The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
 (tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
@@ -46,9 +47,8 @@ COLLECT_EVERY_S = 0.02
 HARVEST_CHUNK = 256
 #: Steps waiting past which the training thread writes those that have completed (it needs
 #: no collector thread, which a tight loop keeps from the GIL), and then again each time this
-#: many more wait: steps whose events are still running or that a hook holds (the energy
-#: sample after them, up to ``energy_every_s``) are tried once per this many steps, never at
-#: every step.  Steps written young die young: a step is a dozen or more objects that the
+#: many more wait: steps whose events are still running are tried once per this many steps,
+#: never at every step (records waiting for their energy sample wait encoded, in ``held``).  Steps written young die young: a step is a dozen or more objects that the
 #: interpreter's cyclic GC tracks, and one that outlives two young collections joins the
 #: oldest generation, whose growth triggers full collections (45 ms each with torch loaded
 #: on the 2-core CPU: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
