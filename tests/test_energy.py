@@ -109,14 +109,21 @@ def test_a_window_of_steps_sums_to_the_counter_and_one_step_is_interpolated(log,
     assert s.samples_per_j == pytest.approx(4 * len(window) / total, rel=1e-5)
 
 
-def test_spans_follow_the_gpu_when_it_lags_the_host(log, gated):
-    """Queued GPU work runs after the host left the step: the span is the device's."""
+def sampling(log, gated, power_w: float):
+    """A profiler on the fake GPU at ``power_w``, two steps in (they have no energy: they came
+    before the sampler's first sample), and its first sample taken."""
     nvml, gpu = gated.nvml, gated.nvml.gpu
-    nvml.set_power(200.0)
+    nvml.set_power(power_w)
     prof = make(log, gpu, energy_every_s=0.05)
     run_step(prof, gpu)
     run_step(prof, gpu)
     gated.sample(prof)
+    return prof, gpu
+
+
+def test_spans_follow_the_gpu_when_it_lags_the_host(log, gated):
+    """Queued GPU work runs after the host left the step: the span is the device's."""
+    prof, gpu = sampling(log, gated, 200.0)
     for _ in range(4):  # 1 ms of host work, 5 ms of GPU work each: the GPU falls behind
         run_step(prof, gpu, gpu_ms=5.0, host_ms=1.0, sync=False)
     gpu.wait_idle()
@@ -314,12 +321,7 @@ def test_a_signal_writes_the_steps_waiting_for_their_sample_with_the_reason(log,
     """SIGTERM writes the completed steps and a summary, also those whose records wait for
     the energy sample after them: the process may end before it comes.  Their energy is null
     with the reason; the run goes on, and later steps get theirs."""
-    nvml, gpu = gated.nvml, gated.nvml.gpu
-    nvml.set_power(300.0)
-    prof = make(log, gpu, energy_every_s=0.05)
-    run_step(prof, gpu)
-    run_step(prof, gpu)
-    gated.sample(prof)
+    prof, gpu = sampling(log, gated, 300.0)
     for _ in range(3):
         run_step(prof, gpu)
     assert [r["step"] for r in steps(log)] == [0, 1]  # steps 2.. wait for a sample after them
