@@ -10,7 +10,8 @@ harvest writes one step (a ``write()`` a step), which the collector thread would
 
 Parts: ``read`` (the step's events read back: ``Step.read``), ``build`` (the record and the
 hooks: ``Collector._build``), ``summary`` (``RunAggregate.add_step``), ``hold`` and
-``write held`` (a record waiting for its energy sample: encoded, then completed and written),
+``write held`` (a record waiting for its energy sample: encoded, then completed and written:
+``HeldRecords``),
 ``log`` (``LogSink.write`` and ``end_batch``), ``harvest`` (all of a harvest, these included).
 
     python bench/record_costs.py [--steps 5000] [--phases 3] [--energy-off] [--no-gc] [--json PATH]
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stepprof._recorder import collector as collector_mod  # noqa: E402
-from stepprof._recorder import sinks, step  # noqa: E402
+from stepprof._recorder import held, sinks, step  # noqa: E402
 from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
 
@@ -43,8 +44,8 @@ PARTS = (
     ("read", step.Step, "read"),
     ("build", collector_mod.Collector, "_build"),
     ("summary", None, "add_step"),
-    ("hold", collector_mod.Collector, "_hold"),
-    ("write held", collector_mod.Collector, "_write_held"),
+    ("hold", held.HeldRecords, "hold"),
+    ("write held", held.HeldRecords, "write"),
     ("log", sinks.LogSink, "write"),
     ("log", sinks.LogSink, "end_batch"),
 )

@@ -267,7 +267,7 @@ def test_completed_steps_are_written_young_and_held_ones_wait_as_untracked_lines
         most = max(most, len(prof._collector.pending))
     assert most == collector_module.HARVEST_AT  # the 257th is written at its own exit
     assert len(harvests) == n // (collector_module.HARVEST_AT + 1)
-    held_now = prof._collector.held
+    held_now = prof._collector.held.entries
     if held:
         assert steps(log) == [] and len(held_now) == 3 * (collector_module.HARVEST_AT + 1)
         gc.collect()

@@ -8,11 +8,9 @@ one system call.  The hooks' own records (flops, memory, ranks) reach both sinks
 :meth:`Collector.write`.
 
 A record with a field known only later (energy: the sample after the step, up to
-``energy_every_s`` away) waits in ``held``, built and encoded: a flat tuple of its line and
-the late hook's token, which the GC untracks at its first young collection; every later
-record waits behind it, to keep the log's order.  Steps that waited as :class:`Step` objects
-outlived the young collections and triggered full ones (on the H200, 4-6 µs a step of a
-near-empty loop, 16-19 with 3 phases: bench/long_loop.py).
+``energy_every_s`` away) waits built and encoded, in ``held`` (:mod:`.held`).  Steps that
+waited as :class:`Step` objects outlived the young collections and triggered full ones (on the
+H200, 4-6 µs a step of a near-empty loop, 16-19 with 3 phases: bench/long_loop.py).
 
 The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
 (tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
@@ -26,16 +24,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import orjson
-
 from .._errors import raised_by_user, warn
-from .._log import CHUNK_RECORDS, encode_line
+from .._log import CHUNK_RECORDS
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .._schema import ABSENT, step_record
 from .._rules import span_ms
 from .._units import per_s
 from .budget import Budget
+from .held import HeldRecords
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
 from .step import Step
@@ -48,10 +45,11 @@ HARVEST_CHUNK = 256
 #: Steps waiting past which the training thread writes those that have completed (it needs
 #: no collector thread, which a tight loop keeps from the GIL), and then again each time this
 #: many more wait: steps whose events are still running are tried once per this many steps,
-#: never at every step (records waiting for their energy sample wait encoded, in ``held``).  Steps written young die young: a step is a dozen or more objects that the
-#: interpreter's cyclic GC tracks, and one that outlives two young collections joins the
-#: oldest generation, whose growth triggers full collections (45 ms each with torch loaded
-#: on the 2-core CPU: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
+#: never at every step (records waiting for their energy sample wait encoded, in ``held``).
+#: Steps written young die young: a step is a dozen or more objects that the interpreter's
+#: cyclic GC tracks, and one that outlives two young collections joins the oldest generation,
+#: whose growth triggers full collections (45 ms each with torch loaded on the 2-core CPU:
+#: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
 HARVEST_AT = 256
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
@@ -337,9 +335,8 @@ class Collector:
         flush_every_ns: int | None = None,
     ) -> None:
         self.pending: deque[Step] = deque()
-        #: Built records waiting for a late field, oldest first: (line, name, batch_size,
-        #: whether the step is timed, the lines after it, their count, *the late hook's token).
-        self.held: deque[tuple[Any, ...]] = deque()
+        #: Built records waiting for a late field (energy), oldest first.
+        self.held = HeldRecords(log, summary)
         self._flush_every_ns = flush_every_ns
         #: Before this step-clock reading the training thread does not check the log's lag.
         self.catch_up_at = 0 if flush_every_ns is not None else 2**63
@@ -377,7 +374,7 @@ class Collector:
         if len(late) > 1:
             raise ValueError(f"at most one hook may have late fields, not {late!r}")
         #: The hook whose fields come late (energy), or None.
-        self._late = late[0] if late else None
+        self._late = self.held.late = late[0] if late else None
         self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
 
     # -- the thread ---------------------------------------------------------------
@@ -419,7 +416,7 @@ class Collector:
     def forget(self) -> None:
         """After a fork: the pending steps and the thread are the parent's."""
         self.pending = deque()
-        self.held = deque()
+        self.held.clear()
         self.thread = None
         self._stop = threading.Event()
         self.lock = threading.Lock()
@@ -508,7 +505,7 @@ class Collector:
         self.harvest()
         self.log.begin_batch()
         try:
-            self._write_held(final=True)
+            self.held.write(True)
         finally:
             self.log.end_batch()
 
@@ -527,7 +524,7 @@ class Collector:
         if self.held:
             self.log.begin_batch()
             try:
-                if self._write_held(False, until):
+                if self.held.write(False, until):
                     return True
             finally:
                 self.log.end_batch()
@@ -567,7 +564,7 @@ class Collector:
                     for hook in self._after_hooks:
                         hook.after_record(s, self.write)
                 else:
-                    self._hold(s, record, token)
+                    self.held.hold(s, record, token, self._after_hooks)
                 written += 1
                 if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
                     self.log.end_batch()
@@ -580,67 +577,6 @@ class Collector:
                 self.ns_per_record = (clock() - t0) / written
                 if budget is not None:
                     budget.choose()
-
-    def _hold(self, s: Step, record: dict[str, Any], token: tuple[Any, ...] | None) -> None:
-        """Keep a built record until its late fields are known (:attr:`held`): folded into
-        the summary now, its line and those of the records after it encoded now."""
-        timed = self.summary.add_step(record)
-        encode = self.log.encode
-        entry = (encode(record), s.name, s.batch_size, timed)
-        if self._after_hooks:
-            after: list[dict[str, Any]] = []
-            for hook in self._after_hooks:
-                hook.after_record(s, after.append)
-            for r in after:
-                self.summary.add(r)
-            entry += (b"".join([encode(r) for r in after]), len(after))
-        else:
-            entry += (b"", 0)
-        self.held.append(entry + token if token is not None else entry)
-
-    def write_held_now(self, why: str) -> None:
-        """Write every held record now, a late field not known yet null for ``why`` (a signal:
-        the process may end before the sample that would complete it).  Under :attr:`lock`."""
-        self.log.begin_batch()
-        try:
-            self._write_held(True, why=why)
-        finally:
-            self.log.end_batch()
-
-    def _write_held(self, final: bool, until: Flag | None = None, why: str | None = None) -> bool:
-        """Write the held records, oldest first, whose late fields are known now (all, if
-        ``final``: at close, after the hooks' :meth:`~Hook.on_finish`; ``why``: the reason
-        for those still unknown), inside the log's batch; returns whether it stopped early,
-        once ``until`` was set."""
-        held = self.held
-        log = self.log
-        n = 0
-        while held:
-            if until is not None and until.is_set():
-                return True
-            n += 1
-            if not n % CHUNK_RECORDS:  # (as in harvest)
-                log.end_batch()
-                log.begin_batch()
-            entry = held[0]
-            line, name, batch, timed, after, n_after = entry[:6]
-            token = entry[6:]
-            filled = self._late.fill(token, final, why) if token else ({}, {})  # type: ignore[union-attr]
-            if filled is None:
-                return False
-            held.popleft()
-            fields, reasons = filled
-            if reasons:  # (rare: a sampler that stopped) the reasons go inside "unavailable"
-                record = orjson.loads(line)
-                record.update(fields)
-                record["unavailable"].update(reasons)
-                line = encode_line(record)
-            elif fields and line:  # '{...}\n' -> '{..., "energy_j": ...}\n'
-                line = b"%b,%b\n" % (line[:-2], orjson.dumps(fields)[1:])
-            if fields:
-                self.summary.add_late({**fields, "unavailable": reasons}, name, batch, timed)
-            log.write_lines(line + after, 1 + n_after)
-        return False
 
     def _not_sampled(self) -> str:
         """Why a light step has no GPU figures (the interval it was chosen under)."""

@@ -141,7 +141,7 @@ class Lifecycle:
                 try:
                     collector.harvest()  # completed steps only: never waits on the device
                     # Those waiting for their energy sample too: the process may end now.
-                    collector.write_held_now(f"{name} arrived before the energy sample after this step")
+                    collector.held.write_now(f"{name} arrived before the energy sample after this step")
                 except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
                     if raised_by_user(e):
                         raise
