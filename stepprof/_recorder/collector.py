@@ -8,9 +8,7 @@ one system call.  The hooks' own records (flops, memory, ranks) reach both sinks
 :meth:`Collector.write`.
 
 A record with a field known only later (energy: the sample after the step, up to
-``energy_every_s`` away) waits built and encoded, in ``held`` (:mod:`.held`).  Steps that
-waited as :class:`Step` objects outlived the young collections and triggered full ones (on the
-H200, 4-6 µs a step of a near-empty loop, 16-19 with 3 phases: bench/long_loop.py).
+``energy_every_s`` away) waits built and encoded, in ``held`` (:mod:`.held` says why).
 
 The collector thread harvests every ``collect_every_s``; with ``collect_every_s=None``
 (tests, ``bench/inloop_costs.py``) the training thread harvests at each step's exit.
@@ -373,8 +371,7 @@ class Collector:
         late = [h for h in hooks if type(h).late is not Hook.late]
         if len(late) > 1:
             raise ValueError(f"at most one hook may have late fields, not {late!r}")
-        #: The hook whose fields come late (energy), or None.
-        self._late = self.held.late = late[0] if late else None
+        self.held.late = late[0] if late else None
         self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
 
     # -- the thread ---------------------------------------------------------------
@@ -500,14 +497,10 @@ class Collector:
                 marks.extend(end for _, end in total.marks)
         for b, marks in waits.values():
             b.wait(marks)
-        if self._late is not None:
-            self._late.on_finish()
+        if self.held.late is not None:
+            self.held.late.on_finish()
         self.harvest()
-        self.log.begin_batch()
-        try:
-            self.held.write(True)
-        finally:
-            self.log.end_batch()
+        self.held.write(True)
 
     def harvest(self, max_steps: int | None = None, until: Flag | None = None) -> bool:
         """Write the pending steps, oldest first, whose events have all completed.
@@ -521,13 +514,8 @@ class Collector:
         """
         for hook in self._harvest_hooks:
             hook.on_harvest(self.write)
-        if self.held:
-            self.log.begin_batch()
-            try:
-                if self.held.write(False, until):
-                    return True
-            finally:
-                self.log.end_batch()
+        if self.held and self.held.write(False, until):
+            return True
         pending = self.pending
         if not pending:
             self.harvest_at = HARVEST_AT
@@ -553,7 +541,7 @@ class Collector:
                 if budget is not None and not s.warmup and s.error is None:
                     budget.add(s.sampled != 0, record["overhead_us"], record["wall_ms"])
                 if token is not None and not self.held:  # its late fields may be known already
-                    filled = self._late.fill(token, False)  # type: ignore[union-attr]
+                    filled = self.held.late.fill(token, False)  # type: ignore[union-attr]
                     if filled is not None:
                         record.update(filled[0])
                         record["unavailable"].update(filled[1])
@@ -598,7 +586,8 @@ class Collector:
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
-        token = self._late.late(s, record) if self._late is not None else None
+        late = self.held.late
+        token = late.late(s, record) if late is not None else None
         if b.has_device_timing:  # (the host's marks are None: none to release)
             b.release_marks(s.flat, s.end_mark if self._keep_end_marks else None)
         return record, token

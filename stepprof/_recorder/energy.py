@@ -17,9 +17,7 @@ Over consecutive steps the interpolation errors cancel: the sum of their ``energ
 counter's difference between the window's two ends.
 
 A step's record waits for a sample taken after its span (:meth:`EnergyHook.fill`), so the
-log lags by up to ``energy_every_s`` more.  It waits built and encoded, a line and the span's
-two ints, which the GC does not track: steps that waited as objects outlived the young
-collections and triggered full ones.  At close the sampler takes a last sample once the
+log lags by up to ``energy_every_s`` more, built and encoded (:mod:`.held` says why).  At close the sampler takes a last sample once the
 device is done, and nothing waits.  The training thread makes no call for any of this: the
 sampler starts when the collector first sees a CUDA step.
 """
@@ -179,7 +177,7 @@ class EnergyHook(Hook):
         """The step's span (start, end) to :meth:`fill` once a sample after it came; the fields
         null with the reason now where no sample can cover it."""
         b = step.backend
-        why = None
+        why = span_ms = None
         if not b.has_device_timing:
             why = ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
         elif step.thread is not None:
@@ -197,12 +195,13 @@ class EnergyHook(Hook):
                     return start, end
                 # Before the sampler's first sample (or none yet): no later one covers it.
                 why = sampler.reason or NOT_YET
-                record["energy_span_ms"] = (end - start) / 1e6
-                record["energy_j"] = None
-                record["unavailable"]["energy_j"] = why
-                return None
-        record["energy_j"] = record["energy_span_ms"] = None
-        record["unavailable"]["energy_j"] = record["unavailable"]["energy_span_ms"] = why
+                span_ms = (end - start) / 1e6
+        record["energy_j"] = None
+        record["energy_span_ms"] = span_ms
+        unavailable = record["unavailable"]
+        unavailable["energy_j"] = why
+        if span_ms is None:
+            unavailable["energy_span_ms"] = why
         return None
 
     def _span_of(self, s: Step) -> tuple[int, int]:

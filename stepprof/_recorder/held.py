@@ -59,20 +59,22 @@ class HeldRecords:
             entry += (b"", 0)
         self.entries.append(entry + token if token is not None else entry)
 
-    def write_now(self, why: str) -> None:
-        """Write every waiting record now, a late field not known yet null for ``why`` (a signal:
-        the process may end before the sample that would complete it)."""
-        self._log.begin_batch()
-        try:
-            self.write(True, why=why)
-        finally:
-            self._log.end_batch()
-
     def write(self, final: bool, until: Any = None, why: str | None = None) -> bool:
-        """Write the waiting records, oldest first, whose late fields are known now (all, if
-        ``final``: at close, after the hook's :meth:`~Hook.on_finish`; ``why``: the reason for
-        those still unknown), inside the log's batch; returns whether it stopped early, once
-        ``until`` (a flag) was set."""
+        """Write the waiting records, oldest first, whose late fields are known now, in one
+        batch of the log's; returns whether it stopped early, once ``until`` (a flag) was set.
+
+        ``final``: all of them, a late field not known yet null (at close, after the hook's
+        :meth:`~Hook.on_finish`; at a signal, for ``why``: the process may end before the
+        sample that would complete them).  Never inside another batch of the log's.
+        """
+        log = self._log
+        log.begin_batch()
+        try:
+            return self._write(final, until, why)
+        finally:
+            log.end_batch()
+
+    def _write(self, final: bool, until: Any, why: str | None) -> bool:
         entries = self.entries
         log = self._log
         n = 0

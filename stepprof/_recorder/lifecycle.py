@@ -141,7 +141,8 @@ class Lifecycle:
                 try:
                     collector.harvest()  # completed steps only: never waits on the device
                     # Those waiting for their energy sample too: the process may end now.
-                    collector.held.write_now(f"{name} arrived before the energy sample after this step")
+                    why = f"{name} arrived before the energy sample after this step"
+                    collector.held.write(True, why=why)
                 except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
                     if raised_by_user(e):
                         raise
