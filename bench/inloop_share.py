@@ -169,7 +169,7 @@ def main() -> None:
               + ", ".join(f"{t} {us:.1f}" for t, us in sorted(r["threads_us_per_step"].items())))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({**run_info("bench/inloop_share.py"), "seconds": args.seconds, "rate": args.rate,
+            json.dump({**run_info("inloop_share.py"), "seconds": args.seconds, "rate": args.rate,
                        "results": results}, f, indent=1)
 
 

@@ -66,13 +66,14 @@ def child(variant: str, work: str, seconds: float, out: str) -> None:
 
     settings, phased = VARIANTS[variant]
     cuda = torch.cuda.is_available()
+    from floor import near_empty_step
+
+    empty, sync = near_empty_step(cuda)
     if work == "empty":
-        x = torch.zeros(16, device="cuda" if cuda else "cpu")
-        fwd = bwd = opt = (lambda: x.add_(1.0)) if cuda else (lambda: None)
+        fwd = bwd = opt = empty
     else:
         from overhead import make_workload
         fwd, bwd, opt = make_workload(256, 64)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     log = os.path.join(os.path.dirname(out), "run.jsonl")
     prof = _make_profiler(log, **settings) if settings is not None else None
 
@@ -212,7 +213,7 @@ def main() -> None:
 
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
         with open(args.json, "w") as f:
-            json.dump({**run_info("bench/long_loop.py", gpu=gpu), "variant": args.variant, "work": args.work, **res}, f, indent=1)
+            json.dump({**run_info("long_loop.py", gpu=gpu), "variant": args.variant, "work": args.work, **res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from stepprof._recorder import collector as collector_mod  # noqa: E402
 from stepprof._recorder import held, sinks, step  # noqa: E402
 from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
+from floor import near_empty_step  # noqa: E402
 
 #: (part, class, method): the wrapped parts, in the table's order.
 PARTS = (
@@ -105,7 +106,7 @@ def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str) -> dict
         if cls is not None:
             saved.append((cls, name, cls.__dict__[name]))
             setattr(cls, name, meter.wrap(part, cls.__dict__[name]))
-    x = torch.zeros(16, device=device)
+    work, sync = near_empty_step(device == "cuda")
     tmp = tempfile.mkdtemp(prefix="stepprof-record-costs-")
     try:
         prof = _make_profiler(os.path.join(tmp, "run.jsonl"), device=device, collect_every_s=None,
@@ -115,14 +116,15 @@ def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str) -> dict
         names = [f"p{k}" for k in range(phases)]
         if no_gc:
             gc.disable()
+        sync()
         t0 = time.thread_time_ns()
         for _ in range(steps):
             with prof.step(batch_size=8):
                 for name in names:
                     with prof.measure(name):
-                        x.add_(1.0)
+                        work()
                 if not names:
-                    x.add_(1.0)
+                    work()
         loop_ns = time.thread_time_ns() - t0
         gc.enable()
         prof.close()
