@@ -9,6 +9,7 @@ import orjson
 import pytest
 
 import stepprof
+from stepprof._recorder.hooks import Hook
 
 from .conftest import make, steps
 
@@ -212,28 +213,22 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     assert len(steps(log)) == n
 
 
-class Late:
+class Late(Hook):
     """A late hook (a stand-in for energy): its field comes once ``ready``, or at close; odd
     steps get it null, with a reason."""
 
-    def __new__(cls):
-        from stepprof._recorder.hooks import Hook
+    ready = False
 
-        class _Late(Hook):
-            ready = False
+    def late(self, step, record):
+        return (step.index,)
 
-            def late(self, step, record):
-                return (step.index,)
-
-            def fill(self, token, final, why=None):
-                if not (self.ready or final):
-                    return None
-                (i,) = token
-                if i % 2:
-                    return {"late_ms": None}, {"late_ms": why or f"step {i} is odd"}
-                return {"late_ms": i / 2}, {}
-
-        return _Late()
+    def fill(self, token, final, why=None):
+        if not (self.ready or final):
+            return None
+        (i,) = token
+        if i % 2:
+            return {"late_ms": None}, {"late_ms": why or f"step {i} is odd"}
+        return {"late_ms": i / 2}, {}
 
 
 @pytest.mark.parametrize("held", [False, True])
