@@ -65,12 +65,14 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     col._build = spy_build
     harvest = collector_mod.Collector.harvest
 
-    def spy_harvest():
+    def spy_harvest(*args):
         n0 = len(hot)
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-        harvest(col)
-        if len(hot) > n0:
-            harvests.append((time.thread_time_ns() - c0, time.perf_counter_ns() - w0, len(hot) - n0))
+        try:
+            return harvest(col, *args)
+        finally:
+            if len(hot) > n0:
+                harvests.append((time.thread_time_ns() - c0, time.perf_counter_ns() - w0, len(hot) - n0))
 
     col.harvest = spy_harvest
     parts: dict[str, list[int]] = collections.defaultdict(list)

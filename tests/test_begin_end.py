@@ -66,8 +66,27 @@ def test_end_step_records_the_error_and_closes_phases_left_open(log, gpu):
     assert gpu.ranges.count("-") == sum(1 for x in gpu.ranges if x.startswith("+"))
 
 
+def test_a_step_without_batches_records_why_it_has_no_batch_size(log, gpu):
+    """begin_step(batch_reason=...): code that cannot see the batches (a framework's hooks
+    alone) says why; the reason is the step's, not the next one's."""
+    prof = make(log, gpu)
+    prof.begin_step(batch_reason="the hooks cannot see the batches")
+    prof.end_step()
+    prof.begin_step(batch_size=8)
+    prof.end_step()
+    prof.close()
+    unseen, sized = steps(log)
+    assert unseen["batch_size"] is None and unseen["samples_per_s"] is None
+    assert unseen["unavailable"]["batch_size"] == "the hooks cannot see the batches"
+    assert unseen["unavailable"]["samples_per_s"] == "the hooks cannot see the batches"
+    assert sized["batch_size"] == 8 and "batch_size" not in sized["unavailable"]
+
+
 @pytest.mark.parametrize("misuse, message", [
     (lambda p: p.end_step(), r"end_step\(\) without begin_step\(\) on this thread"),
+    (lambda p: p.begin_step(batch_reason=""), r"batch_reason=\.\.\.\) takes why the step has no batch size, a non-empty str \(got ''\)"),
+    (lambda p: p.begin_step(batch_reason=3), r"takes why the step has no batch size.*\(got 3\)"),
+    (lambda p: p.begin_step(8, batch_reason="x"), r"pass batch_size= or batch=, or batch_reason=, not both"),
     (lambda p: (p.begin_step(), p.begin_step()), r"begin_step\(\) was called while the step begun before is still open"),
     (lambda p: p.begin_phase("forward"), r"begin_phase\('forward'\) outside a step: call prof.begin_step\(\) first"),
     (lambda p: (p.begin_step(), p.end_phase()), r"end_phase\(\) without begin_phase\(\)"),

@@ -242,3 +242,22 @@ def test_record_costs_splits_a_record_into_its_parts_and_unwraps_them(monkeypatc
     inside = parts["read"] + parts["build"] + parts["summary"] + parts["log"]
     assert 0 < inside <= parts["harvest"] * 1.05 + 1.0
     assert res["wrapper_ns"] > 0
+
+
+@pytest.mark.cuda
+def test_cost_split_splits_a_launch_bound_step_with_the_collector_still_writing(monkeypatch, tmp_path):
+    """bench/cost_split.py's wrappers pass the collector's arguments through: the run ends with
+    every record written, no warning, and figures for the boundaries and the collector."""
+    import warnings
+
+    from stepprof import StepprofWarning
+
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("cost_split")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StepprofWarning)
+        got = mod.run("step", {}, "step", 60, str(tmp_path), mod.make_workload(256, 64))
+    assert got["hot_full_us"] > 0 and got["collector_cpu_us_per_record"] > 0
+    assert got["records_per_harvest"] >= 1 and got["calls_per_step"]["cross"] == 2
+    lines = (tmp_path / "step.jsonl").read_text().splitlines()
+    assert sum('"kind":"step"' in line for line in lines) == 80  # the 20 warm-up steps too

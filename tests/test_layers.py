@@ -128,3 +128,28 @@ def test_the_base_and_the_analysis_import_no_torch():
         "    assert 'torch' not in sys.modules, m\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent)
+
+
+def test_the_integrations_use_only_the_profilers_public_methods():
+    """A framework callback reaches a Profiler through its public methods (issue 26, item 8):
+    no attribute of a Profiler that starts with an underscore appears in stepprof/integrations."""
+    import stepprof
+    from stepprof._recorder.profiler import Profiler
+
+    private = {n for c in Profiler.__mro__ for n in vars(c) if n.startswith("_") and not n.startswith("__")}
+    private |= {"_boundaries", "_collector", "_summary", "_energy", "_begun"}
+
+    def a_profiler(node: ast.expr) -> bool:  # how the integrations name a Profiler
+        return (isinstance(node, ast.Name) and node.id in ("prof", "profiler")) or (
+            isinstance(node, ast.Attribute) and node.attr in ("_prof", "_profiler", "prof"))
+
+    root = pathlib.Path(stepprof.__file__).parent / "integrations"
+    uses = [
+        (path.name, node)
+        for path in sorted(root.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and a_profiler(node.value)
+    ]
+    assert len(uses) > 10  # the check sees the integrations' calls
+    found = [f"{name}:{node.lineno}: .{node.attr}" for name, node in uses if node.attr in private]
+    assert not found, found

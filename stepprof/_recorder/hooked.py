@@ -26,10 +26,15 @@ class HookedSteps:
     _enter: Any
     _exit: Any
 
-    def begin_step(self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH) -> None:
+    def begin_step(
+        self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH,
+        batch_reason: str | None = None,
+    ) -> None:
         """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
 
-        For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`.
+        For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`;
+        ``batch_reason``: why the step has no batch size, for code that cannot see its batches
+        (the step's ``unavailable.batch_size``), in place of ``batch_size`` and ``batch``.
         """
         begun = self._begun.get(threading.get_ident())
         if begun:
@@ -38,7 +43,9 @@ class HookedSteps:
                 "call prof.end_step() first"
             )
         name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
-        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
+        if batch_reason is not None:
+            reason = _check_reason(batch_reason, batch_size is not None or batch is not NO_BATCH)
+        elif batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
             batch_size, reason = infer_batch_size(batch)
         token = self._enter(name, batch_size, step=True, batch_reason=reason)
         self._begun[threading.get_ident()] = [(name, token)]
@@ -117,3 +124,18 @@ class HookedSteps:
                 step.batch_size, step.batch_reason = None, reason
             else:
                 step.batch_size = (step.batch_size or 0) + size
+
+
+def _check_reason(reason: Any, with_batch: bool) -> str:
+    """``begin_step(batch_reason=...)``: a non-empty str, given without a batch."""
+    if type(reason) is not str or not reason.strip():
+        raise UsageError(
+            f"begin_step(batch_reason=...) takes why the step has no batch size, a non-empty str "
+            f"(got {reason!r}); e.g. batch_reason='the callback cannot see the batches'"
+        )
+    if with_batch:
+        raise UsageError(
+            "begin_step(batch_reason=...) is for a step without a batch: pass batch_size= or "
+            "batch=, or batch_reason=, not both"
+        )
+    return reason

@@ -152,9 +152,7 @@ class StepprofCallback(TrainerCallback):
         try:
             if self._in_step:  # the previous step never reached on_step_end
                 self._end_step(RuntimeError("on_step_end was not called for this step"))
-            if self._trainer is None:
-                _note_batch(prof, None, (None, _NO_TRAINER))
-            prof.begin_step()
+            prof.begin_step(batch_reason=_NO_TRAINER if self._trainer is None else None)
             self._in_step = True
             if self._trainer is None:  # the hooks alone: the phase starts with the step
                 self._begin_phase(FORWARD_BACKWARD)
@@ -313,13 +311,6 @@ class StepprofCallback(TrainerCallback):
         summary = close_quietly(prof, error)
         if summary is not None:
             self._summary = summary
-
-
-def _note_batch(prof: Profiler, data_ns: int | None, size: tuple[int | None, str | None]) -> None:
-    """The next step's batch size (or why there is none) and fetch time (None: not measured):
-    for the one reason ``Profiler.add_batch`` cannot give, that no batch was seen at all."""
-    if prof._boundaries.broken is None:
-        prof._boundaries.note_batch(data_ns, size)
 
 
 def _calling_trainer(callback: StepprofCallback) -> Any:
