@@ -47,6 +47,12 @@ VARIANTS = {
     "step-python": ({"boundary": "python"}, "step"),
     "empty-step": ({}, "empty"),
     "empty-step-budget": ({"overhead_budget": 0.01}, "empty"),
+    # the collector's schedule: its thread every 20 ms (the schedule before 100 ms), or none (the
+    # training thread writes the completed steps at each step's exit)
+    "step-every-20ms": ({"collect_every_s": 0.02}, "step"),
+    "full-every-20ms": ({"collect_every_s": 0.02}, "full"),
+    "step-inline": ({"collect_every_s": None}, "step"),
+    "full-inline": ({"collect_every_s": None}, "full"),
 }
 
 

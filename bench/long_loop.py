@@ -37,6 +37,8 @@ VARIANTS = {
     "step all off": ({"syncs": "off", "energy_every_s": None, "nvtx": False}, False),
     "step python": ({"boundary": "python"}, False),
     "3 phases energy off": ({"energy_every_s": None}, True),
+    "step every 20ms": ({"collect_every_s": 0.02}, False),
+    "3 phases every 20ms": ({"collect_every_s": 0.02}, True),
 }
 
 

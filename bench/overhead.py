@@ -130,6 +130,8 @@ VARIANTS = {
 #: With --ablate: one feature changed at a time, to attribute the full loop's cost.
 ABLATIONS = {
     "full-inline": {"collect_every_s": None},
+    "full-every-20ms": {"collect_every_s": 0.02},
+    "step-every-20ms": {"collect_every_s": 0.02},
     "full-every-phase-peak": {"phase_peaks_every": 1},
     "full-no-syncs": {"syncs": "off"},
     "full-no-nvtx": {"nvtx": False},

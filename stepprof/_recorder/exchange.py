@@ -39,7 +39,7 @@ class ExchangeHook(Hook):
     def on_step_end(self, step: Step, exc: BaseException | None) -> None:
         ex = self.exchange
         if ex.due():
-            # Bring the window up to date first: the collector runs every 20 ms, so a short
+            # Bring the window up to date first: the collector runs every 100 ms, so a short
             # window could otherwise still be empty.  This harvests only steps whose events
             # have completed (query(), never a wait).
             self._harvest_if_free()
