@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import shlex
+import shutil
+import sys
 import time
 from typing import Any
 
@@ -67,15 +71,43 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
     for line in summary_lines(summary, on_cpu=dev.type == "cpu"):
         out(line)
     out("next:")
-    nexts = [
-        (f"stepprof report {shlex.quote(log)}", "figures and diagnoses, with evidence and remedies"),
-        (f"stepprof plot {shlex.quote(log)}", f"times and memory per step, to {default_png(log)}"),
-        (f"stepprof.read({log!r})", "the records as dicts, in Python"),
-    ]
+    cli, python = shell_commands()
+    quoted = shlex.quote(log)
+    nexts = [(f"{cli} report {quoted}", "figures and diagnoses, with evidence and remedies")]
+    if importlib.util.find_spec("matplotlib") is not None:
+        nexts.append((f"{cli} plot {quoted}", f"times and memory per step, to {default_png(log)}"))
+    else:
+        nexts.append((f"{python} -m pip install matplotlib", f"for `{cli} plot {quoted}`: times and memory per step"))
+    nexts.append((f"stepprof.read({log!r})", "the records as dicts, in Python"))
     width = max(len(command) for command, _ in nexts)
+    long = width + max(len(what) for _, what in nexts) > 100  # a long path: what it does first
     for command, what in nexts:
-        out(f"  {command:<{width}}    {what}")
+        if long:
+            out(f"  # {what}")  # (a shell comment: the lines paste as they are)
+            out(f"  {command}")
+        else:
+            out(f"  {command:<{width}}    {what}")
     return summary
+
+
+def shell_commands() -> tuple[str, str]:
+    """How the shell that ran this process reaches stepprof's CLI and this Python, as typed.
+
+    ``stepprof`` when the console script on ``PATH`` is this environment's; else this Python
+    (relative to the working directory when inside it: ``.venv/bin/python -m stepprof`` after
+    the README's set-up, whose venv is never activated).
+    """
+    python = sys.executable
+    if not python:
+        return "stepprof", "python3"
+    here = os.path.abspath(python)
+    if here.startswith(os.getcwd() + os.sep):
+        here = os.path.relpath(here)
+    shown = shlex.quote(here)
+    script = shutil.which("stepprof")
+    if script is not None and os.path.dirname(os.path.abspath(script)) == os.path.dirname(os.path.abspath(python)):
+        return "stepprof", shown
+    return f"{shown} -m stepprof", shown
 
 
 #: The figure groups that may be missing, and the ``unavailable`` keys of each.

@@ -14,6 +14,8 @@ import torch
 import stepprof
 from stepprof._cli import main
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _demo(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONWARNINGS": "default"}  # every warning shows, DeprecationWarning too
@@ -36,10 +38,64 @@ def test_the_demo_labels_its_figures_and_ends_with_the_next_commands(tmp_path):
         assert sum(line.startswith(f"{group}: n/a on CPU") for line in lines) == 1
     assert "unavailable here" not in done.stdout and "CUDA is not available" not in done.stdout
     log = "stepprof-demo.jsonl"
-    assert lines[-4] == "next:"
-    assert lines[-3].split()[:3] == ["stepprof", "report", log]
-    assert lines[-2].split()[:3] == ["stepprof", "plot", log] and lines[-2].endswith("to stepprof-demo.png")
+    printed = _next_commands(lines)
+    assert [c.split()[-2:] for c in printed[:2]] == [["report", log], ["plot", log]], printed
+    assert any(line.endswith("to stepprof-demo.png") for line in lines[lines.index("next:"):])
     assert len(list(stepprof.read(tmp_path / log, kind="step"))) == 12
+
+
+def _next_commands(lines: list[str]) -> list[str]:
+    """The commands the demo prints after ``next:``, without what each does."""
+    after = [line.strip() for line in lines[lines.index("next:") + 1:]]
+    return [line.split("    ")[0] for line in after if line and not line.startswith("#")]
+
+
+def _readme_demo_command() -> str:
+    """The README's first set-up command: the one that runs the demo."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    block = readme.split("## Set-up", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert "stepprof demo" in commands[0], commands
+    return commands[0]
+
+
+def _fresh_copy(dest: str) -> None:
+    """The files git tracks, as this working tree has them: what a fresh clone holds."""
+    import shutil
+
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.join(dest, os.path.dirname(name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(dest, name))
+
+
+def test_the_readmes_demo_and_each_command_it_prints_run_verbatim_in_a_fresh_checkout(tmp_path):
+    """Issue 28, item 1: the README's demo command in a fresh checkout, then every command the
+    demo prints as next, as printed, in the same shell (whose venv was never activated)."""
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: no fresh copy to make")
+    checkout = str(tmp_path / "checkout")
+    _fresh_copy(checkout)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+
+    def shell(command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", command], cwd=checkout, env=env, capture_output=True,
+                              text=True, timeout=1200)
+
+    demo = shell(_readme_demo_command())
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    printed = _next_commands(demo.stdout.splitlines())
+    assert len(printed) == 3 and printed[-1] == "stepprof.read('stepprof-demo.jsonl')", demo.stdout
+    cli = printed[0].rsplit(" report ", 1)[0]
+    if "pip install matplotlib" in printed[1]:  # the README's demo set-up has no [plot] extra
+        printed.insert(2, f"{cli} plot stepprof-demo.jsonl")  # what the install line says it is for
+    for command in printed[:-1]:
+        done = shell(command)
+        assert done.returncode == 0, f"{command}: {done.stdout[-1000:]}{done.stderr[-1000:]}"
+    assert os.path.getsize(os.path.join(checkout, "stepprof-demo.png")) > 10_000
+    in_python = shell(f".venv/bin/python -c \"import stepprof; print(len(list({printed[-1]})))\"")
+    assert in_python.returncode == 0 and int(in_python.stdout) > 60, in_python.stderr
 
 
 def test_the_demo_warns_when_every_step_is_warm_up(tmp_path):
