@@ -11,7 +11,9 @@ recommends one.
 
 import typing
 
-from ._errors import BuildError, ConfigError, StepprofError, StepprofWarning, SyncBudgetExceeded, UsageError
+from ._errors import (
+    BuildError, ConfigError, MissingExtraError, StepprofError, StepprofWarning, SyncBudgetExceeded, UsageError,
+)
 from ._frame import frame
 from ._log import read
 from ._records import Percentiles, PhaseFigures, Summary
@@ -33,6 +35,7 @@ __all__ = [
     "BuildError",
     "ConfigError",
     "MemoryReport",
+    "MissingExtraError",
     "PeakExplanation",
     "Percentiles",
     "PhaseFigures",

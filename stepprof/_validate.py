@@ -152,7 +152,7 @@ def check_log(path: Any, argument: str = "log") -> str | None:
         text = None
     if not isinstance(text, str):
         raise ConfigError(
-            f"{argument!r} must be a str path or None (got {path!r}); "
+            f"{argument!r} must be a path (a str or an os.PathLike) or None (got {path!r}); "
             f"pass e.g. {argument}='run.jsonl', or None to keep no log"
         )
     if "\x00" in text:
@@ -197,6 +197,26 @@ def check_device(device: Any) -> Any:
         raise ConfigError(
             f"'device' must name a torch device such as 'cuda:0' or 'cpu' (got {device!r})"
         ) from e
+
+
+def check_cuda_device(device: Any) -> None:
+    """A CUDA ``torch.device`` the profiler was asked for exists here, or a ConfigError that says
+    what is there: stepprof never records the CPU in its place."""
+    if device is None or device.type != "cuda":
+        return
+    import torch  # slow to import; see the module docstring
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"'device' is {str(device)!r}, but CUDA is not available here (torch {torch.__version__}); "
+            f"pass device='cpu', or device=None to profile CUDA when the training uses it"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(
+            f"'device' is {str(device)!r}, but this process sees {count} CUDA device(s): "
+            f"pass device='cuda:0' to 'cuda:{count - 1}'"
+        )
 
 
 def check_report_device(device: Any) -> Any:
@@ -399,10 +419,14 @@ def check_overhead_budget(overhead_budget: Any) -> float | None:
 
 def check_name(name: Any, argument: str = "name") -> str | None:
     """``name`` as a plain str (a str subclass, such as a ``(str, Enum)`` member, as its value), or None."""
-    if type(name) is str or name is None:
+    if (type(name) is str and name) or name is None:
         return name
-    if isinstance(name, str):
+    if isinstance(name, str) and name:
         return str.__str__(name)
+    if isinstance(name, str):
+        raise UsageError(
+            f"{argument!r} must not be empty (got ''); pass a name such as 'forward', or nothing for the default"
+        )
     if callable(name):
         hint = "; to make a function a step, decorate it with @stepprof.measure"
     elif isinstance(name, int) and not isinstance(name, bool):

@@ -22,7 +22,7 @@ def test_all_is_exactly_the_public_surface():
     assert sorted(stepprof.__all__) == stepprof.__all__
     assert set(stepprof.__all__) == public - modules
     assert stepprof.__all__ == [
-        "BuildError", "ConfigError", "MemoryReport", "PeakExplanation", "Percentiles", "PhaseFigures", "Profiler", "SCHEMA_VERSION",
+        "BuildError", "ConfigError", "MemoryReport", "MissingExtraError", "PeakExplanation", "Percentiles", "PhaseFigures", "Profiler", "SCHEMA_VERSION",
         "StepprofError", "StepprofWarning",
         "Summary", "SweepPoint", "SweepResult", "SyncBudgetExceeded", "UsageError", "configure",
         "explain_peak", "frame", "iterate", "measure", "memory_report", "profile_step", "read", "sweep",

@@ -337,3 +337,17 @@ def test_every_docs_page_is_linked_from_the_index_and_every_relative_link_resolv
             if missing or (anchor and resolved.endswith(".md") and anchor not in _anchors(resolved)):
                 broken.append(f"{os.path.relpath(path, root)}: {target}")
     assert broken == []
+
+
+def test_what_the_demo_and_the_docs_commands_write_is_ignored_by_git_and_the_docs_images_are_not():
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    written = ["stepprof-demo.jsonl", "stepprof-demo.png", "trace.json", "tb/events.out", "lightning_logs/v0/x"]
+    ignored = subprocess.run(["git", "check-ignore", *written], cwd=ROOT, capture_output=True, text=True)
+    assert ignored.stdout.split() == written
+    kept = subprocess.run(["git", "check-ignore", "docs/images/report-h200.png"], cwd=ROOT, capture_output=True)
+    assert kept.returncode == 1
+
+
+def test_missing_extra_error_is_public():
+    assert issubclass(stepprof.MissingExtraError, ImportError) and issubclass(stepprof.MissingExtraError, stepprof.StepprofError)

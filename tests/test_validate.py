@@ -29,7 +29,7 @@ def test_bad_profiler_arguments(log, kwargs, match):
 @pytest.mark.parametrize("bad", [b"run.jsonl", 3])
 def test_a_log_that_is_not_a_str_path_fails_at_construction(tmp_path, monkeypatch, bad):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(stepprof.ConfigError, match=rf"'log' must be a str path or None \(got {bad!r}\)"):
+    with pytest.raises(stepprof.ConfigError, match=rf"'log' must be a path \(a str or an os.PathLike\) or None \(got {bad!r}\)"):
         stepprof.Profiler(bad)
     assert not os.listdir(tmp_path)        # nothing opened: a bytes path used to fail at close()
 
@@ -242,3 +242,30 @@ def test_the_cli_checks_name_a_cuda_device_this_machine_lacks(monkeypatch):
     with pytest.raises(stepprof.ConfigError, match=r"^'--device' must be 0\.\.1 \(got 2\)$"):
         _validate.check_calibrate_device(2)
     assert _validate.check_calibrate_device(1) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is not available")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", torch.device("cuda", 0)])
+def test_a_cuda_device_without_cuda_is_refused_not_recorded_as_the_cpu(tmp_path, device):
+    log = tmp_path / "run.jsonl"
+    with pytest.raises(stepprof.ConfigError, match=r"'device' is 'cuda(:\d)?', but CUDA is not available here .*pass device='cpu'"):
+        stepprof.Profiler(str(log), device=device)
+    assert not log.exists()  # refused before the log opens
+
+
+@pytest.mark.cuda
+def test_a_cuda_device_past_the_visible_ones_is_refused(tmp_path):
+    n = torch.cuda.device_count()
+    with pytest.raises(stepprof.ConfigError, match=rf"sees {n} CUDA device\(s\): pass device='cuda:0' to 'cuda:{n - 1}'"):
+        stepprof.Profiler(None, device=f"cuda:{n}")
+
+
+def test_an_empty_name_is_refused_for_a_step_and_a_phase():
+    with pytest.raises(stepprof.UsageError, match=r"'name' must not be empty \(got ''\); pass a name such as 'forward'"):
+        stepprof.measure("")
+    prof = stepprof.Profiler(None, device="cpu")
+    with pytest.raises(stepprof.UsageError, match="must not be empty"):
+        prof.step(name="")
+    with prof.step(name="ok"):
+        pass
+    assert prof.close().steps == 1

@@ -28,7 +28,8 @@ from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
 from .._validate import (
-    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_name,
+    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_cuda_device,
+    check_name,
 )
 from .boundaries import Boundaries
 from .collector import Collector
@@ -183,6 +184,8 @@ class Profiler(HookedSteps, Lifecycle):
         )
         self._options = options
         check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
+        if _seams.backend is None:
+            check_cuda_device(options.device)  # device="cuda" without CUDA: refused, not the CPU's figures
         for name in _SETTINGS:  # (read back as attributes: prof.warmup, ...)
             setattr(self, name, getattr(options, name))
         ident = _dist.identify()
