@@ -77,15 +77,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The subcommand's own parser: its errors show its usage ("stepprof demo: error: ...").
         return _COMMANDS[args.command](args.subparser, args)
+    except BrokenPipeError:  # `stepprof report --json LOG | head`: the reader has all it wanted
+        _quiet_stdout()
+        return PIPE_CLOSED
     except StepprofError as e:
-        print(f"stepprof: {e}", file=sys.stderr)
-        return 2
+        return _failed(args, str(e))
     except OSError as e:
-        print(
-            f"stepprof: {e.strerror or e}: {e.filename!r}" if e.filename else f"stepprof: {e}",
-            file=sys.stderr,
-        )
-        return 2
+        return _failed(args, f"{e.strerror or e}: {e.filename!r}" if e.filename else str(e))
+
+
+def _failed(args: argparse.Namespace, why: str) -> int:
+    """Say why the command failed: on stderr, and with ``--json`` as ``{"error": why}`` on
+    stdout too, so that a script reading the JSON reads the failure; exit status 2."""
+    print(f"stepprof: {why}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(_dumps({"error": why}))
+    return 2
+
+
+#: The exit status when stdout's reader closed the pipe early: a shell's for a process SIGPIPE
+#: ended (128 + 13), as ``cat LOG | head`` gives.
+PIPE_CLOSED = 141
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's flush at exit would fail on the closed pipe
+    again, and print the error the user's ``| head`` did not ask for."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout has no descriptor (a test's capture): nothing to flush
+        pass
 
 
 def _dumps(obj: Any) -> str:
@@ -125,6 +149,10 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(_dumps(report.to_dict()))
     else:
         _print(render(report))
+    if not any(log.runs or log.sweeps for log in report.logs):  # as plot and export: nothing to show
+        print("stepprof: no step, memory or sweep records to report in "
+              + ", ".join(repr(log.path) for log in report.logs), file=sys.stderr)
+        return 2
     return 0
 
 

@@ -92,10 +92,12 @@ def _usable(r: dict[str, Any]) -> bool:
     return r.get("start_unix_s") is not None and r.get("wall_ms") is not None
 
 
-def _walk(path: str, new_run: Callable[[str | None], _Run]) -> Iterator[tuple[_Run, dict[str, Any]]]:
+def _walk(
+    path: str, new_run: Callable[[str | None], _Run], stats: ScanStats | None = None
+) -> Iterator[tuple[_Run, dict[str, Any]]]:
     """The step records of ``path`` with their runs (every run record goes through the grouper)."""
     run_of = RunGrouper(new_run).run_of
-    for r in scan(path, ScanStats()):
+    for r in scan(path, stats if stats is not None else ScanStats()):
         kind = r.get("kind")
         if kind in _RUN_KINDS:
             run = run_of(kind, r)
@@ -129,7 +131,8 @@ def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
             return runs[-1]
 
         seen = 0
-        for run, r in _walk(path, new_run):
+        stats = ScanStats()
+        for run, r in _walk(path, new_run, stats):
             seen += 1
             if not _usable(r):
                 skipped += 1
@@ -146,9 +149,10 @@ def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
                     device.startswith("cuda") and not run.device.startswith("cuda"))):
                 run.device = device  # the first, or the first CUDA device after the host
         if not any(run.steps for run in runs):
+            foreign = stats.foreign()
             why = f" ({seen:,} without a usable index, start_unix_s or wall_ms)" if seen else ""
-            raise ConfigError(f"'LOG' {path!r} has no step records to export{why}; pass a log that "
-                              f"stepprof.Profiler wrote steps to")
+            what = f"is {foreign}" if foreign is not None else f"has no step records to export{why}"
+            raise ConfigError(f"'LOG' {path!r} {what}; pass a log that stepprof.Profiler wrote steps to")
         per_log.append(runs)
     return per_log, skipped
 
@@ -501,7 +505,10 @@ def export_chrome(paths: Sequence[str], out: str) -> Exported:
         "memory": "counters set at each step's start to that step's figures",
     }
     directory = os.path.dirname(os.path.abspath(out))
-    fd, tmp = tempfile.mkstemp(prefix=".stepprof-export-", suffix=".json", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".stepprof-export-", suffix=".json", dir=directory)
+    except OSError as e:  # its temp file's name would mean nothing to the user: theirs instead
+        raise OSError(e.errno, e.strerror, out) from e
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(b'{"displayTimeUnit": "ms", "otherData": ' + orjson.dumps(other) + b', "traceEvents": [\n')
@@ -518,11 +525,13 @@ def export_chrome(paths: Sequence[str], out: str) -> Exported:
             f.write(b"\n]}\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename is not None:  # the temp file's: name the user's path
+            raise OSError(e.errno, e.strerror, out) from e
         raise
     return _summary(runs, skipped, out)
 

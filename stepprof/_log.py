@@ -276,6 +276,13 @@ class ScanStats:
         self.lines = 0
         self.skipped = 0
 
+    def foreign(self) -> str | None:
+        """When no line is a stepprof record (another tool's log, say), what every view says of
+        the log; else None."""
+        if self.lines == 0 or self.skipped != self.lines:
+            return None
+        return f"not a stepprof log: none of its {self.lines:,} line(s) is a stepprof record"
+
 
 #: Stands for a line over :data:`LINE_MAX_BYTES`: not a record (it does not begin with ``{``).
 _TOO_LONG = b"\0"

@@ -157,6 +157,9 @@ def plot_log(path: str, out: str, *, run: int = -1, sweep: bool = False) -> str:
                     f"{path!r} has no sweep records{skipped}, only steps; run the same command "
                     f"without --sweep to plot its steps"
                 )
+            foreign = stats.foreign()
+            if foreign is not None:
+                raise ConfigError(f"{path!r} is {foreign}; pass a log that stepprof wrote")
             raise ConfigError(f"{path!r} has no step or sweep records to plot{skipped}")
         return _plot_sweep(path, sweep_records, out)
     if not -len(runs) <= run < len(runs):

@@ -84,6 +84,7 @@ def report_log(path: str, workers: int | None = None) -> LogReport:
         sweeps=tuple(_sweep_report(s) for s in sweeps),
         runs_dropped=segment.runs_dropped,
         runs_kept=segment.runs_kept,
+        not_stepprof=segment.stats.foreign(),
     )
 
 

@@ -252,6 +252,8 @@ class LogReport:
     #: Runs before ``runs`` that were not kept: the report keeps a log's last ``runs_kept``.
     runs_dropped: int = 0
     runs_kept: int = 0
+    #: When no line is a stepprof record (``ScanStats.foreign``): what the report says of the log.
+    not_stepprof: str | None = None
 
 
 @attrs.frozen

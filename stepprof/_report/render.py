@@ -63,7 +63,9 @@ def render(report: Report) -> str:
     out: list[str] = []
     for log in report.logs:
         out.append(f"== {log.path}: {log.lines:,} lines")
-        if log.skipped_lines:
+        if log.not_stepprof is not None:
+            out.append(f"   {log.not_stepprof}: pass a log that stepprof wrote")
+        elif log.skipped_lines:
             out.append(f"   skipped {log.skipped_lines:,} line(s) that are not stepprof records "
                        f"(torn, corrupt, over {LINE_MAX_BYTES // 2**20} MiB, or without a usable kind or step index)")
         if 1 in log.schema_versions:
@@ -81,7 +83,7 @@ def render(report: Report) -> str:
                 f"   {log.runs_dropped:,} earlier run(s) not shown: the report keeps a log's last "
                 f"{log.runs_kept:,} runs"
             )
-        if not log.runs and not log.sweeps:
+        if not log.runs and not log.sweeps and log.not_stepprof is None:
             out.append("   no step, memory or sweep records")
         for run in log.runs:
             _render_run(run, out, len({(r.run, r.run_id) for r in log.runs}) > 1)
