@@ -131,6 +131,8 @@ class RunFigures:
     energy_j_per_step: float | None = None
     power_w_mean: float | None = None
     samples_per_j: float | None = None
+    #: The mean of ``data_wait_ms`` (one-off stalls weigh in it; the median shows the steady state).
+    data_wait_ms_mean: float | None = None
 
 
 def _percentiles(sketch: Sketch) -> Percentiles | None:
@@ -799,6 +801,7 @@ class RunAggregate:
             data_wait_ms=_percentiles(self.data_wait),
             input_wait_fraction=self.data_wait_sum_ns / self.loop_sum_ns if self.loop_sum_ns > 0 else None,
             data_ms_mean=self.data_sum_ns / self.data_steps / 1e6 if self.data_steps else None,
+            data_wait_ms_mean=self.data_wait_sum_ns / self.data_wait.count / 1e6 if self.data_wait.count else None,
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
             energy_j_per_step=self.energy_uj / self.energy_steps / 1e6 if self.energy_steps else None,

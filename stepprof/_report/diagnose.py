@@ -84,12 +84,14 @@ _ROOFLINE_REMEDY = {
 INPUT_BOUND_FRACTION = 0.2
 
 _INPUT_REMEDY = (
-    "DataLoader(num_workers=N): load batches in worker processes (start near the CPU cores per GPU)",
+    "DataLoader(num_workers=N): load batches in worker processes (start near the CPU cores each training process has)",
     "DataLoader(pin_memory=True) with .to(device, non_blocking=True): copies overlap compute",
     "DataLoader(persistent_workers=True): workers survive between epochs",
     "DataLoader(prefetch_factor=k): more batches in flight per worker",
     "move the transforms to the GPU (decode and augment on the device), or precompute them",
 )
+#: The input remedies that need a GPU (left out of a CPU run's).
+_GPU_INPUT_REMEDY = frozenset((_INPUT_REMEDY[1], _INPUT_REMEDY[4]))
 
 _KINDS = ("input-bound", "host-bound", "sync-heavy", "memory-headroom", "fragmentation", "spikes", "roofline")
 
@@ -150,7 +152,12 @@ def diagnose(
 
 
 def input_bound(run: RunReport) -> Diagnosis | str | None:
-    """The loop waits between steps: the data wait takes ``INPUT_BOUND_FRACTION`` of its time or more."""
+    """The loop waits between steps: the data wait takes ``INPUT_BOUND_FRACTION`` of its time or more.
+
+    The steady state is the medians' (a typical wait against a typical step); a loop whose waits
+    take that share only through a few long ones (workers starting, epoch boundaries, evaluation
+    between steps) has input *stalls*, told apart, with their own remedies.  Means go with means.
+    """
     f = run.figures
     share = f.input_wait_fraction
     if share is None or f.data_wait_ms is None:
@@ -159,28 +166,41 @@ def input_bound(run: RunReport) -> Diagnosis | str | None:
         return None
     wait = f.data_wait_ms.median
     step = f.wall_ms.median if f.wall_ms is not None else None
-    evidence = [
-        f"{share:.0%} of the loop's time is spent between steps: median data_wait_ms {wait:.2f}"
-        + (f" against a median step of {step:.2f} ms" if step is not None else "")
-    ]
-    title = "Input-bound: the loop waits for its next batch"
-    remedies = _INPUT_REMEDY
-    if f.data_ms_mean is None:
-        title = "Input-bound (likely): the loop spends its time between steps"
-        evidence.append(
-            "without stepprof.iterate(loader) the wait cannot be told apart from other host work "
-            "between steps (logging, evaluation, a step body left outside profile_step)"
+    steady = wait / (wait + step) if step is not None and wait + step > 0 else share
+    mean = f.data_wait_ms_mean
+    on_gpu = run.device is not None and run.device.startswith("cuda")
+    typical = (f"median data_wait_ms {wait:.2f} against a median step of {step:.2f} ms: "
+               f"{steady:.0%} of a typical iteration" if step is not None else f"median data_wait_ms {wait:.2f}")
+    overall = f"over the run, waits take {share:.0%} of the loop's time" + (
+        f" (mean data_wait_ms {mean:.2f}, p90 {f.data_wait_ms.p90:.2f})" if mean is not None else "")
+    if steady < INPUT_BOUND_FRACTION:
+        title = "Input stalls: a few long waits between steps, not the steady state"
+        evidence = [overall, f"{typical}: the rest is in waits far above the median"]
+        remedies: tuple[str, ...] = (
+            "DataLoader(persistent_workers=True): workers survive between epochs instead of starting again",
+            "raise Profiler(warmup=...) past the first steps when the stall is the workers starting",
+            "look for work between some steps: evaluation, checkpoints, logging that syncs",
         )
-        remedies = (*_INPUT_REMEDY, "for batch in stepprof.iterate(loader): separates the loader's time (data_ms)")
     else:
+        title = "Input-bound: the loop waits for its next batch"
+        evidence = [typical, overall]
+        remedies = _INPUT_REMEDY if on_gpu else tuple(r for r in _INPUT_REMEDY if r not in _GPU_INPUT_REMEDY)
+        if f.data_ms_mean is None:
+            title = "Input-bound (likely): the loop spends its time between steps"
+            evidence.append(
+                "without stepprof.iterate(loader) the wait cannot be told apart from other host work "
+                "between steps (logging, evaluation, a step body left outside profile_step)"
+            )
+            remedies = (*remedies, "for batch in stepprof.iterate(loader): separates the loader's time (data_ms)")
+    if f.data_ms_mean is not None and mean is not None:
         evidence.append(
-            f"of the wait, a mean {f.data_ms_mean:.2f} ms is spent fetching the batch (the loader's "
-            f"__next__, through stepprof.iterate); the rest is other host work between steps"
+            f"of a mean wait of {mean:.2f} ms, a mean {f.data_ms_mean:.2f} ms is spent fetching the batch "
+            f"(the loader's __next__, through stepprof.iterate); the rest is other host work between steps"
         )
-        if f.data_ms_mean < 0.5 * wait:
+        if steady >= INPUT_BOUND_FRACTION and f.data_ms_mean < 0.5 * mean:
             title = "Between steps: the loop waits, but mostly not for the loader"
             remedies = ("look at the code between the steps: logging that syncs, evaluation, "
-                        "checkpoints, a part of the step left outside profile_step", *_INPUT_REMEDY)
+                        "checkpoints, a part of the step left outside profile_step", *remedies)
     if f.gpu_ms is not None and step is not None and wait + step > 0:
         busy = f.gpu_ms.median / (wait + step)
         evidence.append(
