@@ -98,7 +98,7 @@ def test_three_shapes_compile_exactly_on_the_steps_that_recompiled(log, capsys):
     assert any(e.startswith("step 4 recompiled:") for e in spikes["evidence"])
     assert any("mark_dynamic" in r for r in spikes["remedy"])
     text = _report(log)
-    assert "compiled steps            2 measured, left out of the figures (3 compiles" in text
+    assert "compiled steps            2 of the measured, left out of the figures (3 compiles" in text
     assert "step 2 recompiled: " in text
 
 
@@ -144,7 +144,7 @@ def test_a_process_that_compiled_before_the_first_step_gets_the_fields_on_every_
     recs = _steps(log)
     assert [r["compiles"] for r in recs] == [0, 0, 0]
     assert prof.summary.compile_steps == 0
-    assert "compiled steps            0 measured" in _report(log)
+    assert "compiled steps            0 of the measured" in _report(log)
 
 
 def test_the_fields_start_at_the_first_step_that_compiled(log):

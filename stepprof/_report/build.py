@@ -132,6 +132,8 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
         last_step=agg.last_step if agg.first_step is not None else None,
         batch_size=max(agg.batch_sizes, key=lambda k: agg.batch_sizes[k]) if agg.batch_sizes else None,
         batch_sizes=len(agg.batch_sizes),
+        batch_size_steps=tuple(sorted(agg.batch_sizes.items(), key=lambda kv: (-kv[1], kv[0]))),
+        timed_steps=agg.timed_steps,
         figures=figures,
         approximate_quantiles=agg.approximate,
         memory=_memory(agg),

@@ -222,6 +222,10 @@ class RunReport:
     not_diagnosed: dict[str, str]
     #: torch.compile figures; None when no step record of the run carries them.
     compile: CompileFigures | None = None
+    #: Each batch size of the timed steps, with how many steps had it (largest count first).
+    batch_size_steps: tuple[tuple[int, int], ...] = ()
+    #: The steps every figure is taken over (measured, less those compiled or FLOP-counted).
+    timed_steps: int = 0
     #: When the run's steps have several names, each name has its own entry (the same
     #: ``run`` and ``run_id``) with only its steps' figures: this is its name.  None when
     #: the run has one name.

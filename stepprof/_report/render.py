@@ -144,9 +144,13 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
     out.extend(_run_head(run, several))
     rows = _figure_rows(run)
     width = max(len(k) for k, _ in rows)
+    previous = None
     for label, value in rows:
         key = _REASON_KEYS.get(label)
-        reason = f"  ({run.unavailable[key]})" if value == "n/a" and key in run.unavailable else ""
+        why = run.unavailable[key] if value == "n/a" and key in run.unavailable else None
+        # A reason the row above gave already (energy's three rows, FLOPs' two) is not repeated.
+        reason = "" if why is None else "  (as above)" if why == previous else f"  ({why})"
+        previous = why
         out.append(f"   {label:<{width}}  {value}{reason}")
     if run.boundary == "python":
         out.append("   " + python_boundary_line(run.unavailable.get("boundary")))
@@ -166,8 +170,10 @@ def _run_head(run: RunReport, several: bool) -> list[str]:
         named = "names: " + (", ".join(run.names[:5]) or "none")
     out = [
         f"{head} {run.device or 'no device'}: {run.steps:,} steps ({run.warmup_steps:,} warm-up, "
-        f"{run.error_steps:,} failed, {run.measured_steps:,} measured); {named}"
-        + (f"; batch {run.batch_size:,}" if run.batch_size else "")
+        f"{run.error_steps:,} failed, {run.measured_steps:,} measured"
+        + (f", {run.timed_steps:,} timed" if 0 < run.timed_steps < run.measured_steps else "")
+        + f"); {named}"
+        + _batch_sizes(run)
     ]
     if not run.summary_found and run.steps:
         out.append("   no summary record: the run did not close (crash or still running)")
@@ -176,6 +182,19 @@ def _run_head(run: RunReport, several: bool) -> list[str]:
     if run.malformed_steps:
         out.append(f"   {run.malformed_steps:,} step record(s) without a usable wall_ms were left out")
     return out
+
+
+def _batch_sizes(run: RunReport) -> str:
+    """The run's batch sizes for its heading: one, a few with their steps, or the range."""
+    sizes = run.batch_size_steps
+    if not sizes:
+        return f"; batch {run.batch_size:,}" if run.batch_size else ""
+    if len(sizes) == 1:
+        return f"; batch {sizes[0][0]:,}"
+    if len(sizes) <= 4:
+        return "; batch " + ", ".join(f"{b:,} ({n:,} steps)" for b, n in sorted(sizes))
+    return (f"; batch {min(b for b, _ in sizes):,} to {max(b for b, _ in sizes):,} "
+            f"({len(sizes):,} sizes; most often {sizes[0][0]:,})")
 
 
 def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
@@ -199,7 +218,7 @@ def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
     ]
     c = run.compile
     if c is not None:
-        rows.append(("compiled steps", f"{c.steps:,} measured, left out of the figures ({c.compiles:,} "
+        rows.append(("compiled steps", f"{c.steps:,} of the measured, left out of the figures ({c.compiles:,} "
                      f"compiles, {c.compile_ms:,.0f} ms, {c.graph_breaks:,} graph breaks over all steps)"))
     if run.gpu_steps < run.measured_steps and run.gpu_steps:
         rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.measured_steps:,} measured steps (overhead_budget)"))
@@ -228,10 +247,15 @@ def _detail_lines(run: RunReport) -> list[str]:
         for s in run.syncs.sites[:5]:
             out.append(f"     {s.per_step:>6.2f}/step  {s.where}  {s.kind}  {s.code or ''}")
     if run.phases:
-        out.append(f"   {'phase':<24} {'wall ms':>9} {'GPU ms':>9} {'peak':>11} {'syncs/step':>10}")
+        # Which steps a phase ran in, and how often: gradient accumulation's phases show here
+        # (forward 4 times a step, the optimizer in 5 of 17); its times are per step it ran in.
+        out.append(f"   {'phase':<24} {'in steps':>10} {'runs/step':>9} {'wall ms':>9} {'GPU ms':>9} "
+                   f"{'peak':>11} {'syncs/step':>10}")
         for ph in run.phases:
+            ran = f"{ph.steps:,}/{run.timed_steps:,}" if run.timed_steps else f"{ph.steps:,}"
             out.append(
-                f"   {ph.name[:24]:<24} {_ms(ph.wall_ms_median):>9} {_ms(ph.gpu_ms_median):>9} "
+                f"   {ph.name[:24]:<24} {ran:>10} {_number(ph.runs_per_step, '.2g'):>9} "
+                f"{_ms(ph.wall_ms_median):>9} {_ms(ph.gpu_ms_median):>9} "
                 f"{format_bytes(ph.peak_allocated_bytes_max):>11} {_number(ph.syncs_per_step, '.2f'):>10}"
             )
     flops = run.flops
