@@ -29,7 +29,8 @@ if typing.TYPE_CHECKING:
 
 del typing
 
-__version__ = "0.1.0"
+#: The one source of the version: pyproject.toml reads it, ``stepprof --version`` prints it.
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "BuildError",

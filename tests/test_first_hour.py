@@ -112,6 +112,25 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"stepprof {stepprof.__version__}\n"
 
 
+def test_the_version_has_one_source():
+    """pyproject.toml reads stepprof.__version__; the README names none; the installed
+    metadata agrees; every released version in the changelog is older."""
+    import importlib.metadata
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert "version" not in project and "version" in project["dynamic"]
+    assert importlib.metadata.version("stepprof") == stepprof.__version__
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert not re.search(r"\b[Vv]ersion \d", readme) and stepprof.__version__ not in readme
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        released = re.findall(r"^## \[(\d+)\.(\d+)\.(\d+)\]", f.read(), re.M)
+    ours = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)\.(\d+)", stepprof.__version__).groups())
+    assert released and all(tuple(map(int, r)) < ours for r in released)
+
+
 def test_dir_lists_no_private_name():
     names = dir(stepprof)
     assert not [n for n in names if n.startswith("_") and n != "__version__"]
