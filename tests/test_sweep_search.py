@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import pytest
 import torch
 
 import stepprof
+from stepprof._sweep.output import LOGGER
 from stepprof._sweep.search import sweep_on
 from stepprof._device.backend import HostSweepBackend
 
@@ -191,7 +193,8 @@ def test_nothing_fits():
     assert r.first_oom == 1
 
 
-def test_progress_prints_a_line_per_trial_and_can_be_silenced(capsys):
+def test_progress_prints_a_line_per_trial_and_can_be_silenced(capsys, monkeypatch):
+    monkeypatch.setattr(LOGGER, "propagate", False)  # no logging set up: progress goes to stderr
     gpu, step = setup()
     lines = []
     r = run(step, gpu, progress=lines.append)
@@ -205,6 +208,24 @@ def test_progress_prints_a_line_per_trial_and_can_be_silenced(capsys):
     gpu, step = setup()
     run(step, gpu, progress=True, max_batch=8)
     assert capsys.readouterr().err.count("stepprof.sweep: [") == 3
+
+
+def test_progress_goes_to_the_stepprof_logger_when_logging_is_set_up(capsys, caplog):
+    """With a handler (here pytest's, on the root), progress=True logs each line at INFO on
+    'stepprof.sweep', a child of 'stepprof', and writes nothing to stderr itself."""
+    gpu, step = setup()
+    with caplog.at_level(logging.INFO, logger="stepprof"):
+        r = run(step, gpu, progress=True, max_batch=8)
+    ours = [rec for rec in caplog.records if rec.name == "stepprof.sweep"]
+    assert [rec.levelno for rec in ours] == [logging.INFO] * len(ours)
+    assert sum(rec.getMessage().startswith("stepprof.sweep: [") for rec in ours) == r.trials == 3
+    assert "stepprof.sweep" not in capsys.readouterr().err
+    caplog.clear()
+    gpu, step = setup()
+    with caplog.at_level(logging.WARNING, logger="stepprof"):  # the user's level decides
+        run(step, gpu, progress=True, max_batch=8)
+    assert not [rec for rec in caplog.records if rec.name == "stepprof.sweep"]
+    assert "stepprof.sweep" not in capsys.readouterr().err
 
 
 def test_sweep_on_a_real_cpu_model():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import sys
@@ -19,11 +20,20 @@ from .result import SweepPoint, SweepResult
 __all__ = ["SweepOutput", "progress_printer"]
 
 
+#: Where a sweep's progress goes when ``progress=True`` and logging is configured.
+LOGGER = logging.getLogger("stepprof.sweep")
+
+
 def progress_printer(progress: bool | Callable[[str], Any]) -> Callable[[str], Any] | None:
-    """What receives the progress lines: stderr for True, nothing for False, else the callable."""
+    """What receives the progress lines: for True, the ``stepprof.sweep`` logger at INFO when a
+    handler is configured for it (its own, ``stepprof``'s or the root's), else stderr; nothing
+    for False; else the callable."""
     if progress is True:
         def say(line: str) -> None:
-            print(line, file=sys.stderr, flush=True)
+            if LOGGER.hasHandlers():
+                LOGGER.info(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
 
         return say
     return progress or None  # type: ignore[return-value]

@@ -129,7 +129,8 @@ def sweep(
             and loaded back afterwards, also when the sweep raises.
         device: ``"cuda:N"`` or ``"cpu"``; None uses CUDA if this process has
             initialised it (the model is on the GPU), else the CPU.
-        progress: True prints a line per trial to stderr, False prints nothing, and a
+        progress: True gives a line per trial to the ``stepprof.sweep`` logger at INFO
+            when logging has a handler for it, else to stderr; False gives none, and a
             callable receives each line.
         warmup: untimed steps per trial, before the timed ones.
         steps: the fewest timed steps per trial.
