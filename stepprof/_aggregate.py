@@ -120,9 +120,10 @@ class RunFigures:
     syncs_per_step: Percentiles | None
     overhead_us_median: float | None
     overhead_us_mean: float | None
-    #: Host time before each step since the previous one's exit (input, logging, anything).
+    #: Host time before each step since the previous one's exit (input, logging, anything),
+    #: and inside it between micro-batches.
     data_wait_ms: Percentiles | None
-    #: The share of the loop's time (data wait + wall) spent in the data wait.
+    #: The share of the loop's time (data wait + wall, less the waits inside steps) spent in the data wait.
     input_wait_fraction: float | None
     #: Mean time in the loader's ``__next__`` (``data_ms``, with ``stepprof.iterate``).
     data_ms_mean: float | None
@@ -133,6 +134,9 @@ class RunFigures:
     samples_per_j: float | None = None
     #: The mean of ``data_wait_ms`` (one-off stalls weigh in it; the median shows the steady state).
     data_wait_ms_mean: float | None = None
+    #: The median of ``data_wait_in_step_ms``: the part of ``data_wait_ms`` inside the step
+    #: (between micro-batches), which ``wall_ms`` holds too; None when no step recorded one.
+    data_wait_in_step_ms_median: float | None = None
 
 
 def _percentiles(sketch: Sketch) -> Percentiles | None:
@@ -239,7 +243,7 @@ class PhaseTotals(Fields):
 
 
 #: The sketches of :class:`StepTotals`, one per per-step figure of the timed steps.
-_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "syncs", "tflops", "mfu", "overhead", "data_wait")
+_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "syncs", "tflops", "mfu", "overhead", "data_wait", "wait_in")
 
 #: A timed step's numeric fields that go into a sketch as they are: (field, sketch's buffer).
 _SKETCHED = tuple((field, attrgetter(f"{name}.buf")) for field, name in (
@@ -377,7 +381,13 @@ class StepTotals(Fields):
         if t is float or t is int:
             self.data_wait.buf.append(wait)
             self.data_wait_sum_ns.value += round(wait * 1e6)
-            self.loop_sum_ns.value += round((wait + wall) * 1e6)
+            loop = wait + wall
+            inside = get("data_wait_in_step_ms")  # waits between micro-batches: in wall_ms too
+            t = type(inside)
+            if t is float or t is int:
+                self.wait_in.buf.append(inside)
+                loop -= inside
+            self.loop_sum_ns.value += round(loop * 1e6)
             x = get("data_ms")  # (stepprof.iterate) counts only with a data wait
             t = type(x)
             if t is float or t is int:
@@ -802,6 +812,7 @@ class RunAggregate:
             input_wait_fraction=self.data_wait_sum_ns / self.loop_sum_ns if self.loop_sum_ns > 0 else None,
             data_ms_mean=self.data_sum_ns / self.data_steps / 1e6 if self.data_steps else None,
             data_wait_ms_mean=self.data_wait_sum_ns / self.data_wait.count / 1e6 if self.data_wait.count else None,
+            data_wait_in_step_ms_median=self.wait_in.quantile(0.5),
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
             energy_j_per_step=self.energy_uj / self.energy_steps / 1e6 if self.energy_steps else None,

@@ -556,7 +556,8 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
     """Write the steps of the logs at ``paths`` as TensorBoard scalars under ``out_dir``.
 
     Each step is one event holding all its scalars (what ``SummaryWriter.add_scalar`` writes,
-    one value per call), by step index, at the step's ``start_unix_s``.  Each run (of the last
+    one value per call), at the framework's ``global_step`` when the record has one (a callback's
+    run), else its step index, at the step's ``start_unix_s``.  Each run (of the last
     :data:`TB_RUNS_KEPT`) has a directory of its own when there are several, named from its rank
     or log and its ``run_id``, made safe as path components; every path is checked to lie
     inside ``out_dir`` before anything is written there.
@@ -589,7 +590,9 @@ def export_tensorboard(paths: Sequence[str], out_dir: str) -> Exported:
                 w = writers[id(run)] = FileWriter(where, max_queue=8192, flush_secs=30)
             values = [Summary.Value(tag=tag, simple_value=v) for tag, v in _scalars(r)]
             if values:
-                w.add_summary(Summary(value=values), global_step=r["step"], walltime=float(r["start_unix_s"]))
+                at = r.get("global_step")  # the framework's step: its own curves are drawn at it
+                w.add_summary(Summary(value=values), global_step=at if type(at) is int else r["step"],
+                              walltime=float(r["start_unix_s"]))
             if run.written == run.steps:
                 writers.pop(id(run)).close()
     finally:

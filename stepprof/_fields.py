@@ -220,7 +220,8 @@ _STEP = (
     _f("reserved_bytes", INT, "bytes", "bytes the caching allocator holds at step exit", **_NULL),
     _f("batch_size", INT, "samples", "samples in the step", **_NULL),
     _f("samples_per_s", FLOAT, "samples/s", "batch_size over the longer of wall_ms and gpu_ms", **_NULL),
-    _f("data_wait_ms", FLOAT, "ms", "host time from the previous step's exit to this one's entry", **_NULL),
+    _f("data_wait_ms", FLOAT, "ms", "host time from the previous step's exit to this one's entry, "
+       "plus data_wait_in_step_ms", **_NULL),
     _f("phases", MapOf(_PHASE, "phase name (outer/inner when nested)", 4096), None,
        "each phase's figures, in the order they first finished"),
     _f("overhead_us", FLOAT, "us", "stepprof's own time for the step"),
@@ -232,7 +233,11 @@ _STEP = (
     _f("thread", STR, None, "the name of the thread that ran it, when not the training thread", **_OPT),
     _f("sampled", BOOL, None, "under overhead_budget: measured in full", **_OPT),
     _f("data_ms", FLOAT, "ms", "time in the loader's __next__ (stepprof.iterate), part of data_wait_ms", **_OPT),
+    _f("data_wait_in_step_ms", FLOAT, "ms", "waits between the step's micro-batches (add_batch(wait_s=)), "
+       "in data_wait_ms and wall_ms", **_OPT),
     _f("peak_phase", STR, None, "the innermost phase that reached the step's peak", **_OPT_NULL),
+    _f("global_step", INT, None, "the framework's step number, as its loggers use it (begin_step(global_step=))",
+       **_OPT),
     _f("flops", FLOAT, "FLOPs", "the FLOPs of one step", **_OPT_NULL),
     _f("tflops_per_s", FLOAT, "TFLOP/s", "flops over the longer of wall_ms and gpu_ms", **_OPT_NULL),
     _f("mfu", FLOAT, "ratio", "the time the FLOPs need at the calibrated rate, over the step's", **_OPT_NULL),

@@ -95,7 +95,8 @@ def _make_step_record() -> Any:
     that order (the collector does: a keyword call costs a microsecond more a step).  The
     optional fields, by keyword, are left out at their default: ``host_rss_bytes`` (CPU steps
     only), ``thread`` (steps of a thread other than the training thread), ``sampled`` (under
-    ``overhead_budget``), ``data_ms`` (a batch fetched through ``stepprof.iterate``), the FLOP
+    ``overhead_budget``), ``data_ms`` (a batch fetched through ``stepprof.iterate``), ``data_wait_in_step_ms``
+    (``Profiler.add_batch(wait_s=)``), the FLOP
     fields, ``energy_j`` and ``energy_span_ms``, the compile fields, and ``run_id`` and the rank
     fields (which the log writer adds; None is not written either).  ``flops_counted`` is
     written only as True.  ``unavailable`` is kept by reference, so a caller may still add

@@ -134,9 +134,9 @@ def test_one_record_per_optimizer_step_with_its_phases(tmp_path, accumulate):
         assert phases["optimizer"]["count"] == 1
         assert all(p["wall_ms"] > 0 for p in phases.values())
         if accumulate > 1:
-            assert phases[sl.DATA_WAIT]["count"] == accumulate - 1
+            assert phases[sl.BETWEEN]["count"] == accumulate - 1
         else:
-            assert sl.DATA_WAIT not in phases
+            assert sl.BETWEEN not in phases
         inner = sum(p["wall_ms"] for p in phases.values())
         assert inner <= r["wall_ms"] * 1.001
         assert r["gpu_ms"] is None  # accelerator="cpu": the callback profiles the trainer's device

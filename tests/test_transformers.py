@@ -109,12 +109,17 @@ def test_figures_reach_every_on_log_and_the_log_history_whatever_the_callback_or
     # The user put the capturing callback (a report_to backend's stand-in) before stepprof's.
     trainer = Trainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(64),
                       callbacks=[capture, cb])
+    order = list(trainer.callback_handler.callbacks)
+    seen: list[list] = []
+    capture.on_step_end = lambda *a, **k: seen.append(list(trainer.callback_handler.callbacks))
     trainer.train()
-    assert trainer.callback_handler.callbacks[0] is cb  # moved first at train begin
+    assert trainer.callback_handler.callbacks == order and seen and all(o == order for o in seen)
+    assert not {"training_step", "get_batch_samples", "log"} & set(vars(trainer))  # unwrapped
     logged = [logs for logs in capture.logs if "loss" in logs]
     assert len(logged) == 4  # logging_steps=5 over 20 steps
     for logs in logged:
         assert logs["stepprof/wall_ms"] > 0 and logs["stepprof/steps"] == 5  # all finished (CPU)
+        assert type(logs["stepprof/steps"]) is int
         assert logs["stepprof/phases/forward_backward/wall_ms"] > 0
         assert logs["stepprof/phases/optimizer/wall_ms"] > 0
         assert logs["stepprof/samples_per_s"] > 0

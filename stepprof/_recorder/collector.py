@@ -90,13 +90,17 @@ class Flag:
 _NO_PREVIOUS = "no previous step on this thread returned from its exit (the first step, or one cut short)"
 
 
-def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, Any]:
-    """(``data_wait_ms``, ``data_ms`` or ABSENT when no batch came through ``stepprof.iterate``);
-    the reason when ``data_wait_ms`` is null."""
+def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, Any, Any]:
+    """(``data_wait_ms``, ``data_ms``, ``data_wait_in_step_ms``), the last two ABSENT when
+    nothing measured them; the reason when ``data_wait_ms`` is null.  ``data_wait_ms`` is the
+    wait before the step plus the waits inside it between micro-batches."""
+    inside = s.wait_in_ns / 1e6 if s.wait_in_ns >= 0 else ABSENT
     wait = s.data_wait_ns / 1e6 if s.data_wait_ns >= 0 else None
     if wait is None:
         unavailable["data_wait_ms"] = _NO_PREVIOUS
-    return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT
+    elif inside is not ABSENT:
+        wait += inside
+    return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT, inside
 
 
 def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> float | None:
@@ -151,7 +155,7 @@ def build_step_record(
         if phases:
             unavailable["phases.syncs"] = unavailable["syncs"]
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
-    data_wait_ms, data_ms = _data_figures(s, unavailable)
+    data_wait_ms, data_ms, wait_in_ms = _data_figures(s, unavailable)
     peak_phase = _peak_phase(s, phases, unavailable) if phases else ABSENT
     # By position, in the declared order (_schema.STEP_CORE_FIELDS): a keyword call costs a µs more.
     record = step_record(
@@ -167,8 +171,12 @@ def build_step_record(
         record["sampled"] = True
     if data_ms is not ABSENT:
         record["data_ms"] = data_ms
+    if wait_in_ms is not ABSENT:
+        record["data_wait_in_step_ms"] = wait_in_ms
     if peak_phase is not ABSENT:
         record["peak_phase"] = peak_phase
+    if s.global_step is not None:
+        record["global_step"] = s.global_step
     return record
 
 
@@ -279,10 +287,12 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     on_host = not b.has_device_memory
     if on_host:
         unavailable["host_rss_bytes"] = why
-    data_wait_ms, data_ms = _data_figures(s, unavailable)
+    data_wait_ms, data_ms, wait_in_ms = _data_figures(s, unavailable)
     return step_record(
         step=s.index, name=s.name, warmup=s.warmup, device=b.device, start_unix_s=start_unix_s,
-        wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms, gpu_ms=None, gpu_busy=None,
+        wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms,
+        data_wait_in_step_ms=wait_in_ms, global_step=s.global_step if s.global_step is not None else ABSENT,
+        gpu_ms=None, gpu_busy=None,
         peak_allocated_bytes=None, reserved_bytes=None,
         batch_size=s.batch_size, samples_per_s=samples_per_s, phases={}, overhead_us=s.overhead_ns / 1e3,
         error=s.error, syncs=s.syncs, allocator=None, unavailable=unavailable,

@@ -28,13 +28,15 @@ class HookedSteps:
 
     def begin_step(
         self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH,
-        batch_reason: str | None = None,
+        batch_reason: str | None = None, global_step: int | None = None,
     ) -> None:
         """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
 
         For code that only has hooks (a framework's callbacks).  Arguments as for :meth:`step`;
         ``batch_reason``: why the step has no batch size, for code that cannot see its batches
-        (the step's ``unavailable.batch_size``), in place of ``batch_size`` and ``batch``.
+        (the step's ``unavailable.batch_size``), in place of ``batch_size`` and ``batch``;
+        ``global_step``: the framework's own number for this step, the one its loggers use
+        (the record's ``global_step``; ``stepprof export --tensorboard`` draws at it).
         """
         begun = self._begun.get(threading.get_ident())
         if begun:
@@ -43,12 +45,21 @@ class HookedSteps:
                 "call prof.end_step() first"
             )
         name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
+        if global_step is not None and (type(global_step) is not int or global_step < 0):
+            raise UsageError(
+                f"begin_step(global_step=...) takes the framework's step number, an int >= 0 "
+                f"(got {global_step!r}); e.g. global_step=trainer.global_step"
+            )
         if batch_reason is not None:
             reason = _check_reason(batch_reason, batch_size is not None or batch is not NO_BATCH)
         elif batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
             batch_size, reason = infer_batch_size(batch)
         token = self._enter(name, batch_size, step=True, batch_reason=reason)
         self._begun[threading.get_ident()] = [(name, token)]
+        if global_step is not None:
+            step = self._boundaries.threads.step()
+            if step is not None:  # None: the profiler stopped recording
+                step.global_step = global_step
 
     def end_step(self, error: BaseException | None = None) -> None:
         """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
@@ -93,15 +104,18 @@ class HookedSteps:
             )
         self._exit(begun.pop()[1], None)
 
-    def add_batch(self, *batches: Any, fetch_s: float | None = None) -> None:
+    def add_batch(self, *batches: Any, fetch_s: float | None = None, wait_s: float | None = None) -> None:
         """The batches a step trains on, for code that fetches them where :meth:`iterate` cannot
         wrap (a framework's hooks; gradient accumulation's micro-batches).
 
         Inside a step open on this thread, their samples (the tensors' first dimension, as
         for ``profile_step(batch=...)``) add to its ``batch_size``; outside one they are the
-        next step's, as :meth:`iterate`'s are, and ``fetch_s``, the seconds fetching them took,
-        adds to its ``data_ms``.  A batch whose size cannot be inferred makes ``batch_size``
-        null, with the reason.
+        next step's, as :meth:`iterate`'s are.  ``fetch_s``, the seconds fetching them took,
+        adds to the step's ``data_ms``.  ``wait_s``, only inside a step: the seconds the step
+        waited for them since its previous micro-batch; it adds to ``data_wait_in_step_ms`` and
+        so to ``data_wait_ms``, the step's whole input wait (the wait before a step is measured
+        by stepprof).  A batch whose size cannot be inferred makes ``batch_size`` null, with
+        the reason.
 
         Example:
             >>> prof = stepprof.Profiler(None)                      # doctest: +SKIP
@@ -113,13 +127,24 @@ class HookedSteps:
         if not batches:
             raise UsageError("add_batch() needs a batch: prof.add_batch(batch), or several: prof.add_batch(*micro_batches)")
         fetch_ns = None if fetch_s is None else round(check_seconds(fetch_s, "fetch_s", allow_zero=True) * 1e9)
+        wait_ns = None if wait_s is None else round(check_seconds(wait_s, "wait_s", allow_zero=True) * 1e9)
         if self._summary is not None or self._boundaries.broken is not None:
             return
         size, reason = total_batch_size(batches)
         step = self._boundaries.threads.step()
         if step is None:
+            if wait_ns is not None:
+                raise UsageError(
+                    f"add_batch(wait_s={wait_s!r}) outside a step: stepprof measures the wait before a "
+                    f"step itself; pass wait_s only for a micro-batch inside the open step"
+                )
             self._boundaries.note_batch(fetch_ns, (size, reason))
-        elif step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
+            return
+        if wait_ns is not None:
+            step.wait_in_ns = wait_ns if step.wait_in_ns < 0 else step.wait_in_ns + wait_ns
+        if fetch_ns is not None:
+            step.data_ns = fetch_ns if step.data_ns < 0 else step.data_ns + fetch_ns
+        if step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
             if size is None:
                 step.batch_size, step.batch_reason = None, reason
             else:

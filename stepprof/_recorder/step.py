@@ -47,7 +47,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
-        "data_wait_ns", "data_ns", "batch_reason", "times", "flat",
+        "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "flat",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -82,6 +82,9 @@ class Step:
         # part of it spent in stepprof.iterate's __next__ (-1: the loop does not use it).
         self.data_wait_ns = -1
         self.data_ns = -1
+        # Input waits inside the step, between its micro-batches (Profiler.add_batch(wait_s=)), -1: none.
+        self.wait_in_ns = -1
+        self.global_step: int | None = None  # the framework's own step number (begin_step)
         self.batch_reason: str | None = None  # why batch_size is None, when it was not inferred
         #: Each pair of :meth:`flat_marks`' device ms (None: not read yet; see :meth:`read`).
         self.times: tuple[float | None, ...] | None = None

@@ -166,10 +166,13 @@ def input_bound(run: RunReport) -> Diagnosis | str | None:
         return None
     wait = f.data_wait_ms.median
     step = f.wall_ms.median if f.wall_ms is not None else None
+    inside, less = f.data_wait_in_step_ms_median, ""
+    if step is not None and inside is not None:  # the waits between micro-batches are in both
+        step, less = max(0.0, step - inside), f" (less its median {inside:.2f} ms between micro-batches)"
     steady = wait / (wait + step) if step is not None and wait + step > 0 else share
     mean = f.data_wait_ms_mean
     on_gpu = run.device is not None and run.device.startswith("cuda")
-    typical = (f"median data_wait_ms {wait:.2f} against a median step of {step:.2f} ms: "
+    typical = (f"median data_wait_ms {wait:.2f} against a median step of {step:.2f} ms{less}: "
                f"{steady:.0%} of a typical iteration" if step is not None else f"median data_wait_ms {wait:.2f}")
     overall = f"over the run, waits take {share:.0%} of the loop's time" + (
         f" (mean data_wait_ms {mean:.2f}, p90 {f.data_wait_ms.p90:.2f})" if mean is not None else "")

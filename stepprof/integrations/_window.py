@@ -20,8 +20,12 @@ from .._stats import median
 PREFIX = "stepprof/"
 #: Records a window keeps between two drains (the oldest go first).
 WINDOW_CAP = 4096
-#: Per-step figures logged as their median over the window.
-_MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "syncs", "energy_j")
+#: Per-step figures logged as their median over the window (``tflops_per_s`` and ``mfu``
+#: only when FLOPs are counted: a figure no step had is left out).
+_MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "syncs", "energy_j",
+            "tflops_per_s", "mfu")
+#: Per-step figures logged as their highest over the window (memory: the window's worst).
+_MAXIMA = ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
 #: Per-phase figures logged as their median (``stepprof/phases/forward/gpu_ms``).
 _PHASE_MEDIANS = ("gpu_ms", "wall_ms")
 
@@ -37,7 +41,10 @@ class Window:
         """Take one finished step record (the collector thread)."""
         if record.get("kind") != "step" or left_out(record) is not None:
             return  # not a timed step: left out of the run's figures too (stepprof._rules)
-        kept = {k: record.get(k) for k in (*_MEDIANS, "peak_allocated_bytes", "step")}
+        kept = {k: record.get(k) for k in (*_MEDIANS, *_MAXIMA, "step")}
+        allocator = record.get("allocator")
+        if isinstance(allocator, dict):
+            kept["alloc_retries"] = allocator.get("num_alloc_retries")
         phases = record.get("phases")
         if phases:
             kept["phases"] = {n: {k: p.get(k) for k in _PHASE_MEDIANS} for n, p in phases.items()}
@@ -52,21 +59,27 @@ class Window:
         return records
 
 
-def figures(records: list[dict[str, Any]]) -> dict[str, float]:
+def figures(records: list[dict[str, Any]]) -> dict[str, float | int]:
     """The logged names and values of a drained window: each per-step figure's median over the
-    steps that have it, the highest ``peak_allocated_bytes``, each phase's median times, and
-    ``stepprof/steps`` (how many steps the window held).  A figure no step had is left out."""
-    out: dict[str, float] = {}
+    steps that have it (MFU and TFLOP/s when FLOPs are counted), the highest peak, reserved and
+    host RSS bytes, ``stepprof/alloc_retries`` (the cudaMalloc retries in these steps),
+    each phase's median times, and ``stepprof/steps`` (an int: the steps the window held).
+    A figure no step had is left out."""
+    out: dict[str, float | int] = {}
     if not records:
         return out
-    out[PREFIX + "steps"] = float(len(records))
+    out[PREFIX + "steps"] = len(records)
     for key in _MEDIANS:
         values = [float(v) for r in records if isinstance(v := r.get(key), (int, float))]
         if values:
             out[PREFIX + key] = median(values)
-    peaks = [r["peak_allocated_bytes"] for r in records if isinstance(r.get("peak_allocated_bytes"), int)]
-    if peaks:
-        out[PREFIX + "peak_allocated_bytes"] = float(max(peaks))
+    for key in _MAXIMA:
+        ints = [v for r in records if type(v := r.get(key)) is int]
+        if ints:
+            out[PREFIX + key] = max(ints)
+    retries = [v for r in records if type(v := r.get("alloc_retries")) is int]
+    if retries:
+        out[PREFIX + "alloc_retries"] = sum(retries)
     names: dict[str, None] = {}
     for r in records:
         names.update(dict.fromkeys(r.get("phases") or ()))
@@ -78,4 +91,18 @@ def figures(records: list[dict[str, Any]]) -> dict[str, float]:
             ]
             if values:
                 out[f"{PREFIX}phases/{name}/{key}"] = median(values)
+    return out
+
+
+def named(figs: dict[str, float | int], sep: str) -> dict[str, float | int]:
+    """``figs`` with a logger's group separator between the parts of each name
+    (``stepprof.phases.forward.gpu_ms`` for ``"."``; a phase's own ``/``, for nested ones, stays)."""
+    out: dict[str, float | int] = {}
+    for name, value in figs.items():
+        rest = name[len(PREFIX):]
+        if rest.startswith("phases/"):
+            phase, _, figure = rest[len("phases/"):].rpartition("/")
+            out[sep.join(("stepprof", "phases", phase, figure))] = value
+        else:
+            out["stepprof" + sep + rest] = value
     return out

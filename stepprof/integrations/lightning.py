@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,12 +40,13 @@ from ._sweep_adapter import (
     run_sweep,
     step_optimizers,
 )
-from ._window import Window, figures
+from ._window import Window, figures, named
 
 __all__ = ["StepprofCallback", "sweep"]
 
-#: The phase between two micro-batches of one optimizer step (gradient accumulation).
-DATA_WAIT = "data_wait"
+#: The phase between two micro-batches of one optimizer step (gradient accumulation): the wait
+#: for the next one, part of the step's ``data_wait_ms`` (``data_wait_in_step_ms``).
+BETWEEN = "between_micro_batches"
 
 
 class StepprofCallback(pl.Callback):
@@ -54,8 +56,10 @@ class StepprofCallback(pl.Callback):
     ``on_before_backward``), ``backward`` (to ``on_after_backward``) and ``optimizer``
     (``on_before_optimizer_step`` to the batch's end).  Under gradient accumulation the
     step spans its micro-batches: ``batch_size`` is their sum, each phase's ``count`` is
-    the number of micro-batches, and the time between them is the phase ``data_wait``.
-    The batch size is inferred from each batch.  At each of Lightning's logging steps the
+    the number of micro-batches, and the time between them is the phase
+    ``between_micro_batches``, which the step's input wait (``data_wait_ms``) counts, as it
+    counts the wait before the step.  The batch size is inferred from each batch; the
+    record's ``global_step`` is the step Lightning logs this step's metrics at.  At each of Lightning's logging steps the
     callback logs ``stepprof/...`` figures (medians over the steps since the last) to every
     logger in ``trainer.loggers``, on rank zero.
 
@@ -83,6 +87,7 @@ class StepprofCallback(pl.Callback):
         self._phase: str | None = None  # the phase open in it
         self._stepped = False  # on_before_optimizer_step fired in this micro-batch
         self._micro = 0  # the micro-batches of the open step (gradient accumulation)
+        self._gap_ns = 0  # when the last micro-batch of the open step ended
         self._broken: str | None = None
 
     @property
@@ -143,11 +148,12 @@ class StepprofCallback(pl.Callback):
             if not active:
                 return
             assert self.profiler is not None
-            if not self._open:
-                self.profiler.begin_step(batch=batch)  # data_wait_ms: since the last step's end
+            if not self._open:  # data_wait_ms: since the last step's end
+                self.profiler.begin_step(batch=batch, global_step=_logged_step(trainer))
                 self._open = True
-            else:  # accumulation: the step's batch_size is the micro-batches' sum
-                self.profiler.add_batch(batch)
+            else:  # accumulation: batch_size is the micro-batches' sum; the wait for this one counts
+                self._end_phase()
+                self.profiler.add_batch(batch, wait_s=(time.perf_counter_ns() - self._gap_ns) / 1e9)
             self._micro += 1
             self._begin("forward")
 
@@ -179,7 +185,8 @@ class StepprofCallback(pl.Callback):
                 and self._micro < max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
             )
             if accumulating:
-                self._begin(DATA_WAIT)  # until the next micro-batch starts
+                self._begin(BETWEEN)  # until the next micro-batch starts
+                self._gap_ns = time.perf_counter_ns()
                 return
             self._end_step()
         if self._should_log(trainer):
@@ -230,11 +237,17 @@ class StepprofCallback(pl.Callback):
             figs = figures(self._window.drain())  # every rank drains; rank zero logs
             if not figs or not getattr(trainer, "is_global_zero", True):
                 return
-            loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-            step = getattr(loop, "_batches_that_stepped", None)  # the step Lightning logs its own metrics at
-            step = trainer.global_step if not isinstance(step, int) else step
+            step = _logged_step(trainer)
             for logger in getattr(trainer, "loggers", None) or ():
-                logger.log_metrics(figs, step=step)
+                sep = getattr(logger, "group_separator", "/")  # as Lightning's own monitors name theirs
+                logger.log_metrics(figs if sep == "/" else named(figs, sep), step=step)
+
+
+def _logged_step(trainer: Any) -> int:
+    """The step Lightning logs this optimizer step's metrics at (its loggers', checkpointed)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if type(step) is int else int(trainer.global_step)
 
 
 # -- the sweep --------------------------------------------------------------------------------

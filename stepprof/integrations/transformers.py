@@ -14,9 +14,10 @@ The callback records one step per optimizer step, from the Trainer's own hooks:
   Trainer fetched for the step (``trainer.get_batch_samples``).
 
 At ``on_train_begin`` the callback finds its Trainer (the caller of the hook) and wraps
-``training_step`` and ``get_batch_samples`` on that instance (restored at train end),
-and moves itself first among the Trainer's callbacks, so that ``on_log`` adds the figures
-before the ``report_to`` callbacks read the logs.  docs/howto/frameworks.md has the details.
+``training_step``, ``get_batch_samples`` and ``log`` on that instance (restored at train
+end): ``log`` adds the figures to the logs before the Trainer keeps them in
+``state.log_history`` and hands them to every callback, ``report_to``'s included, so the
+callbacks keep their order.  docs/howto/frameworks.md has the details.
 """
 
 from __future__ import annotations
@@ -139,7 +140,6 @@ class StepprofCallback(TrainerCallback):
             trainer = _calling_trainer(self)
             if trainer is not None:
                 self._wrap(trainer)
-                _move_first(trainer.callback_handler.callbacks, self)
         except Exception as e:  # noqa: BLE001 - stepprof never breaks training
             if raised_by_user(e):
                 raise
@@ -152,7 +152,9 @@ class StepprofCallback(TrainerCallback):
         try:
             if self._in_step:  # the previous step never reached on_step_end
                 self._end_step(RuntimeError("on_step_end was not called for this step"))
-            prof.begin_step(batch_reason=_NO_TRAINER if self._trainer is None else None)
+            step = getattr(state, "global_step", None)  # the Trainer logs this step at the next one
+            prof.begin_step(batch_reason=_NO_TRAINER if self._trainer is None else None,
+                            global_step=step + 1 if type(step) is int and step >= 0 else None)
             self._in_step = True
             if self._trainer is None:  # the hooks alone: the phase starts with the step
                 self._begin_phase(FORWARD_BACKWARD)
@@ -181,16 +183,13 @@ class StepprofCallback(TrainerCallback):
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
-        if logs is None or self._prof is None or self._prof.closed:
-            return
+        if logs is None or self._trainer is not None or self._prof is None or self._prof.closed:
+            return  # with a Trainer, its wrapped log() added them
         try:
-            # The steps whose device work has completed are written now (never a wait), so
-            # the window holds them: on a GPU the last step or two may still be running.
-            self._prof.flush()
-            got = figures(self._window.drain())
+            got = self._figures()
             if not got:
                 return
-            # The Trainer put a copy of these logs in state.log_history just before this call.
+            # The hooks alone: the caller put a copy of these logs in state.log_history just before.
             last = state.log_history[-1] if getattr(state, "log_history", None) else None
             if isinstance(last, dict) and last.get("step") == state.global_step and set(last) - {"step"} == set(logs):
                 last.update(got)
@@ -199,6 +198,15 @@ class StepprofCallback(TrainerCallback):
             if raised_by_user(e):
                 raise
             self._fail(e)
+
+    def _figures(self) -> dict[str, float | int]:
+        """The window's figures: the steps whose device work has completed are written now
+        (never a wait), so the window holds them; on a GPU the last step or two may still run."""
+        prof = self._prof
+        if prof is None or prof.closed:
+            return {}
+        prof.flush()
+        return figures(self._window.drain())
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close(None)
@@ -210,6 +218,7 @@ class StepprofCallback(TrainerCallback):
         self._trainer = trainer
         training_step = trainer.training_step
         get_batch_samples = trainer.get_batch_samples
+        log = trainer.log
 
         def wrapped_training_step(*args: Any, **kwargs: Any) -> Any:
             phase = self._in_step and self._recording() is not None
@@ -226,6 +235,11 @@ class StepprofCallback(TrainerCallback):
                 self._guard(self._end_phase)
             return out
 
+        def wrapped_log(logs: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(logs, dict) and self._recording() is not None:
+                self._guard(lambda: logs.update(self._figures()))
+            return log(logs, *args, **kwargs)
+
         def wrapped_get_batch_samples(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter_ns()
             out = get_batch_samples(*args, **kwargs)
@@ -237,9 +251,10 @@ class StepprofCallback(TrainerCallback):
         wrapped_training_step.__wrapped__ = training_step  # type: ignore[attr-defined]
         wrapped_training_step._stepprof = True  # type: ignore[attr-defined]
         own = vars(trainer)
-        self._wrapped = {name: own.get(name, _MISSING) for name in ("training_step", "get_batch_samples")}
+        self._wrapped = {name: own.get(name, _MISSING) for name in ("training_step", "get_batch_samples", "log")}
         trainer.training_step = wrapped_training_step
         trainer.get_batch_samples = wrapped_get_batch_samples
+        trainer.log = wrapped_log
 
     def _unwrap(self) -> None:
         trainer, wrapped = self._trainer, self._wrapped
@@ -324,15 +339,6 @@ def _calling_trainer(callback: StepprofCallback) -> Any:
             return owner
         frame = frame.f_back
     return None
-
-
-def _move_first(callbacks: list[Any], callback: StepprofCallback) -> None:
-    """Put ``callback`` first, so that its ``on_log`` runs before the ``report_to`` ones.
-
-    Done during ``on_train_begin``'s own loop over the list: the callbacks after this one
-    keep their places, so none is skipped or called twice."""
-    i = next(i for i, cb in enumerate(callbacks) if cb is callback)
-    callbacks.insert(0, callbacks.pop(i))
 
 
 # -- the sweep ---------------------------------------------------------------------------------
