@@ -38,8 +38,14 @@ def plot_peak(path: str, out: str) -> str:
     The record is as :func:`stepprof.read` gives it (a field of the wrong type is null); names
     from it are drawn through :func:`~stepprof._units.printable`.
     """
+    fig = peak_figure(_last_peak(os.fspath(path)))
+    fig.savefig(out, dpi=110)
+    return os.fspath(out)
+
+
+def peak_figure(rec: dict[str, Any]) -> Any:
+    """The figure of one ``kind: "peak"`` record (see :func:`plot_peak`), not yet saved."""
     Figure, FigureCanvasAgg, _ = _matplotlib()
-    rec = _last_peak(os.fspath(path))
     cats: dict[str, Any] = rec["bytes_by_category"]
     fig = Figure(figsize=(12, 7.5))
     FigureCanvasAgg(fig)
@@ -77,5 +83,4 @@ def plot_peak(path: str, out: str) -> str:
     line.set_xlabel(f"ms since the entry of step {rec.get('step')}")
     line.set_ylabel("GiB allocated")
     fig.suptitle(peak_line(rec), fontsize=8, wrap=True)
-    fig.savefig(out, dpi=110)
-    return os.fspath(out)
+    return fig

@@ -21,6 +21,15 @@ __all__ = ["plot_sweep"]
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     """Draw ``result`` to a PNG at ``path`` and return the path."""
+    fig = sweep_figure(result)
+    out = os.fspath(path)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
+    return out
+
+
+def sweep_figure(result: SweepResult) -> Any:
+    """The figure of ``result`` (see :func:`plot_sweep`), not yet saved."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -56,10 +65,7 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     bottom = mem if mem is not None else ax
     bottom.set_xlabel("batch size (log scale)")
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    out = os.fspath(path)
-    # Without an extension matplotlib would add ".png" to the name: write the path as given.
-    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
-    return out
+    return fig
 
 
 def _draw_bounds(ax: Any, mem: Any, result: SweepResult, lo: int, hi: int) -> None:
