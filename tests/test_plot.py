@@ -114,3 +114,35 @@ def test_plot_takes_several_logs_and_writes_each_beside_it(capsys, tmp_path):
         cli(capsys, "plot", a, b, "-o", str(tmp_path / "one.png"))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "'-o'" in err and "2 logs" in err and "LOG.png" in err
+
+
+def _drawn_steps(log: str):
+    from stepprof._plot import _read, steps_figure
+
+    from .plot_checks import drawn
+
+    runs, _, _ = _read(log)
+    return drawn(steps_figure(log, runs[-1], -1, len(runs)))
+
+
+@pytest.mark.parametrize(
+    ("steps", "spikes"),
+    [(50, (45, 46)), (20, (5, 18, 19)), (9000, (50, 8990, 8995)), (0, ())],
+    ids=["quickstart-like", "20-steps", "binned", "cpu"],
+)
+def test_the_legends_cover_no_step(tmp_path, steps, spikes):
+    """quickstart.png (issue 28): the legend at the lower right covered the spikes at steps 45 and
+    46 of 50, and the steps after them. No legend covers a plotted point or an axes' data area,
+    and none is cut off by the figure's edge."""
+    pytest.importorskip("matplotlib")
+    from .plot_checks import legend_clashes, legends
+
+    log = str(tmp_path / "run.jsonl")
+    if steps:
+        fx.write(log, fx.training_log(steps=steps, spikes=spikes))
+    else:
+        _cpu_log(log, steps=12)
+    fig = _drawn_steps(log)
+    assert len(legends(fig)) == 2
+    assert legend_clashes(fig) == []
+

@@ -46,3 +46,20 @@ def test_plot_without_matplotlib_names_the_install_command(tmp_path, monkeypatch
         r.plot(tmp_path / "x.png")
     assert isinstance(info.value, stepprof.StepprofError)
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("kw", "setup_kw"), [({}, {"thrash_from": 3000, "thrash_factor": 1.3}), ({"max_batch": 8}, {})],
+                         ids=["to-oom", "max-batch-8"])
+def test_the_legends_cover_no_point(kw, setup_kw):
+    """The legends at the upper left covered the allocator's capacity line and, up to batch 8,
+    the "90% of the best" line (issue 28). No legend covers a plotted point or an axes' data
+    area, and none is cut off by the figure's edge."""
+    pytest.importorskip("matplotlib")
+    from stepprof._sweep.plot import sweep_figure
+
+    from .plot_checks import drawn, legend_clashes, legends
+
+    gpu, step = setup(**setup_kw)
+    fig = drawn(sweep_figure(run(step, gpu, **kw)))
+    assert len(legends(fig)) == 2
+    assert legend_clashes(fig) == []

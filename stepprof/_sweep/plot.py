@@ -59,9 +59,10 @@ def sweep_figure(result: SweepResult) -> Any:
     _draw_bounds(ax, mem, result, lo, hi)
     _draw_rates(ax, result, ran, ooms)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    legend_above(ax)
     if mem is not None:
         _draw_memory(mem, ax, result, ran, ooms, lo, hi)
+        legend_above(mem)
     bottom = mem if mem is not None else ax
     bottom.set_xlabel("batch size (log scale)")
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
@@ -161,4 +162,12 @@ def _draw_memory(
         ax.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
     mem.set_ylabel("peak memory (GiB)")
     mem.set_ylim(bottom=0)
-    mem.legend(loc="upper left", fontsize=9, framealpha=0.9)
+
+
+def legend_above(a: Any) -> None:
+    """``a``'s legend in rows above its data area, where it covers nothing drawn; the figure's
+    constrained layout makes room for it. The steps plot's too (stepprof/_plot.py)."""
+    n = len(a.get_legend_handles_labels()[0])
+    if n:
+        a.legend(loc="lower left", bbox_to_anchor=(0, 1.01, 1, 0), mode="expand", ncols=min(n, 3),
+                 borderaxespad=0, fontsize=9, frameon=False)
