@@ -197,6 +197,8 @@ def run_figures(s: _Series) -> RunFigures:
 def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     """The figure of one run's steps: times on top, memory (or the host's RSS) below."""
     Figure, Canvas, Fmt = _matplotlib()
+    from matplotlib.ticker import MaxNLocator  # there, as _matplotlib() found
+
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
@@ -220,6 +222,10 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     for a in (ax, mem):
         legend_above(a)  # where it covers no step
     mem.set_xlabel("step")
+    # Steps are whole: a tick between two steps would be labelled with one of them. The axes
+    # share the locator (matplotlib's default one's spacing, whole steps only); min_n_ticks=1
+    # keeps to whole steps in a run of one step.
+    mem.xaxis.set_major_locator(MaxNLocator("auto", steps=[1, 2, 5, 10], integer=True, min_n_ticks=1))
     mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
     return fig
 

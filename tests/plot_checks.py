@@ -1,4 +1,5 @@
-"""Checks on a drawn matplotlib figure's artists, for the plot tests: where its legends sit."""
+"""Checks on a drawn matplotlib figure's artists, for the plot tests: where its legends sit, and
+whether its tick labels name the ticks they sit on."""
 
 from __future__ import annotations
 
@@ -72,3 +73,18 @@ def legend_clashes(fig: Any) -> list[str]:
         clashes += [f"{name} overlaps legend {m}" for m, (_, other) in enumerate(boxes) if m > n and box.overlaps(other)]
     return clashes
 
+
+def off_integer_ticks(axis: Any) -> list[tuple[float, str]]:
+    """The (location, label) of each major tick in ``axis``'s view that is not on a whole number,
+    or whose label (thousands separators aside) is not that number."""
+    lo, hi = sorted(axis.get_view_interval())
+    wrong = []
+    axis.get_majorticklabels()  # labels the ticks of the current locations
+    locs = axis.get_majorticklocs()
+    for loc, tick in zip(locs, axis.get_major_ticks(len(locs)), strict=True):
+        loc, text = float(loc), tick.label1.get_text()
+        if not lo <= loc <= hi:
+            continue
+        if not loc.is_integer() or text.replace(",", "").replace("\N{MINUS SIGN}", "-") != str(int(loc)):
+            wrong.append((loc, text))
+    return wrong

@@ -146,3 +146,19 @@ def test_the_legends_cover_no_step(tmp_path, steps, spikes):
     assert len(legends(fig)) == 2
     assert legend_clashes(fig) == []
 
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 20, 50, 137])
+def test_step_ticks_sit_on_the_steps_they_name(tmp_path, steps):
+    """In a 20-step run the ticks were at 2.5, 7.5, 12.5, 17.5 and read 2, 8, 12, 18 (issue 28);
+    in a 1-step run five ticks read -0, -0, 0, 0, 0. Each tick in view is on a whole step, and
+    its label is that step."""
+    pytest.importorskip("matplotlib")
+    from .plot_checks import off_integer_ticks
+
+    log = fx.write(str(tmp_path / "run.jsonl"), fx.training_log(steps=steps, warmup=min(3, steps - 1)))
+    fig = _drawn_steps(log)
+    mem = fig.axes[1]
+    assert len(mem.get_xticks()) >= 1
+    for ax in fig.axes:
+        assert off_integer_ticks(ax.xaxis) == []
+
