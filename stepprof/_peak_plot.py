@@ -47,7 +47,8 @@ def peak_figure(rec: dict[str, Any]) -> Any:
     """The figure of one ``kind: "peak"`` record (see :func:`plot_peak`), not yet saved."""
     Figure, FigureCanvasAgg, _ = _matplotlib()
     cats: dict[str, Any] = rec["bytes_by_category"]
-    fig = Figure(figsize=(12, 7.5))
+    # The constrained layout makes room for the category legend under the bar, above the timeline.
+    fig = Figure(figsize=(12, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 2, width_ratios=(1, 3), height_ratios=(3, 2))
     bar, mods, line = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])

@@ -162,3 +162,21 @@ def test_step_ticks_sit_on_the_steps_they_name(tmp_path, steps):
     for ax in fig.axes:
         assert off_integer_ticks(ax.xaxis) == []
 
+
+@pytest.mark.parametrize("modules", [True, False], ids=["modules", "no-modules"])
+def test_the_peak_plots_category_legend_is_whole_and_clear_of_the_timeline(modules):
+    """``stepprof plot --peak`` (issue 28): the category legend under the bar ran into the timeline
+    panel below it. It lies within the figure and overlaps no other panel, its ticks or labels."""
+    pytest.importorskip("matplotlib")
+    from stepprof._peak_plot import _ORDER, peak_figure
+
+    from .plot_checks import drawn, legend_clashes, legends
+    from .readerlogs import peak_record
+
+    rec = peak_record(20)
+    if not modules:
+        rec.update(modules=[], unavailable={"modules": "no model was given to stepprof.explain_peak"})
+    fig = drawn(peak_figure(rec))
+    (legend,) = legends(fig)
+    assert [t.get_text().split()[0] for t in legend.get_texts()] == [c for c in _ORDER if rec["bytes_by_category"][c]]
+    assert legend_clashes(fig) == []
