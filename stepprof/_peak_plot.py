@@ -38,10 +38,17 @@ def plot_peak(path: str, out: str) -> str:
     The record is as :func:`stepprof.read` gives it (a field of the wrong type is null); names
     from it are drawn through :func:`~stepprof._units.printable`.
     """
+    fig = peak_figure(_last_peak(os.fspath(path)))
+    fig.savefig(out, dpi=110)
+    return os.fspath(out)
+
+
+def peak_figure(rec: dict[str, Any]) -> Any:
+    """The figure of one ``kind: "peak"`` record (see :func:`plot_peak`), not yet saved."""
     Figure, FigureCanvasAgg, _ = _matplotlib()
-    rec = _last_peak(os.fspath(path))
     cats: dict[str, Any] = rec["bytes_by_category"]
-    fig = Figure(figsize=(12, 7.5))
+    # The constrained layout makes room for the category legend under the bar, above the timeline.
+    fig = Figure(figsize=(12, 7.5), layout="constrained")
     FigureCanvasAgg(fig)
     grid = fig.add_gridspec(2, 2, width_ratios=(1, 3), height_ratios=(3, 2))
     bar, mods, line = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])
@@ -77,5 +84,4 @@ def plot_peak(path: str, out: str) -> str:
     line.set_xlabel(f"ms since the entry of step {rec.get('step')}")
     line.set_ylabel("GiB allocated")
     fig.suptitle(peak_line(rec), fontsize=8, wrap=True)
-    fig.savefig(out, dpi=110)
-    return os.fspath(out)
+    return fig

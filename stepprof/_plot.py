@@ -16,7 +16,7 @@ from ._report.read import SWEEP_RECORDS_KEPT, RunGrouper
 from ._report.sweeps import logged_sweeps
 from ._rules import RUN_KINDS, SPIKE_FACTOR, is_spike, left_out, span_ms
 from ._stats import QuantileSketch
-from ._sweep.plot import plot_sweep
+from ._sweep.plot import legend_above, plot_sweep
 from ._units import printable
 
 __all__ = ["default_png", "plot_log"]
@@ -197,6 +197,8 @@ def run_figures(s: _Series) -> RunFigures:
 def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     """The figure of one run's steps: times on top, memory (or the host's RSS) below."""
     Figure, Canvas, Fmt = _matplotlib()
+    from matplotlib.ticker import MaxNLocator  # there, as _matplotlib() found
+
     fig = Figure(figsize=(11, 7.5), dpi=110, layout="constrained")
     Canvas(fig)
     ax, mem = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
@@ -210,7 +212,6 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     for a in (ax, mem):
         _mark_steps(a, s, legend=a is ax)
     ax.set_ylabel("ms per step")
-    ax.legend(loc="lower right", fontsize=9, framealpha=0.9)
     if any(p == p for p in s.peak):
         _plot_allocator(mem, s, binned)
     elif any(r == r for r in s.rss):
@@ -218,9 +219,13 @@ def steps_figure(path: str, s: _Series, run: int, n_runs: int) -> Any:
     else:
         mem.text(0.5, 0.5, "no memory figures in this log", transform=mem.transAxes, ha="center", va="center")
         mem.set_yticks([])
-    if mem.get_legend_handles_labels()[0]:
-        mem.legend(loc="lower right", fontsize=9, framealpha=0.9)
+    for a in (ax, mem):
+        legend_above(a)  # where it covers no step
     mem.set_xlabel("step")
+    # Steps are whole: a tick between two steps would be labelled with one of them. The axes
+    # share the locator (matplotlib's default one's spacing, whole steps only); min_n_ticks=1
+    # keeps to whole steps in a run of one step.
+    mem.xaxis.set_major_locator(MaxNLocator("auto", steps=[1, 2, 5, 10], integer=True, min_n_ticks=1))
     mem.xaxis.set_major_formatter(Fmt(lambda v, _: f"{v:,.0f}"))
     return fig
 

@@ -114,3 +114,69 @@ def test_plot_takes_several_logs_and_writes_each_beside_it(capsys, tmp_path):
         cli(capsys, "plot", a, b, "-o", str(tmp_path / "one.png"))
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "'-o'" in err and "2 logs" in err and "LOG.png" in err
+
+
+def _drawn_steps(log: str):
+    from stepprof._plot import _read, steps_figure
+
+    from .plot_checks import drawn
+
+    runs, _, _ = _read(log)
+    return drawn(steps_figure(log, runs[-1], -1, len(runs)))
+
+
+@pytest.mark.parametrize(
+    ("steps", "spikes"),
+    [(50, (45, 46)), (20, (5, 18, 19)), (9000, (50, 8990, 8995)), (0, ())],
+    ids=["quickstart-like", "20-steps", "binned", "cpu"],
+)
+def test_the_legends_cover_no_step(tmp_path, steps, spikes):
+    """quickstart.png (issue 28): the legend at the lower right covered the spikes at steps 45 and
+    46 of 50, and the steps after them. No legend covers a plotted point or an axes' data area,
+    and none is cut off by the figure's edge."""
+    pytest.importorskip("matplotlib")
+    from .plot_checks import legend_clashes, legends
+
+    log = str(tmp_path / "run.jsonl")
+    if steps:
+        fx.write(log, fx.training_log(steps=steps, spikes=spikes))
+    else:
+        _cpu_log(log, steps=12)
+    fig = _drawn_steps(log)
+    assert len(legends(fig)) == 2
+    assert legend_clashes(fig) == []
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 20, 50, 137])
+def test_step_ticks_sit_on_the_steps_they_name(tmp_path, steps):
+    """In a 20-step run the ticks were at 2.5, 7.5, 12.5, 17.5 and read 2, 8, 12, 18 (issue 28);
+    in a 1-step run five ticks read -0, -0, 0, 0, 0. Each tick in view is on a whole step, and
+    its label is that step."""
+    pytest.importorskip("matplotlib")
+    from .plot_checks import off_integer_ticks
+
+    log = fx.write(str(tmp_path / "run.jsonl"), fx.training_log(steps=steps, warmup=min(3, steps - 1)))
+    fig = _drawn_steps(log)
+    mem = fig.axes[1]
+    assert len(mem.get_xticks()) >= 1
+    for ax in fig.axes:
+        assert off_integer_ticks(ax.xaxis) == []
+
+
+@pytest.mark.parametrize("modules", [True, False], ids=["modules", "no-modules"])
+def test_the_peak_plots_category_legend_is_whole_and_clear_of_the_timeline(modules):
+    """``stepprof plot --peak`` (issue 28): the category legend under the bar ran into the timeline
+    panel below it. It lies within the figure and overlaps no other panel, its ticks or labels."""
+    pytest.importorskip("matplotlib")
+    from stepprof._peak_plot import _ORDER, peak_figure
+
+    from .plot_checks import drawn, legend_clashes, legends
+    from .readerlogs import peak_record
+
+    rec = peak_record(20)
+    if not modules:
+        rec.update(modules=[], unavailable={"modules": "no model was given to stepprof.explain_peak"})
+    fig = drawn(peak_figure(rec))
+    (legend,) = legends(fig)
+    assert [t.get_text().split()[0] for t in legend.get_texts()] == [c for c in _ORDER if rec["bytes_by_category"][c]]
+    assert legend_clashes(fig) == []

@@ -46,3 +46,22 @@ def test_plot_without_matplotlib_names_the_install_command(tmp_path, monkeypatch
         r.plot(tmp_path / "x.png")
     assert isinstance(info.value, stepprof.StepprofError)
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("kw", "setup_kw"), [({}, {"thrash_from": 3000, "thrash_factor": 1.3}), ({"max_batch": 8}, {})],
+                         ids=["to-oom", "max-batch-8"])
+def test_the_legends_cover_no_point_and_the_batch_ticks_are_whole(kw, setup_kw):
+    """The legends at the upper left covered the allocator's capacity line and, up to batch 8,
+    the "90% of the best" line (issue 28). No legend covers a plotted point or an axes' data
+    area, and the batch axis's ticks are whole batch sizes, labelled as such."""
+    pytest.importorskip("matplotlib")
+    from stepprof._sweep.plot import sweep_figure
+
+    from .plot_checks import drawn, legend_clashes, legends, off_integer_ticks
+
+    gpu, step = setup(**setup_kw)
+    fig = drawn(sweep_figure(run(step, gpu, **kw)))
+    assert len(legends(fig)) == 2
+    assert legend_clashes(fig) == []
+    for ax in fig.axes:
+        assert off_integer_ticks(ax.xaxis) == []

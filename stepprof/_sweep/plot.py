@@ -21,6 +21,15 @@ __all__ = ["plot_sweep"]
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     """Draw ``result`` to a PNG at ``path`` and return the path."""
+    fig = sweep_figure(result)
+    out = os.fspath(path)
+    # Without an extension matplotlib would add ".png" to the name: write the path as given.
+    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
+    return out
+
+
+def sweep_figure(result: SweepResult) -> Any:
+    """The figure of ``result`` (see :func:`plot_sweep`), not yet saved."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -50,16 +59,14 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike[str]) -> str:
     _draw_bounds(ax, mem, result, lo, hi)
     _draw_rates(ax, result, ran, ooms)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+    legend_above(ax)
     if mem is not None:
         _draw_memory(mem, ax, result, ran, ooms, lo, hi)
+        legend_above(mem)
     bottom = mem if mem is not None else ax
     bottom.set_xlabel("batch size (log scale)")
     bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-    out = os.fspath(path)
-    # Without an extension matplotlib would add ".png" to the name: write the path as given.
-    fig.savefig(out, format=None if os.path.splitext(out)[1].strip(".") else "png")
-    return out
+    return fig
 
 
 def _draw_bounds(ax: Any, mem: Any, result: SweepResult, lo: int, hi: int) -> None:
@@ -155,4 +162,12 @@ def _draw_memory(
         ax.set_xlim(lo / 1.3, max(hi, result.predicted_max) * 1.3)
     mem.set_ylabel("peak memory (GiB)")
     mem.set_ylim(bottom=0)
-    mem.legend(loc="upper left", fontsize=9, framealpha=0.9)
+
+
+def legend_above(a: Any) -> None:
+    """``a``'s legend in rows above its data area, where it covers nothing drawn; the figure's
+    constrained layout makes room for it. The steps plot's too (stepprof/_plot.py)."""
+    n = len(a.get_legend_handles_labels()[0])
+    if n:
+        a.legend(loc="lower left", bbox_to_anchor=(0, 1.01, 1, 0), mode="expand", ncols=min(n, 3),
+                 borderaxespad=0, fontsize=9, frameon=False)
