@@ -63,7 +63,9 @@ def main() -> None:
                     opt.zero_grad(set_to_none=True)
     if rank == 0:
         print(prof.summary)
-        for rec in stepprof.read(prof.log, kind="ranks"):
+        # The log is appended to: this run's records are the ones with its run_id.
+        ours = (r for r in stepprof.read(prof.log, kind="ranks") if r.get("run_id") == prof.summary.run_id)
+        for rec in ours:
             print(f"step {rec['step']}: straggler_rank={rec['straggler_rank']} "
                   f"basis={rec['straggler_basis']} excess_ms={rec['straggler_excess_ms']}")
     dist.destroy_process_group()

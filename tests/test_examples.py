@@ -67,3 +67,12 @@ def test_ddp_example_runs_on_two_cpu_ranks(tmp_path):
         recs = list(stepprof.read(str(tmp_path / f"ddp.rank{rank}.jsonl")))
         assert sum(r["kind"] == "step" for r in recs) == 12 and {r.get("rank") for r in recs} == {rank}
     assert any(r["kind"] == "ranks" for r in stepprof.read(str(tmp_path / "ddp.rank0.jsonl")))
+    printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    again = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                  os.path.join(EXAMPLES, "ddp_torchrun.py"), "--steps", "12", "--ranks-every", "4",
+                  "--jsonl", log], tmp_path)
+    assert again.returncode == 0, again.stderr[-4000:]
+    # the log is appended to; the example prints this run's ranks records only, not the last run's
+    ranks = [r for r in stepprof.read(str(tmp_path / "ddp.rank0.jsonl")) if r["kind"] == "ranks"]
+    assert printed and len(ranks) == 2 * len(printed)
+    assert len([line for line in again.stdout.splitlines() if line.startswith("step ")]) == len(printed)
