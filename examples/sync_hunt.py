@@ -24,7 +24,7 @@ with stepprof.Profiler(log, warmup=2, max_syncs=0) as prof:  # budget: no sync p
             opt.zero_grad()
             if loss.item() > 1e9:  # planted sync 1: .item() waits for the GPU
                 break
-            last_norm = model.weight.norm().cpu()  # planted sync 2: a copy to the host
+            last_norm = model.weight.detach().norm().cpu()  # planted sync 2: a copy to the host
 
 print(prof.summary)
 print(f"last weight norm {float(last_norm):.3f}")
