@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -145,7 +145,7 @@ class FlopCount:
             None,
             0,
         )
-        warnings.filters.insert(0, self._filter)
+        cast("list[Any]", warnings.filters).insert(0, self._filter)  # a list (typeshed: a Sequence)
         try:
             mode = _Counting(display=False)
             mode.__enter__()
@@ -193,7 +193,7 @@ class FlopCount:
 
     def _restore_stance(self) -> None:
         try:
-            warnings.filters.remove(self._filter)
+            cast("list[Any]", warnings.filters).remove(self._filter)
         except ValueError:
             pass  # the user reset the filters meanwhile
         stance, self._stance = self._stance, None

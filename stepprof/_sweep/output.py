@@ -6,6 +6,7 @@ import os
 import secrets
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import attrs
@@ -99,6 +100,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning issued by the caller at the first frame outside stepprof."""
+    frame: FrameType | None
     frame, level = sys._getframe(2), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1
