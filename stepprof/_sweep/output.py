@@ -27,7 +27,7 @@ def progress_printer(progress: bool | Callable[[str], Any]) -> Callable[[str], A
             print(line, file=sys.stderr, flush=True)
 
         return say
-    return progress or None  # type: ignore[return-value]
+    return progress or None
 
 
 class SweepOutput:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend
@@ -60,6 +60,9 @@ from .rules import (
 )
 from .trial import Clock, TrialRunner, leak_note
 from .verdict import build_result
+
+if TYPE_CHECKING:
+    from .._device.backend import SweepBackend
 
 __all__ = ["BatchSearch", "sweep"]
 
@@ -387,7 +390,7 @@ class BatchSearch:
             ran = ran_points(clean)
             if rec is None or skipped >= rec or not ran:
                 continue
-            best = max(p.samples_per_s for p in ran)  # type: ignore[type-var]
+            best = max(p.samples_per_s for p in ran if p.samples_per_s is not None)  # (each has it)
             # The step time does not shrink as the batch grows, so samples/s at the skipped
             # size is at most skipped/measured times that at the measured one (plus noise).
             bound = (skipped / measured) * self._sps(measured) * (1 + DROP)
@@ -409,7 +412,7 @@ class BatchSearch:
         point = self._measure(n, phase)
         if self.auto_backend:
             self.auto_backend = False
-            cuda = upgrade_from_host(self.backend, sweep=True)
+            cuda = cast("SweepBackend | None", upgrade_from_host(self.backend, sweep=True))  # (sweep=True)
             if cuda is not None:
                 # The step initialised CUDA: the host clock cannot time asynchronous GPU work.
                 self.trials.backend = cuda
