@@ -27,9 +27,12 @@ the points (knee, thrash zone, fit, recommendation) are :mod:`stepprof._sweep.ru
 from __future__ import annotations
 
 import contextvars
+import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
 
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend
@@ -64,6 +67,9 @@ from .verdict import build_result
 if TYPE_CHECKING:
     from .._device.backend import SweepBackend
 
+#: The type of the batches make_batch makes and train_step takes.
+_B = TypeVar("_B")
+
 __all__ = ["BatchSearch", "sweep"]
 
 #: Quadruple instead of double while the last growth raised samples/s by at least
@@ -93,15 +99,15 @@ def sweep_on(backend: Any, clock: Clock, train_step: Callable[[Any], Any],
 
 
 def sweep(
-    train_step: Callable[[Any], Any],
-    make_batch: Callable[[int], Any],
+    train_step: Callable[[_B], object],
+    make_batch: Callable[[int], _B],
     *,
     start: int = 1,
     max_batch: int | None = None,
     time_budget_s: float | None = None,
-    log: Any = None,
+    log: str | os.PathLike[str] | None = None,
     restore: Any = None,
-    device: Any = None,
+    device: str | int | torch.device | None = None,
     progress: bool | Callable[[str], Any] = True,
     warmup: int = 1,
     steps: int = 3,
