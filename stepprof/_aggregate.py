@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
@@ -165,7 +166,7 @@ class SyncSites:
             n = site.get("count")
             if type(n) is not int:
                 continue
-            key = (site.get("where"), site.get("kind"))
+            key: tuple[Any, Any] = (site.get("where"), site.get("kind"))
             entry = table.get(key) if type(key[0]) is str and type(key[1]) is str else None
             if entry is None:
                 key = (str(key[0]), str(key[1]))
@@ -203,11 +204,18 @@ class PhaseTotals(Fields):
               ("syncs", Sum), ("sync_steps", Sum),  # its syncs, and the steps that counted them
               ("count", Sum), ("steps", Sum))  # how many times it ran, and in how many steps
     __slots__ = tuple(name for name, _ in FIELDS)
+    wall: Sketch
+    gpu: Sketch
+    peak: Max
+    syncs: Sum
+    sync_steps: Sum
+    count: Sum
+    steps: Sum
 
     def add(self, ph: dict[str, Any], syncs_counted: bool) -> None:
         """The phase's entry in a timed step's ``phases``; its syncs count if the step counted its own."""
         self.steps.value += 1
-        get = ph.get
+        get: Callable[[str], Any] = ph.get
         x = get("wall_ms")
         t = type(x)
         if t is float or t is int:
@@ -256,7 +264,72 @@ _SKETCHED_FLOPS = tuple((field, attrgetter(f"{name}.buf")) for field, name in (
 _NOT_MEASURED = {WARMUP: "warmup", ERROR: "errors", MALFORMED: "malformed"}
 
 
-class StepTotals(Fields):
+class _StepAccumulators(Fields):
+    """The type of each accumulator that :attr:`StepTotals.FIELDS` declares (for a type checker)."""
+
+    __slots__ = ()
+    steps: Sum
+    warmup: Sum
+    errors: Sum
+    malformed: Sum
+    measured: Sum
+    first_step: First
+    last_step: Last
+    first_measured: First
+    devices: Counter
+    names: Counter
+    wall: Sketch
+    gpu: Sketch
+    span: Sketch
+    busy: Sketch
+    sps: Sketch
+    syncs: Sketch
+    tflops: Sketch
+    mfu: Sketch
+    overhead: Sketch
+    data_wait: Sketch
+    wait_in: Sketch
+    overhead_sum_ns: Sum
+    data_wait_sum_ns: Sum
+    loop_sum_ns: Sum
+    data_sum_ns: Sum
+    data_steps: Sum
+    batch_sizes: Counter
+    peak: Max
+    reserved: Max
+    reserved_last: Last
+    rss: Last
+    alloc: Counter
+    alloc_steps: Sum
+    steps_with_device_alloc: Sum
+    sync_steps: Sum
+    sync_mechanism: Last
+    other_threads: Sum
+    sites: SyncSites
+    phases: Table
+    spikes: Largest
+    step_reasons: FirstByKey
+    flops_requested: Max
+    flops_reason: Last
+    mfu_reason: Last
+    flops_counted_step: Last
+    peak_record: Last
+    energy_steps: Sum
+    energy_uj: Sum
+    energy_span_us: Sum
+    energy_samples: Sum
+    energy_batched_uj: Sum
+    energy_reason: Last
+    compile_seen: Max
+    compile_steps: Sum
+    compile_step_list: FirstN
+    compiles: Sum
+    compile_us: Sum
+    graph_breaks: Sum
+    recompile_reasons: FirstN
+
+
+class StepTotals(_StepAccumulators):
     """The accumulators of a run's step records (or of one step name's), one per figure.
 
     Integer sums (ns, µs, µJ) are the same however a log is split.
@@ -355,7 +428,7 @@ class StepTotals(Fields):
 
     def _add_timed(self, r: dict[str, Any], idx: int) -> None:
         """A timed step's figures."""
-        get = r.get
+        get: Callable[[str], Any] = r.get
         wall = r["wall_ms"]
         self.wall.buf.append(wall)
         span = span_ms(wall, get("gpu_ms"))
@@ -479,6 +552,8 @@ class StepTotals(Fields):
             self._take_reasons(reasons)
 
     def _add_energy(self, r: dict[str, Any], batch: Any) -> None:
+        x: Any
+        span: Any
         x, span = r.get("energy_j"), r.get("energy_span_ms")
         tx, ts = type(x), type(span)
         if (tx is float or tx is int) and (ts is float or ts is int) and x >= 0 and span > 0:
@@ -570,6 +645,16 @@ class RunRecords(Fields):
         ("ranks_last", Last), ("ranks_last_named", Last),
     )
     __slots__ = tuple(name for name, _ in FIELDS)
+    memory_records: Sum
+    memory_first: First
+    memory_last: Last
+    flops: Last
+    summary: Last
+    identity: First
+    ranks_records: Sum
+    ranks_named: Counter
+    ranks_last: Last
+    ranks_last_named: Last
 
     def add(self, kind: Any, r: dict[str, Any]) -> None:
         """A record of ``kind`` memory, flops, ranks or summary (others are not kept)."""
@@ -784,7 +869,7 @@ class RunAggregate:
     @property
     def timed_steps(self) -> int:
         """Measured steps whose times count (all but the FLOPs-counted one and those that compiled)."""
-        return self.wall.count
+        return self.totals.wall.count
 
     @property
     def sketches(self) -> tuple[Sketch, ...]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -26,7 +27,12 @@ from ._validate import (
     check_warmup_variable,
 )
 
+if TYPE_CHECKING:
+    from ._peak import PeakExplanation
+
 __all__ = ["configure", "current", "explain_peak", "iterate", "measure", "memory_report", "profile_step"]
+
+_T = TypeVar("_T")
 
 profile_step = ProfileStepFunction("profile_step")
 measure = MeasureFunction("measure")
@@ -134,14 +140,14 @@ def _owned(fn: Any, kind: type) -> Any:
 
 
 def explain_peak(
-    train_step: Any,
-    batch: Any,
+    train_step: Callable[[_T], object],
+    batch: _T,
     *,
-    model: Any = None,
-    optimizer: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
     warmup: int = 0,
     device: str | int | torch.device | None = None,
-) -> Any:
+) -> PeakExplanation:
     """Run ``train_step(batch)`` once and say where its peak memory comes from.
 
     It runs the call as one step of a private :class:`stepprof.Profiler` (no log) with
@@ -173,4 +179,5 @@ def explain_peak(
         for _ in range(warmup + 1):
             with prof.step():
                 train_step(batch)
-    return prof._peak.explanation
+    explanation: PeakExplanation = prof._peak.explanation  # made at close, at the latest
+    return explanation

@@ -45,7 +45,8 @@ def run_demo(*, steps: int = 60, warmup: int = 5, log: str = "stepprof-demo.json
     if warmup >= steps:
         out(f"warning: --warmup {warmup} >= --steps {steps}: every step is warm-up, so no step is measured; "
             f"use a --warmup below {steps}")
-    first_loss = last_loss = None
+    first_loss: Any = None  # the first step's loss (a tensor once it ran)
+    last_loss = None
     t0 = time.perf_counter()
     # Measure the device the model trains on: with device=None the profiler would read the
     # current CUDA device, which is not the model's under --device cuda:1.  Left to None on a

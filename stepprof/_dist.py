@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from ._stats import median
 from ._errors import ConfigError, raised_by_user, warn
@@ -286,7 +286,9 @@ def ranks_record(rows: Sequence[Sequence[float]], names: list[str], step: int | 
     """
     unavailable: dict[str, str] = {}
     world = len(rows)
-    col = lambda i: [float(r[i]) for r in rows]  # noqa: E731
+
+    def col(i: int) -> list[float]:
+        return [float(r[i]) for r in rows]
     per_rank: dict[str, list[Any]] = {"steps": [int(x) if math.isfinite(x) else 0 for x in col(_STEPS)]}
     figures: dict[str, Any] = {}
     for key, i in _FIGURES:
@@ -517,7 +519,7 @@ def _real_gather(group: Any, device_index: int | None) -> Gather:
 
     world = dist.get_world_size(group)
     backend = str(dist.get_backend(group)).lower()
-    gather_into = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+    gather_into: Any = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
     if backend == "nccl":
         from ._device.exchange import ExchangeSlots
 
@@ -579,7 +581,7 @@ def check_log_ranks(log_ranks: Any) -> str:
             f"'log_ranks' must be 'all' (each rank writes <stem>.rank<R><suffix>) or 'zero' "
             f"(only rank 0 writes a log) (got {log_ranks!r})"
         )
-    return log_ranks
+    return cast(str, log_ranks)
 
 
 def check_group(group: Any, ident: Identity | None, ranks_every: int) -> Any:

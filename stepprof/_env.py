@@ -119,6 +119,7 @@ def _boundary(cuda_reason: str | None) -> dict[str, Any]:
     from ._device import compiled
 
     state = compiled.status()
+    reason: str | None
     if cuda_reason is not None:
         used, reason = "none", cuda_reason
     else:

@@ -49,23 +49,23 @@ class JsonlWriter:
             ) from e
         #: Why logging stopped, or None while it works.
         self.failed: str | None = None
-        self._end_torn_line()
+        self._end_torn_line(self._fd)
 
-    def _end_torn_line(self) -> None:
+    def _end_torn_line(self, fd: int) -> None:
         """End a torn last line (a process that died mid-write) before appending to it.
 
         Otherwise the first record written here would be glued to the fragment and
         be unreadable; the fragment stays, on a line of its own, for :func:`read` to skip.
         """
         try:
-            size = os.fstat(self._fd).st_size
+            size = os.fstat(fd).st_size
             if size <= 0:
                 return
             with open(self.path, "rb") as f:
                 f.seek(size - 1)
                 last = f.read(1)
             if last and last != b"\n":
-                os.write(self._fd, b"\n")
+                os.write(fd, b"\n")
         except OSError as e:  # unreadable (write-only), or not a regular file: append as before
             if raised_by_user(e):
                 raise

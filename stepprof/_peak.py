@@ -513,6 +513,7 @@ def _alive_at_start(start: Mapping[str, Any] | None, device: int, entries: list[
     """The blocks alive at the step's start: the start snapshot's, else those freed or alive at
     the end without being allocated in the step."""
     live: dict[int, _Block] = {}
+    addr: Any  # an int, or whatever a trace entry holds
     if start is not None:
         for addr, size in _live_blocks(start, device).items():
             live[addr] = _Block(addr, size, None, (), -1)
@@ -550,6 +551,7 @@ def _replay(entries: list[dict[str, Any]], live: dict[int, _Block], exact_at_end
     peak, peak_index, peak_t = current, -1, t0_us
     points: list[tuple[float, int]] = [(t0_us, current)]
     unmatched_frees = 0
+    b: _Block | None
     for i, e in enumerate(entries):
         a = e.get("action")
         if a == "alloc":

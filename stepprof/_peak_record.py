@@ -7,7 +7,7 @@ may be hand-edited or from another version): a field of the wrong type reads as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -52,6 +52,19 @@ class ModuleBytes:
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "total_bytes": self.total_bytes,
                 "bytes_by_category": dict(self.bytes_by_category)}
+
+
+# The converters of the tuple fields (typed, where tuple's own would leave its item type open).
+def _floats(xs: Iterable[float] | None) -> tuple[float, ...] | None:
+    return None if xs is None else tuple(xs)
+
+
+def _ints(xs: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if xs is None else tuple(xs)
+
+
+def _strs(xs: Iterable[str]) -> tuple[str, ...]:
+    return tuple(xs)
 
 
 def _modules(raw: Any) -> tuple[ModuleBytes, ...] | None:
@@ -118,10 +131,10 @@ class PeakExplanation:
     live_blocks: int | None = None
     trace_entries: int | None = None
     cost_ms: float | None = None
-    timeline_ms: tuple[float, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
-    timeline_bytes: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    timeline_ms: tuple[float, ...] | None = attrs.field(default=None, converter=_floats)
+    timeline_bytes: tuple[int, ...] | None = attrs.field(default=None, converter=_ints)
     activations_from: str | None = None
-    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     unavailable: Mapping[str, str] = attrs.field(factory=dict)
 
     def to_record(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ class _Series:
         self.timed: list[bool] = []  # each step: a timed step (stepprof._rules.left_out), as the summary's
         self.warm_until: float | None = None
         self.device: str | None = None
-        self.memory: list[tuple[float, float | None, float | None]] = []  # (step, nvml, total)
+        self.memory: list[tuple[float, float, float]] = []  # (step, nvml, total); NaN: missing
         self.flops_step: float | None = None
         self.last = -1  # the latest step index (where a memory record without one goes)
 
@@ -109,7 +109,7 @@ def _read(path: str) -> tuple[list[_Series], list[dict[str, Any]], ScanStats]:
     return [run for run in runs if len(run.step)], sweep_records, stats
 
 
-def _binned(xs: array, ys: array) -> tuple[list[float], list[float], list[float], list[float]]:
+def _binned(xs: array[float], ys: array[float]) -> tuple[list[float], list[float], list[float], list[float]]:
     """(x, median, min, max) per bin; one bin per step below _MAX_POINTS steps."""
     n = len(xs)
     if n <= _MAX_POINTS:

@@ -23,7 +23,7 @@ import atexit
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from . import _signals
 from ._device import nvml as _nvml
@@ -304,7 +304,10 @@ class Resettable(Protocol):
 _states: list[Resettable] = []
 
 
-def register_state(state: Resettable) -> Any:
+_S = TypeVar("_S", bound=Resettable)
+
+
+def register_state(state: _S) -> _S:
     """Name ``state`` here, so that :func:`reset` resets it; returns it."""
     _states.append(state)
     return state

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -81,7 +81,7 @@ def _tf32(conv: bool) -> bool:
     # (torch.get_float32_matmul_precision, cudnn.allow_tf32) raise RuntimeError; the
     # flags themselves always answer, and follow the legacy setters too.
     flags = getattr(torch.backends.cudnn, "conv", None) if conv else torch.backends.cuda.matmul
-    precision = getattr(flags, "fp32_precision", None)
+    precision: str | None = getattr(flags, "fp32_precision", None)
     if precision is not None:
         return precision == "tf32"
     if conv:  # pragma: no cover - torch < 2.9
@@ -116,7 +116,7 @@ class FlopCount:
         class _Counting(FlopCounterMode):
             def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
                 before = sum(self.flop_counts["Global"].values())
-                result = super()._count_flops(func_packet, out, args, kwargs)
+                result = FlopCounterMode._count_flops(self, func_packet, out, args, kwargs)
                 if counter.error is None:
                     try:
                         counter._tally(self, func_packet, out, args, kwargs, before, aliasing)
@@ -145,9 +145,9 @@ class FlopCount:
             None,
             0,
         )
-        warnings.filters.insert(0, self._filter)
+        cast("list[Any]", warnings.filters).insert(0, self._filter)  # a list (typeshed: a Sequence)
         try:
-            mode = _Counting(display=False)
+            mode: FlopCounterMode = _Counting(display=False)
             mode.__enter__()
         except BaseException:
             self._restore_stance()
@@ -193,7 +193,7 @@ class FlopCount:
 
     def _restore_stance(self) -> None:
         try:
-            warnings.filters.remove(self._filter)
+            cast("list[Any]", warnings.filters).remove(self._filter)
         except ValueError:
             pass  # the user reset the filters meanwhile
         stance, self._stance = self._stance, None
@@ -360,6 +360,7 @@ def roofline(
     # Without the compute bound (FLOPs in an uncalibrated dtype) the largest known bound
     # cannot name the class: the unknown one may be larger.  The reason says why.
     if known and compute_ms is not None:
+        cls: str | None  # (None: _compiled_class names none)
         cls = max(known, key=lambda k: known[k])
         if compiled:
             cls, out["caveat"] = _compiled_class(cls, known, step_ms)

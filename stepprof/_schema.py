@@ -24,6 +24,7 @@ read them: 0.1.0 logs need stepprof 0.1.x.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -64,7 +65,7 @@ class _Absent:
 ABSENT: Final = _Absent()
 
 
-def _make_step_record() -> Any:
+def _make_step_record() -> Callable[..., dict[str, Any]]:
     """:func:`step_record`, generated from the step record's declaration (``_fields.RECORDS``),
     as attrs generates an ``__init__``: one dict display in the declared order, then one test
     per optional field.  The declaration is its only owner: a field added there is a parameter
@@ -87,7 +88,7 @@ def _make_step_record() -> Any:
     lines.append("    return record")
     scope: dict[str, Any] = {"ABSENT": ABSENT, "SCHEMA_VERSION": SCHEMA_VERSION}
     exec("\n".join(lines), scope)  # noqa: S102 - our own declaration, as attrs and dataclasses do
-    fn = scope["step_record"]
+    fn: Callable[..., dict[str, Any]] = scope["step_record"]
     fn.__module__ = __name__
     fn.__doc__ = """A ``kind: "step"`` record, its keys in the declared order (docs/reference/schema.md's).
 
@@ -127,7 +128,7 @@ def _reasons(unavailable: dict[str, str]) -> dict[str, str]:
 
 #: How a summary field is written, by its ``stepprof.Summary`` attribute; the others are
 #: written as they are.
-_SUMMARY_WRITE: Final = {"wall_ms": _percentiles, "gpu_ms": _percentiles, "phases": _phases, "unavailable": _reasons}
+_SUMMARY_WRITE: Final[dict[str, Callable[[Any], Any]]] = {"wall_ms": _percentiles, "gpu_ms": _percentiles, "phases": _phases, "unavailable": _reasons}
 
 
 def summary_keys() -> tuple[tuple[str, str, bool], ...]:

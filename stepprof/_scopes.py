@@ -68,6 +68,7 @@ class _Scope:
     """
 
     __slots__ = ("_tokens",)
+    _tokens: list[tuple[Recorder, Any]]
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         tokens = token = None
@@ -159,7 +160,7 @@ class MeasureScope(_Scope):
         if isinstance(fn, (staticmethod, classmethod)):
             # @measure above @staticmethod/@classmethod: measure the function inside and
             # wrap it again, so that it still binds as a static or class method.
-            return type(fn)(self(fn.__func__))  # type: ignore[return-value]
+            return type(fn)(self(fn.__func__))
         if not callable(fn):
             raise UsageError(
                 f"measure({self._name!r}) decorates a function; got {fn!r}. "
@@ -313,9 +314,10 @@ class _PublicFunction:
     """
 
     _hint = ""
+    __call__: Callable[..., Any]  # each subclass's own: the function's signature
 
     def __init__(self, name: str) -> None:
-        call = self.__call__  # type: ignore[attr-defined]
+        call = self.__call__
         self.__name__ = self.__qualname__ = name
         self.__module__ = "stepprof"
         self.__doc__ = call.__doc__

@@ -48,7 +48,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -209,8 +209,9 @@ def classify(frame: Any) -> tuple[str | None, str]:
         if i.offset > frame.f_lasti:
             break
         ins = i
-    if ins is not None and getattr(ins, "positions", None) is not None:
-        text = _segment(code.co_filename, ins.positions)
+    positions = getattr(ins, "positions", None)  # (Python 3.11+)
+    if ins is not None and positions is not None:
+        text = _segment(code.co_filename, positions)
         op = ins.opname
         if op in _CALL_OPS and text:
             kind = _kind_of_call(text)
@@ -776,7 +777,8 @@ class WarningTap:
         self._filters: list[Any] | None = None  # the filter list it was installed into
 
     def install(self) -> None:
-        self._filters = warnings.filters
+        # warnings.filters is a list (typeshed's Sequence: not meant to be changed by hand).
+        self._filters = cast("list[Any]", warnings.filters)
         self._filters.insert(0, self._filter)
         if self.forward or not self._cleared:
             # A location's registry of "already shown" warnings is checked before any
@@ -808,7 +810,7 @@ class WarningTap:
         if f and f[0] is self._filter and warnings._showwarnmsg is self._hook:  # type: ignore[attr-defined]
             return
         with LOCK:
-            f = warnings.filters
+            f = cast("list[Any]", warnings.filters)
             if not f or f[0] is not self._filter:
                 # A filter of the user's is in front (``catch_warnings()`` and
                 # ``simplefilter``, say): ours goes back in front.  The version bump clears
@@ -823,7 +825,7 @@ class WarningTap:
     def uninstall(self) -> None:
         # From the list it went into and from the current one (a ``catch_warnings()``
         # copy still in force); no _filters_mutated(): an "always" filter marks nothing.
-        for f in (self._filters, warnings.filters):
+        for f in (self._filters, cast("list[Any]", warnings.filters)):
             if f is not None:
                 _remove(f, self._filter)
         self._filters = None

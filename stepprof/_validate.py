@@ -20,7 +20,7 @@ import difflib
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ._errors import ConfigError, UsageError
 from ._schema import RECORD_KINDS
@@ -242,13 +242,16 @@ def check_nvtx(nvtx: Any) -> bool:
     return nvtx
 
 
-def check_choice(value: Any, argument: str, choices: Sequence[Any], fix: str) -> Any:
+_C = TypeVar("_C")
+
+
+def check_choice(value: Any, argument: str, choices: Sequence[_C], fix: str) -> _C:
     """``value`` if it is one of ``choices``, else a ConfigError listing them."""
     if value not in choices:
         raise ConfigError(
             f"{argument!r} must be one of {', '.join(map(repr, choices))} (got {value!r}); {fix}"
         )
-    return value
+    return cast(_C, value)
 
 
 def check_syncs(syncs: Any) -> str:
@@ -400,7 +403,7 @@ def check_boundary(boundary: Any) -> str:
             f"'boundary' must be 'auto' (the compiled boundary if `stepprof build` has built it, "
             f"else Python), 'compiled' or 'python' (got {boundary!r})"
         )
-    return boundary
+    return cast(str, boundary)
 
 
 def check_overhead_budget(overhead_budget: Any) -> float | None:

@@ -99,17 +99,26 @@ class Backend(Protocol):
       "off"), or None when they are not.
     """
 
-    device: str
-    index: int | None
-    has_device_timing: bool
-    has_device_memory: bool
-    sync_mechanism: str | None
+    # Read-only to the callers (properties here): a backend may narrow them (index: int).
+    @property
+    def device(self) -> str: ...
+    @property
+    def index(self) -> int | None: ...
+    @property
+    def has_device_timing(self) -> bool: ...
+    @property
+    def has_device_memory(self) -> bool: ...
+    @property
+    def sync_mechanism(self) -> str | None: ...
     #: Why device timing is unavailable, or None when marks are real.
-    gpu_reason: str | None
+    @property
+    def gpu_reason(self) -> str | None: ...
     #: Why allocator memory figures are unavailable, or None when they are real.
-    memory_reason: str | None
+    @property
+    def memory_reason(self) -> str | None: ...
     #: "python" (:class:`BoundaryOps`) or "compiled" (one C++ call per boundary).
-    boundary: str
+    @property
+    def boundary(self) -> str: ...
 
     def cross(self, flags: int, name: str | None = None) -> tuple[Any | None, Memory | None]: ...
     def mark(self) -> Any | None: ...

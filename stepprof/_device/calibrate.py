@@ -20,7 +20,7 @@ from .._stats import median
 __all__ = ["calibrate"]
 
 
-def _timed_ms(fn: Callable[[], Any], *, target_ms: float, runs: int) -> float:
+def _timed_ms(fn: Callable[..., Any], *, target_ms: float, runs: int) -> float:
     """Median device ms of one ``fn()`` call, over ``runs`` runs of back-to-back calls."""
     fn()  # warm-up: cuBLAS heuristics, workspace allocation
     torch.cuda.synchronize()

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -520,8 +521,8 @@ class CompiledCudaBackend(CudaBackend):
         self._module = module
         self._boundary = module.boundary
         self._create = module.event_create
-        self._query = module.event_query
-        self._elapsed = module.event_elapsed_ms
+        self._query: Callable[[int], bool] = module.event_query
+        self._elapsed: Callable[[int, int], float] = module.event_elapsed_ms
         self._synchronize = module.event_synchronize
         self._destroy = module.event_destroy
         # Backend.read_marks as the extension's own function: one C call per step, no frame.
@@ -585,7 +586,8 @@ class CompiledCudaBackend(CudaBackend):
                 self._synchronize(m)
 
     def read_memory(self) -> Memory:
-        return self._boundary(self.index, 0, READ, None)[1]
+        mem: Memory = self._boundary(self.index, 0, READ, None)[1]
+        return mem
 
     def reset_peak(self) -> None:
         self._boundary(self.index, 0, RESET, None)

@@ -60,7 +60,7 @@ class CudaBackend(BoundaryOps):
     has_device_memory = True
 
     def __init__(self, device_index: int, *, nvtx: bool = True, syncs: str = "warn") -> None:
-        self.index: int | None = device_index
+        self.index = device_index
         self.device = f"cuda:{device_index}"
         self.gpu_reason = None
         self.memory_reason = None
@@ -109,7 +109,8 @@ class CudaBackend(BoundaryOps):
         return mark is None or mark.query()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end)
+        ms: float = start.elapsed_time(end)
+        return ms
 
     def release(self, mark: Any) -> None:
         if mark is not None:

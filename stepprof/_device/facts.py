@@ -38,7 +38,7 @@ def allocator_facts() -> dict[str, Any]:
     if backend is None:
         compact = (raw or "").replace(" ", "").lower()
         backend = "cudaMallocAsync" if "backend:cudamallocasync" in compact else "native"
-    expandable = bool(raw) and "expandable_segments:true" in raw.replace(" ", "").lower()
+    expandable = raw is not None and "expandable_segments:true" in raw.replace(" ", "").lower()
     return {
         "PYTORCH_CUDA_ALLOC_CONF": conf,
         "PYTORCH_ALLOC_CONF": alt,

@@ -167,9 +167,9 @@ def _translate(e: BaseException, m: Any) -> str:
     value = getattr(e, "value", None)
     codes = NVML.codes
     if not codes:
-        for name in dir(m):
-            if name.startswith("NVML_ERROR_"):
-                codes.setdefault(getattr(m, name), name)
+        for attr in dir(m):
+            if attr.startswith("NVML_ERROR_"):
+                codes.setdefault(getattr(m, attr), attr)
     name = codes.get(value)
     if name in _WORDS:
         code, words = _WORDS[name]
@@ -248,6 +248,7 @@ def _device(m: Any, uuid: str | None, pci: str | None) -> _Match:
         handle, why = _query(m, "nvmlDeviceGetHandleByPciBusId", pci)
         if handle is None:
             tried.append(f"PCI bus id {pci}: {why}")
+    result: _Match
     if handle is None:
         result = (None, False, False, None, "NVML has no device matching torch's: " + "; ".join(tried))
     else:

@@ -24,6 +24,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -234,7 +235,7 @@ def _trace_fire(hint: str | None) -> None:
         return
     if not ROUTES.trace_on:
         return  # callbacks cannot be unregistered: this flag gates them
-    origin = sys._getframe(1)
+    origin: FrameType | None = sys._getframe(1)
     while origin is not None and (
         origin.f_code.co_filename.startswith(_DEVICE_DIR) or origin.f_code.co_filename == _UTILS_FILE
     ):

@@ -77,7 +77,7 @@ class Boundaries(StepMeasure):
         begin, end = Boundaries.begin_phase.__get__(self), Boundaries.end_phase.__get__(self)
 
         def begin_phase(ctx: ThreadSteps, step: Step, name: str, t_in: int) -> OpenPhase:
-            ph = begin(ctx, step, name, t_in)
+            ph: OpenPhase = begin(ctx, step, name, t_in)
             fn("enter", ph.key)
             return ph
 

@@ -140,6 +140,7 @@ class FlopsHook(Hook):
         on_cuda = b is not None and b.has_device_memory
         name = device_name(index) if on_cuda and isinstance(index, int) else None
         calibration = None
+        why: str | None
         if on_cuda and name is None:
             why = "the GPU's model name could not be read, so its calibration cannot be found"
         elif name is None:

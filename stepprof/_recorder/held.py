@@ -47,7 +47,7 @@ class HeldRecords:
         its line and those of the records after it encoded now."""
         timed = self._summary.add_step(record)
         encode = self._log.encode
-        entry = (encode(record), s.name, s.batch_size, timed)
+        entry: tuple[Any, ...] = (encode(record), s.name, s.batch_size, timed)
         if after_hooks:
             after: list[dict[str, Any]] = []
             for hook in after_hooks:

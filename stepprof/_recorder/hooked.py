@@ -23,6 +23,9 @@ class HookedSteps:
     _begun: dict[int, list[tuple[str | None, Any]]]
     _boundaries: Boundaries
     _summary: Summary | None
+    # The scopes enter and exit steps and phases through these: the boundaries' own
+    # methods, bound once in the profiler's __init__ (a method of the profiler's that
+    # forwarded to them would add a call to every boundary).
     _enter: Any
     _exit: Any
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import raised_by_user
 from .._records import Summary
@@ -46,6 +46,10 @@ class Lifecycle:
     _energy: Any
     _exchange: Any
     _compiles: Any
+    if TYPE_CHECKING:  # the profiler's: a Registered, to the registry
+        @property
+        def closed(self) -> bool: ...
+        def close(self, error: BaseException | None = None) -> Summary: ...
 
     def _end(self, ended_by: str) -> Summary:
         """:meth:`close`, saying how the run ended (``"close"``, ``"exception"``, ``"exit"``)."""

@@ -576,7 +576,7 @@ def _offset_us(start: HistoryStart, end: dict[str, Any], index: int, end_before_
     markers = [e for e in trace if e.get("action") == "snapshot" and "time_us" in e]
     if not markers:
         return None
-    first = markers[0]["time_us"] - start.host_before_us
+    first: float = markers[0]["time_us"] - start.host_before_us
     return first if len(markers) < 2 else min(first, markers[-1]["time_us"] - end_before_us)
 
 

@@ -14,7 +14,8 @@ import os
 import secrets
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
 import torch
 
@@ -25,7 +26,7 @@ from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, pop_active, push_active, track_open
 from .._batch import NO_BATCH, infer_batch_size
-from .._scopes import Iterated, StepScope, iterate_over, make_measure
+from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
 from .._validate import (
     MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_cuda_device,
@@ -48,10 +49,7 @@ from .watch import Watcher, WatchHook
 
 __all__ = ["Profiler"]
 
-
-#: The settings a profiler keeps as attributes of its own.
-_SETTINGS = ("warmup", "max_syncs", "on_sync", "memory_every", "phase_peaks_every", "flush_every_s", "boundary",
-             "overhead_budget", "energy_every_s")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Profiler(HookedSteps, Lifecycle):
@@ -142,11 +140,6 @@ class Profiler(HookedSteps, Lifecycle):
     #: The replaceable parts: the private ``_seams`` argument (tests and benchmarks pass
     #: others through :func:`_make_profiler`).
     _seams: Seams
-    # The scopes enter and exit steps and phases through these: the boundaries' own
-    # methods, bound once in __init__ (a method here that forwarded to them would add
-    # a call to every boundary).
-    _enter: Any
-    _exit: Any
 
     def __init__(
         self,
@@ -170,8 +163,8 @@ class Profiler(HookedSteps, Lifecycle):
         overhead_budget: float | None = None,
         energy_every_s: float | None = ENERGY_EVERY_S,
         explain_peak: bool | int = False,
-        model: Any = None,
-        optimizer: Any = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         _seams: Seams = REAL,
     ) -> None:
         options = ProfilerOptions(  # every argument is checked before the log is opened
@@ -186,8 +179,11 @@ class Profiler(HookedSteps, Lifecycle):
         check_compiled(options.boundary)  # "compiled" that is not built: refused before the log opens
         if _seams.backend is None:
             check_cuda_device(options.device)  # device="cuda" without CUDA: refused, not the CPU's figures
-        for name in _SETTINGS:  # (read back as attributes: prof.warmup, ...)
-            setattr(self, name, getattr(options, name))
+        # The settings it keeps as attributes of its own (read back: prof.warmup, ...).
+        self.warmup, self.max_syncs, self.on_sync = options.warmup, options.max_syncs, options.on_sync
+        self.memory_every, self.phase_peaks_every = options.memory_every, options.phase_peaks_every
+        self.flush_every_s, self.boundary = options.flush_every_s, options.boundary
+        self.overhead_budget, self.energy_every_s = options.overhead_budget, options.energy_every_s
         ident = _dist.identify()
         group = _dist.check_group(options.group, ident, options.ranks_every)
         # -- wiring: boundaries -> pending -> collector -> record -> sinks ---------------
@@ -250,7 +246,11 @@ class Profiler(HookedSteps, Lifecycle):
         return StepScope(self, check_name(name), check_batch_size(batch_size),
                          *check_budget(max_syncs, on_sync), batch=batch)
 
-    def measure(self, name: Any = None) -> Any:
+    @overload
+    def measure(self, name: _F) -> _F: ...
+    @overload
+    def measure(self, name: str | None = None) -> MeasureScope: ...
+    def measure(self, name: str | Callable[..., Any] | None = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
         return make_measure(name, self)
 
@@ -324,7 +324,7 @@ class Profiler(HookedSteps, Lifecycle):
 
     def _known_peak(self) -> int:
         """The highest step peak so far: written steps, pending ones and the open one."""
-        peaks = [self._memory.peak_seen, *(s.peak for s in tuple(self._collector.pending))]
+        peaks: list[int] = [self._memory.peak_seen, *(s.peak for s in tuple(self._collector.pending))]
         peaks.extend(s.peak for s in self._boundaries.threads.open_steps())
         return max(peaks)
 

@@ -9,7 +9,10 @@ thread, queued at its exit, and read once by the collector.  All three classes u
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._device.backend import Backend
 
 
 class OpenPhase:
@@ -125,7 +128,7 @@ class Step:
         return tuple(out)
 
 
-def elapsed_ms(b: Any, start: Any, end: Any) -> float | None:
+def elapsed_ms(b: Backend, start: Any, end: Any) -> float | None:
     """Device time between two marks of backend ``b``, or None if either is missing or unusable."""
     if start is None or end is None:
         return None

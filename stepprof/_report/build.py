@@ -371,7 +371,7 @@ def _cross_rank(logs: tuple[LogReport, ...]) -> DistributedView | None:
     step = [math.nan if x is None else x for x in (r.gpu_ms_median if gpu else r.wall_ms_median for r in rows)]
     names = list(rows[0].phases)
     same = all(list(r.phases) == names for r in rows)
-    segments = [(n, [math.nan if r.phases[n] is None else r.phases[n] for r in rows])
+    segments = [(n, [math.nan if x is None else x for x in (r.phases[n] for r in rows)])
                 for n in names] if same else []
     if not same:
         notes.append("the ranks' phase names differ, so phases are not compared")

@@ -140,7 +140,7 @@ def _continues(last: RunAggregate, first: RunAggregate) -> bool:
     or before its first index: another thread's step written late comes after that."""
     if first.first_step is None or not last.steps or last.first_step is None:
         return True
-    return first.first_step > last.first_step
+    return bool(first.first_step > last.first_step)
 
 
 class Segment:
@@ -170,6 +170,7 @@ class Segment:
         versions, kinds, sweep_records = self.versions, self.kinds, self.sweep_records
         grouper: RunGrouper[RunAggregate] = RunGrouper(self._new_run, track_heads=start > 0)
         run_of = grouper.run_of
+        kind: Any
         for r in scan(path, self.stats, start, end):
             kind = r.get("kind")  # a str, and the version an int or None (stepprof._sanitise)
             v = r.get("schema_version")

@@ -59,7 +59,7 @@ def logged_sweeps(records: Iterable[dict[str, Any]]) -> list[LoggedSweep]:
 def _read_point(p: dict[str, Any]) -> SweepPoint | None:
     """The point, or None without a batch size or an out-of-memory flag (the record's other
     fields are of their type or null: stepprof._sanitise)."""
-    kw = {a.name: p.get(a.name) for a in attrs.fields(SweepPoint)}
+    kw: dict[str, Any] = {a.name: p.get(a.name) for a in attrs.fields(SweepPoint)}
     kw["unavailable"] = kw["unavailable"] or {}
     if kw["batch_size"] is None or kw["oom"] is None:
         return None  # a point this version cannot read
@@ -72,7 +72,7 @@ def _read_sweep(points: list[dict[str, Any]], result: dict[str, Any] | None) -> 
     points_table = "\n".join(str(p) for p in built) if built else None
     if result is None:
         return LoggedSweep(tuple(built), None, None, points_table)
-    kw = {a.name: result.get(a.name) for a in attrs.fields(SweepResult) if a.name != "points"}
+    kw: dict[str, Any] = {a.name: result.get(a.name) for a in attrs.fields(SweepResult) if a.name != "points"}
     zone = result.get("thrash_zone")
     kw["thrash_zone"] = (
         range(zone[0], zone[1] + 1)

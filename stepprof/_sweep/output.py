@@ -7,6 +7,7 @@ import os
 import secrets
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import attrs
@@ -36,7 +37,7 @@ def progress_printer(progress: bool | Callable[[str], Any]) -> Callable[[str], A
                 print(line, file=sys.stderr, flush=True)
 
         return say
-    return progress or None  # type: ignore[return-value]
+    return progress or None
 
 
 class SweepOutput:
@@ -109,6 +110,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` that points a warning issued by the caller at the first frame outside stepprof."""
+    frame: FrameType | None
     frame, level = sys._getframe(2), 2
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame, level = frame.f_back, level + 1

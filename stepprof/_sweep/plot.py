@@ -108,12 +108,12 @@ def _draw_rates(ax: Any, result: SweepResult, ran: list[SweepPoint], ooms: list[
         hot = [p for p in ran if p.batch_size in zone]
         ax.plot([p.batch_size for p in hot], [p.samples_per_s for p in hot], "o", color="tab:orange",
                 ms=8, ls="none", label="slower" if result.on_host else "in the thrash zone")
-    errs = [p for p in ran if p.step_ms_p10 and p.step_ms_p90]
+    errs = [(p.batch_size, p.step_ms_p10, p.step_ms_p90) for p in ran if p.step_ms_p10 and p.step_ms_p90]
     if errs:  # p10-p90 of the step time, as a rate
-        ax.vlines([p.batch_size for p in errs], [p.batch_size / p.step_ms_p90 * 1e3 for p in errs],
-                  [p.batch_size / p.step_ms_p10 * 1e3 for p in errs], color="tab:blue", alpha=0.5, lw=3)
-    if ran:
-        best = max(p.samples_per_s for p in ran)  # type: ignore[type-var]
+        ax.vlines([n for n, _, _ in errs], [n / p90 * 1e3 for n, _, p90 in errs],
+                  [n / p10 * 1e3 for n, p10, _ in errs], color="tab:blue", alpha=0.5, lw=3)
+    if ran:  # (every point of ran has samples/s: the filters below repeat it for the type checker)
+        best = max(p.samples_per_s for p in ran if p.samples_per_s is not None)
         ax.axhline((1 - result.knee_within) * best, color="tab:green", lw=0.8, alpha=0.6,
                    label=f"{1 - result.knee_within:.0%} of the best samples/s")
     marks = [(result.knee, "knee", "tab:green", "*"), (result.recommended, "recommended", "black", "D")]
@@ -128,7 +128,8 @@ def _draw_rates(ax: Any, result: SweepResult, ran: list[SweepPoint], ooms: list[
         ax.plot([p.batch_size for p in ooms], [0] * len(ooms), "x", color="tab:red", ms=9, mew=2,
                 ls="none", label="out of memory", clip_on=False)
     ax.set_ylabel("samples/s")
-    top_rate = max((p.batch_size / p.step_ms_p10 * 1e3 if p.step_ms_p10 else p.samples_per_s) for p in ran) if ran else 1.0
+    top_rate = max((p.batch_size / p.step_ms_p10 * 1e3 if p.step_ms_p10 else p.samples_per_s) for p in ran
+                   if p.samples_per_s is not None) if ran else 1.0
     ax.set_ylim(0, top_rate * 1.12)
 
 
@@ -137,13 +138,13 @@ def _draw_memory(
 ) -> None:
     """Peak memory against batch size: the peaks, those held at out of memory, the fit's line,
     the allocator's capacity and ``predicted_max`` (which widens both axes)."""
-    with_peak = [p for p in ran if p.peak_allocated_bytes is not None]
+    with_peak = [(p.batch_size, p.peak_allocated_bytes) for p in ran if p.peak_allocated_bytes is not None]
     if with_peak:
-        mem.plot([p.batch_size for p in with_peak], [p.peak_allocated_bytes / GiB for p in with_peak],
+        mem.plot([n for n, _ in with_peak], [peak / GiB for _, peak in with_peak],
                  "s-", color="tab:purple", ms=4, label="peak allocated (GiB)")
-    oom_peaks = [p for p in ooms if p.peak_allocated_bytes is not None]
+    oom_peaks = [(p.batch_size, p.peak_allocated_bytes) for p in ooms if p.peak_allocated_bytes is not None]
     if oom_peaks:
-        mem.plot([p.batch_size for p in oom_peaks], [p.peak_allocated_bytes / GiB for p in oom_peaks],
+        mem.plot([n for n, _ in oom_peaks], [peak / GiB for _, peak in oom_peaks],
                  "x", color="tab:red", ms=8, mew=2, ls="none", label="held when out of memory")
     if result.fit_bytes_per_sample and result.fit_base_bytes is not None:
         top = max(hi, result.predicted_max or hi)

@@ -38,7 +38,7 @@ class SavedState:
     def __init__(self, objs: tuple[Any, ...]) -> None:
         self._items: list[tuple[Any, Any, list[tuple[torch.Tensor, torch.Tensor | None]] | None]] = []
         for obj in objs:
-            grads = None
+            grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
             if isinstance(obj, torch.nn.Module):
                 grads = [
                     (p, None if p.grad is None else p.grad.detach().to("cpu", copy=True))

@@ -27,9 +27,12 @@ the points (knee, thrash zone, fit, recommendation) are :mod:`stepprof._sweep.ru
 from __future__ import annotations
 
 import contextvars
+import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+import torch
 
 from .._registry import pop_active, push_active
 from .._device.cuda import CudaSweepBackend
@@ -61,6 +64,12 @@ from .rules import (
 from .trial import Clock, TrialRunner, leak_note
 from .verdict import build_result
 
+if TYPE_CHECKING:
+    from .._device.backend import SweepBackend
+
+#: The type of the batches make_batch makes and train_step takes.
+_B = TypeVar("_B")
+
 __all__ = ["BatchSearch", "sweep"]
 
 #: Quadruple instead of double while the last growth raised samples/s by at least
@@ -90,15 +99,15 @@ def sweep_on(backend: Any, clock: Clock, train_step: Callable[[Any], Any],
 
 
 def sweep(
-    train_step: Callable[[Any], Any],
-    make_batch: Callable[[int], Any],
+    train_step: Callable[[_B], object],
+    make_batch: Callable[[int], _B],
     *,
     start: int = 1,
     max_batch: int | None = None,
     time_budget_s: float | None = None,
-    log: Any = None,
+    log: str | os.PathLike[str] | None = None,
     restore: Any = None,
-    device: Any = None,
+    device: str | int | torch.device | None = None,
     progress: bool | Callable[[str], Any] = True,
     warmup: int = 1,
     steps: int = 3,
@@ -388,7 +397,7 @@ class BatchSearch:
             ran = ran_points(clean)
             if rec is None or skipped >= rec or not ran:
                 continue
-            best = max(p.samples_per_s for p in ran)  # type: ignore[type-var]
+            best = max(p.samples_per_s for p in ran if p.samples_per_s is not None)  # (each has it)
             # The step time does not shrink as the batch grows, so samples/s at the skipped
             # size is at most skipped/measured times that at the measured one (plus noise).
             bound = (skipped / measured) * self._sps(measured) * (1 + DROP)
@@ -410,7 +419,7 @@ class BatchSearch:
         point = self._measure(n, phase)
         if self.auto_backend:
             self.auto_backend = False
-            cuda = upgrade_from_host(self.backend, sweep=True)
+            cuda = cast("SweepBackend | None", upgrade_from_host(self.backend, sweep=True))  # (sweep=True)
             if cuda is not None:
                 # The step initialised CUDA: the host clock cannot time asynchronous GPU work.
                 self.trials.backend = cuda

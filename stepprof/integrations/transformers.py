@@ -29,6 +29,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 try:
@@ -330,7 +331,7 @@ class StepprofCallback(TrainerCallback):
 
 def _calling_trainer(callback: StepprofCallback) -> Any:
     """The Trainer whose training loop called this hook, if it holds ``callback``."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES):
         if frame is None:
             return None
