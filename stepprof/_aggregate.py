@@ -329,6 +329,16 @@ class _StepAccumulators(Fields):
     recompile_reasons: FirstN
 
 
+def _loop_ms(wait_in: Sketch, wait: float, wall: float, inside: Any) -> float:
+    """A step's time in the loop: the wait before it, then its wall time.  A wait inside it
+    (``data_wait_in_step_ms``, between micro-batches) is in both figures: counted once, and
+    sketched."""
+    if type(inside) is float or type(inside) is int:
+        wait_in.buf.append(inside)
+        return wait + wall - inside
+    return wait + wall
+
+
 class StepTotals(_StepAccumulators):
     """The accumulators of a run's step records (or of one step name's), one per figure.
 
@@ -454,13 +464,7 @@ class StepTotals(_StepAccumulators):
         if t is float or t is int:
             self.data_wait.buf.append(wait)
             self.data_wait_sum_ns.value += round(wait * 1e6)
-            loop = wait + wall
-            inside = get("data_wait_in_step_ms")  # waits between micro-batches: in wall_ms too
-            t = type(inside)
-            if t is float or t is int:
-                self.wait_in.buf.append(inside)
-                loop -= inside
-            self.loop_sum_ns.value += round(loop * 1e6)
+            self.loop_sum_ns.value += round(_loop_ms(self.wait_in, wait, wall, get("data_wait_in_step_ms")) * 1e6)
             x = get("data_ms")  # (stepprof.iterate) counts only with a data wait
             t = type(x)
             if t is float or t is int:
