@@ -136,12 +136,9 @@ def test_the_reports_input_share_counts_the_wait_inside_a_step_once(tmp_path):
     # 20 ms of a 30 ms iteration (10 before, 10 of work, 10 inside): not 20 of 40 (the wait
     # inside counted twice), nor 10 of 30 (only the wait before the step)
     assert 0.6 < share < 0.72, share
-    with pytest.raises(stepprof.UsageError, match="wait_s"):
-        prof2 = stepprof.Profiler(None, device="cpu")
-        try:
-            prof2.add_batch(torch.zeros(1), wait_s=0.1)  # outside a step: stepprof measures it
-        finally:
-            prof2.close()
+    with stepprof.Profiler(None, device="cpu") as other:
+        with pytest.raises(stepprof.UsageError, match="wait_s"):
+            other.add_batch(torch.zeros(1), wait_s=0.1)  # outside a step: stepprof measures it
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])

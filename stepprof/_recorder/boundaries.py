@@ -30,7 +30,7 @@ from .._errors import StepprofError, UsageError, raised_by_user, warn
 from .exchange import ExchangeHook
 from .hooks import Hook
 from .measure import _PHASE_ORPHANED, ORPHANED, StepMeasure, error_message  # noqa: F401 - tests read _PHASE_ORPHANED here
-from .step import OpenPhase, Step
+from .step import OpenPhase, Step, plus_ns
 from .threads import ThreadSteps
 
 # A step or phase that a scope opened is also held by that scope (its token list, or the
@@ -97,7 +97,7 @@ class Boundaries(StepMeasure):
         the nanoseconds fetching it took (None: not measured), and its size or why not."""
         ctx = self.context()
         if data_ns is not None:
-            ctx.data_ns = data_ns if ctx.data_ns < 0 else ctx.data_ns + data_ns
+            ctx.data_ns = plus_ns(ctx.data_ns, data_ns)
         ctx.batch = batch
 
     # -- entry and exit, shared by steps, phases and measured functions -------------

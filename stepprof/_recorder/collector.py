@@ -94,13 +94,13 @@ def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, A
     """(``data_wait_ms``, ``data_ms``, ``data_wait_in_step_ms``), the last two ABSENT when
     nothing measured them; the reason when ``data_wait_ms`` is null.  ``data_wait_ms`` is the
     wait before the step plus the waits inside it between micro-batches."""
+    inside = s.wait_in_ns / 1e6 if s.wait_in_ns >= 0 else None
     wait = s.data_wait_ns / 1e6 if s.data_wait_ns >= 0 else None
     if wait is None:
         unavailable["data_wait_ms"] = _NO_PREVIOUS
-    elif s.wait_in_ns >= 0:
-        wait += s.wait_in_ns / 1e6
-    inside = s.wait_in_ns / 1e6 if s.wait_in_ns >= 0 else ABSENT
-    return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT, inside
+    elif inside is not None:
+        wait += inside
+    return wait, s.data_ns / 1e6 if s.data_ns >= 0 else ABSENT, ABSENT if inside is None else inside
 
 
 def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> float | None:

@@ -11,6 +11,7 @@ from .._errors import UsageError
 from .._records import Summary
 from .._validate import check_batch_size, check_name, check_seconds
 from .boundaries import Boundaries
+from .step import plus_ns
 
 
 class HookedSteps:
@@ -144,9 +145,9 @@ class HookedSteps:
             self._boundaries.note_batch(fetch_ns, (size, reason))
             return
         if wait_ns is not None:
-            step.wait_in_ns = wait_ns if step.wait_in_ns < 0 else step.wait_in_ns + wait_ns
+            step.wait_in_ns = plus_ns(step.wait_in_ns, wait_ns)
         if fetch_ns is not None:
-            step.data_ns = fetch_ns if step.data_ns < 0 else step.data_ns + fetch_ns
+            step.data_ns = plus_ns(step.data_ns, fetch_ns)
         if step.batch_size is not None or step.batch_reason is None:  # else a batch had no size
             if size is None:
                 step.batch_size, step.batch_reason = None, reason

@@ -43,6 +43,11 @@ class PhaseTotals:
         self.syncs = 0
 
 
+def plus_ns(total_ns: int, ns: int) -> int:
+    """``total_ns + ns``, where a ``total_ns`` of -1 means nothing yet (a time not measured)."""
+    return ns if total_ns < 0 else total_ns + ns
+
+
 class Step:
     """One step: its clock readings, device marks, memory reads and phases."""
 
