@@ -357,3 +357,25 @@ def test_one_hook_at_most_has_late_fields(log, gpu):
     with pytest.raises(ValueError, match="at most one hook may have late fields"):
         prof._collector.use([*prof._hooks, Late(), Late()])
     prof.close()
+
+
+def test_catch_up_survives_the_collector_taking_the_last_step_between_its_test_and_its_read(log, gpu):
+    """The training thread reads the oldest pending step without the collector's lock: the
+    collector thread may pop it in between (a soak run under load once stopped recording on
+    the IndexError)."""
+    from collections import deque
+
+    class Racy(deque):
+        def __getitem__(self, i):
+            raise IndexError("deque index out of range")  # emptied just after the test
+
+    with make(log, gpu, flush_every_s=0.01) as prof:
+        with prof.step():
+            gpu.launch(1.0)
+        c = prof._collector
+        racy = Racy(c.pending)
+        c.pending = racy
+        try:
+            assert c.catch_up(gpu.clock() + 10**12) is False
+        finally:
+            c.pending = deque(racy)

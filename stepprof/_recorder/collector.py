@@ -451,7 +451,11 @@ class Collector:
         pending = self.pending
         if every is not None and now >= self.catch_up_at:
             self.catch_up_at = now + every // 4
-        overdue = every is not None and bool(pending) and now - pending[0].t1 > every
+        try:  # (the collector thread may take the last one between a test and a read: no lock here)
+            oldest = pending[0].t1 if every is not None else now
+        except IndexError:
+            oldest = now
+        overdue = now - oldest > every if every is not None else False
         if not overdue and len(pending) <= self.harvest_at:
             return False
         self.take_over()  # its time goes to the records it writes (and sets harvest_at)
