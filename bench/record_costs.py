@@ -14,7 +14,10 @@ hooks: ``Collector._build``), ``summary`` (``RunAggregate.add_step``), ``hold`` 
 ``HeldRecords``),
 ``log`` (``LogSink.write`` and ``end_batch``), ``harvest`` (all of a harvest, these included).
 
-    python bench/record_costs.py [--steps 5000] [--phases 3] [--energy-off] [--no-gc] [--json PATH]
+``--python-fold``: records are built and the summary folds in Python, not in C (stepprof/_fold.c,
+when it is built).
+
+    python bench/record_costs.py [--steps 5000] [--phases 3] [--energy-off] [--no-gc] [--python-fold] [--json PATH]
 """
 
 from __future__ import annotations
@@ -148,15 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phases", type=int, default=3)
     ap.add_argument("--energy-off", action="store_true")
     ap.add_argument("--no-gc", action="store_true")
+    ap.add_argument("--python-fold", action="store_true")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
+    from stepprof import _aggregate
+    from stepprof._recorder import collector
+
+    fold_why = _aggregate.use_native(not args.python_fold) or collector.use_native(not args.python_fold)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     res = run(args.steps, args.phases, not args.energy_off, args.no_gc, device)
     info = run_info("record_costs.py", gpu=None if device == "cuda" else "cpu")
     print(f"stepprof's record pipeline on {info['gpu']}, torch {info['torch']}: {args.steps} steps, "
           f"{args.phases} phases, energy {'on' if res['energy'] else 'off'}, gc {'on' if res['gc'] else 'off'} "
-          f"(a wrapper: {res['wrapper_ns']:.0f} ns, taken out)")
+          f"(a wrapper: {res['wrapper_ns']:.0f} ns, taken out); records built and folded in "
+          f"{'Python' if args.python_fold else 'C' if fold_why is None else f'Python ({fold_why})'}")
+    res["fold"] = "python" if args.python_fold or fold_why is not None else "c"
     print(f"  training thread, all of it: {res['loop_us_per_step']:.1f} µs/step")
     seen = []
     for part, _, _ in PARTS:

@@ -38,6 +38,7 @@ from typing import Any
 
 import attrs
 
+from . import _native
 from ._accumulators import (TABLE_CAP, Counter, Fields, First, FirstByKey, FirstN, Largest, Last, Max,
                             Sketch, Sum, Table)
 from ._records import Percentiles, PhaseFigures
@@ -329,6 +330,26 @@ class _StepAccumulators(Fields):
     recompile_reasons: FirstN
 
 
+class _Fold:
+    """The C fold's ``fold_step`` while it is loaded (:func:`use_native`), else None."""
+
+    step: Callable[[StepTotals, dict[str, Any]], Any] | None = None
+
+
+_FOLD = _Fold()
+
+
+def use_native(on: bool = True) -> str | None:
+    """Fold step records in C from now on, if ``_fold.c`` is built (``on=False``: in Python);
+    returns why not, or None."""
+    mod = _native.module() if on else None
+    if mod is not None:
+        mod.configure(SPIKES_KEPT, _SETTLE_EVERY, TABLE_CAP, StepTotals, PhaseTotals, Sum, Max, First, Last,
+                      Counter, Table, Sketch, FirstByKey, Largest)
+    _FOLD.step = mod.fold_step if mod is not None else None
+    return None if mod is not None or not on else _native.reason()
+
+
 def _loop_ms(wait_in: Sketch, wait: float, wall: float, inside: Any) -> float:
     """A step's time in the loop: the wait before it, then its wall time.  A wait inside it
     (``data_wait_in_step_ms``, between micro-batches) is in both figures: counted once, and
@@ -389,7 +410,16 @@ class StepTotals(_StepAccumulators):
 
     def add(self, r: dict[str, Any]) -> bool:
         """A ``kind: "step"`` record: counted, and its figures taken if it is a timed step
-        (then True)."""
+        (then True).  In C when the fold is built (:mod:`stepprof._native`), else :meth:`fold`."""
+        fold = _FOLD.step
+        if fold is not None:
+            timed = fold(self, r)
+            if timed is not NotImplemented:
+                return timed  # type: ignore[no-any-return]
+        return self.fold(r)
+
+    def fold(self, r: dict[str, Any]) -> bool:
+        """:meth:`add` in Python (``_fold.c`` mirrors it, and leaves it the rarer records)."""
         # Numbers are taken as orjson gives them: int or float (JSON has no NaN or
         # infinity); anything else (a str, a bool, null) is treated as missing.
         get = r.get
@@ -451,7 +481,7 @@ class StepTotals(_StepAccumulators):
         x = get("overhead_us")
         if type(x) is float or type(x) is int:
             self.overhead_sum_ns.value += round(x * 1e3)
-        self._add_memory(get)
+        _add_memory(self, get)
         batch = get("batch_size")
         if type(batch) is int:
             self.batch_sizes.add(batch)
@@ -496,22 +526,6 @@ class StepTotals(_StepAccumulators):
         self.since_settle += 1
         if self.since_settle >= _SETTLE_EVERY:
             self.settle()
-
-    def _add_memory(self, get: Any) -> None:
-        """A timed step's memory figures (``get``: the record's)."""
-        x = get("peak_allocated_bytes")
-        t = type(x)
-        if (t is int or t is float) and (self.peak.value is None or x > self.peak.value):
-            self.peak.value = x
-        x = get("reserved_bytes")
-        t = type(x)
-        if t is int or t is float:
-            self.reserved_last.value = x
-            if self.reserved.value is None or x > self.reserved.value:
-                self.reserved.value = x
-        x = get("host_rss_bytes")
-        if type(x) is int:
-            self.rss.value = x
 
     def _take_flops_state(self, r: dict[str, Any]) -> None:
         """A step of a run that asked for FLOPs: keep the latest reasons for null ones."""
@@ -636,6 +650,23 @@ class StepTotals(_StepAccumulators):
         for ph in self.phases.value.values():
             ph.wall.settle()
             ph.gpu.settle()
+
+
+def _add_memory(totals: StepTotals, get: Any) -> None:
+    """A timed step's memory figures (``get``: the record's)."""
+    x = get("peak_allocated_bytes")
+    t = type(x)
+    if (t is int or t is float) and (totals.peak.value is None or x > totals.peak.value):
+        totals.peak.value = x
+    x = get("reserved_bytes")
+    t = type(x)
+    if t is int or t is float:
+        totals.reserved_last.value = x
+        if totals.reserved.value is None or x > totals.reserved.value:
+            totals.reserved.value = x
+    x = get("host_rss_bytes")
+    if type(x) is int:
+        totals.rss.value = x
 
 
 class RunRecords(Fields):
@@ -1066,3 +1097,6 @@ class RunAggregate:
 #: Where ``RunAggregate.<name>`` reads its value: the accumulator's part.
 _PARTS = {name: part for part, fields in (("totals", StepTotals.FIELDS), ("records", RunRecords.FIELDS))
           for name, _ in fields}
+
+
+_native.use(use_native)

@@ -243,10 +243,12 @@ def _calibrate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
 
 
 def _build(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from . import _native
     from ._device.compiled import build
     from ._errors import BuildError
 
     try:
+        print(f"stepprof build: the C fold of the summary and report is ready in {_native.build()}")
         report = build(verbose=args.verbose)
     except BuildError as e:
         print(f"stepprof build: {e}", file=sys.stderr)

@@ -74,6 +74,7 @@ def environment() -> dict[str, Any]:
         "nvml": nvml,
         "calibration_dir": cache_dir(),
         "boundary": _boundary(cuda_reason),
+        "fold": _fold(),
         "syncs": {
             "default": "warn",
             "mechanisms": list(SYNC_MECHANISMS),
@@ -130,6 +131,13 @@ def _boundary(cuda_reason: str | None) -> dict[str, Any]:
         "reason": reason,
         "saving_us": compiled.SAVING_US,
     }
+
+
+def _fold() -> dict[str, Any]:
+    """Whether the summary and the report fold step records in C (stepprof/_fold.c), or why not."""
+    from . import _native
+
+    return {"used": "c" if _native.module() is not None else "python", "reason": _native.reason()}
 
 
 def _boundary_row(b: dict[str, Any]) -> str:
@@ -212,6 +220,7 @@ def render_env(env: dict[str, Any]) -> str:
         ),
         ("calibration cache", env["calibration_dir"]),
         ("step boundary", _boundary_row(env["boundary"])),
+        ("summary fold", "C" if env["fold"]["used"] == "c" else f"Python, about 3x the CPU a record: {env['fold']['reason']}"),
         ("sync detection", env["syncs"]["used"]),
         ("", env["syncs"]["trace"]),
     ]

@@ -15,7 +15,7 @@ from typing import Final
 
 from ._errors import ConfigError
 
-__all__ = ["COMPONENT_MAX", "component", "components", "inside"]
+__all__ = ["COMPONENT_MAX", "cache_root", "component", "components", "inside"]
 
 #: Characters of a path component made from a log's name.
 COMPONENT_MAX: Final = 64
@@ -68,3 +68,17 @@ def inside(folder: str, path: str, argument: str) -> str:
             f"pass a new, empty directory"
         )
     return path
+
+
+def cache_root() -> str:
+    """stepprof's cache directory: ``$STEPPROF_CACHE_DIR``, else ``$XDG_CACHE_HOME/stepprof``,
+    else ``~/.cache/stepprof`` (``%LOCALAPPDATA%\\stepprof`` on Windows)."""
+    explicit = os.environ.get("STEPPROF_CACHE_DIR")
+    if explicit:
+        return explicit
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "stepprof")
+    if os.name == "nt" and os.environ.get("LOCALAPPDATA"):  # pragma: no cover - Windows
+        return os.path.join(os.environ["LOCALAPPDATA"], "stepprof")
+    return os.path.join(os.path.expanduser("~"), ".cache", "stepprof")

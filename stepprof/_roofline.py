@@ -35,6 +35,7 @@ from typing import Any, cast
 import orjson
 
 from ._errors import raised_by_user
+from ._paths import cache_root as cache_dir
 
 __all__ = [
     "CALIBRATED_DTYPES",
@@ -222,20 +223,6 @@ def _is_view(packet: Any) -> bool:
 
 
 # -- the calibration cache -----------------------------------------------------------
-
-
-def cache_dir() -> str:
-    """stepprof's cache directory: ``$STEPPROF_CACHE_DIR``, else ``$XDG_CACHE_HOME/stepprof``,
-    else ``~/.cache/stepprof`` (``%LOCALAPPDATA%\\stepprof`` on Windows)."""
-    explicit = os.environ.get("STEPPROF_CACHE_DIR")
-    if explicit:
-        return explicit
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):
-        return os.path.join(xdg, "stepprof")
-    if os.name == "nt" and os.environ.get("LOCALAPPDATA"):  # pragma: no cover - Windows
-        return os.path.join(os.environ["LOCALAPPDATA"], "stepprof")
-    return os.path.join(os.path.expanduser("~"), ".cache", "stepprof")
 
 
 def calibration_path(device_name: str) -> str:

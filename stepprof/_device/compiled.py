@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import importlib.machinery
-import importlib.util
 import os
 import shlex
 import shutil
@@ -38,7 +36,7 @@ from typing import Any
 import attrs
 import torch
 
-from .. import _registry
+from .. import _native, _registry
 from .._errors import BuildError, raised_by_user
 from .._records import COMPILED_SAVES_US
 from .._roofline import cache_dir as _stepprof_cache_dir
@@ -315,20 +313,9 @@ def _load() -> tuple[ModuleType | None, str | None]:
     path = _library_path(cache_dir())
     if not os.path.isfile(path):
         return None, f"the compiled boundary is not built for {_versions()}: run `stepprof build`"
-    try:
-        loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
-        spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
-        if spec is None:  # pragma: no cover - a path the import system refuses
-            return None, f"{path} is not an extension module: run `stepprof build`"
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - a corrupt or foreign library: a reason, not a crash
-        if raised_by_user(e):
-            raise
-        return None, (
-            f"the compiled boundary for {_versions()} did not load ({type(e).__name__}: {e}): "
-            f"run `stepprof build`"
-        )
+    module, error = _native.load_extension(_NAME, path)
+    if module is None:
+        return None, f"the compiled boundary for {_versions()} did not load ({error}): run `stepprof build`"
     wrong = _mismatch(module)
     if wrong is not None:
         return None, f"the compiled boundary at {path} is stale ({wrong}): run `stepprof build`"
@@ -384,6 +371,7 @@ class _Background:
             rc = proc.wait()
             if rc == 0:
                 _LOADED.reset()
+                _native.reload()  # the summary folds in C from its next record
                 module, why = load()
             else:
                 module, why = None, _failure(directory) or f"the background build exited with status {rc}"
@@ -445,6 +433,8 @@ def _start(bg: _Background) -> str | None:
     module, _ = load()
     if module is not None:
         bg.module = module
+        if _native.module() is None and os.environ.get(BUILD_ENV, "").strip() != "0":
+            _native.build_in_background()  # (the boundary is built, the C fold is not)
         return None
     if os.environ.get(BUILD_ENV, "").strip() == "0":
         return f"{BUILD_ENV}=0 turned the background build off: `stepprof build` builds it"
@@ -472,9 +462,11 @@ def _start(bg: _Background) -> str | None:
 
 
 def _child() -> int:
-    """The background build's process: build, or leave a marker saying why not."""
+    """The background build's process: build the C fold and the boundary, or leave a marker
+    saying why not."""
     directory = cache_dir()
     try:
+        print(f"stepprof build: the C fold is ready in {_native.build()}")
         report = build()
     except BuildError as e:
         with open(_failed_path(directory), "w", encoding="utf-8") as f:

@@ -26,14 +26,15 @@ from .._errors import raised_by_user, warn
 from .._log import CHUNK_RECORDS
 from .._signals import start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
-from .._schema import ABSENT, step_record
+from .. import _native
+from .._schema import ABSENT, SCHEMA_VERSION, STEP_CORE_FIELDS, step_record
 from .._rules import span_ms
 from .._units import per_s
 from .budget import Budget
 from .held import HeldRecords
 from .hooks import Hook
 from .sinks import LogSink, SummarySink
-from .step import Step
+from .step import PhaseTotals, Step
 
 #: How often the collector thread looks for completed steps to write.  A harvest has a fixed
 #: cost of its own (about 220 µs inside the launch-bound loop on the H200: the thread's wake-up,
@@ -137,6 +138,18 @@ def build_step_record(
     """
     if not_sampled is not None:
         return _light_record(s, b, start_unix_s, not_sampled)
+    fast = _NATIVE.build
+    if fast is not None and b.has_device_timing and b.has_device_memory and b.gpu_reason is None and (
+            b.memory_reason is None):
+        record = fast(s, b.device, start_unix_s, phase_peaks_why)
+        if record is not NotImplemented:
+            return record  # type: ignore[no-any-return]
+    return _build_python(s, b, start_unix_s, phase_peaks_why)
+
+
+def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
+    """:func:`build_step_record` of a full step in Python (``_fold.c``'s ``build_step`` mirrors it
+    for the steps of a CUDA backend, and leaves it the others)."""
     unavailable: dict[str, str] = {}
     wall_ms = (s.t1 - s.t0) / 1e6
     gpu_ms = s.gpu_ms()
@@ -178,6 +191,36 @@ def build_step_record(
     if s.global_step is not None:
         record["global_step"] = s.global_step
     return record
+
+
+class _Native:
+    """``_fold.c``'s ``build_step`` while it is loaded and agrees with the declaration, else None."""
+
+    build: Callable[[Step, str, float, str], Any] | None = None
+
+
+_NATIVE = _Native()
+
+
+def use_native(on: bool = True) -> str | None:
+    """Build full CUDA steps' records in C from now on, if ``_fold.c`` is built and fills the
+    declared fields (``on=False``: in Python); returns why not, or None."""
+    mod = _native.module() if on else None
+    why = _native.reason() if on else None
+    if mod is not None and mod.BUILD_FIELDS != ("schema_version", "kind", *STEP_CORE_FIELDS):
+        mod, why = None, "the C build fills other fields than the step record declares: rebuild it (`stepprof build`)"
+    if mod is not None:
+        mod.configure_build(
+            Step, PhaseTotals, mod.BUILD_FIELDS,
+            ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step"),
+            ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms"),
+            (_NO_PREVIOUS, OUTSIDE_PHASES, "no batch_size was given", "step took no measurable time",
+             "batch_size over the step time is past a float's range", "wall time was zero", "not counted", "not read",
+             "samples_per_s", "batch_size", "syncs", "phases.syncs", "data_wait_ms", "peak_phase",
+             "phases.peak_allocated_bytes", "gpu_busy"),
+            ALLOCATOR_COUNTERS, SCHEMA_VERSION)
+    _NATIVE.build = mod.build_step if mod is not None else None
+    return why
 
 
 def _phase_figures(s: Step, b: Backend, phase_peaks_why: str, unavailable: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -609,3 +652,6 @@ class Collector:
         if b.has_device_timing:  # (the host's marks are None: none to release)
             b.release_marks(s.flat, s.end_mark if self._keep_end_marks else None)
         return record, token
+
+
+_native.use(use_native)

@@ -1,0 +1,1092 @@
+/* The summary's hot loop in C: StepTotals.add for one step record (stepprof/_aggregate.py).
+ *
+ * fold_step(totals, record) does what StepTotals.add(record) does, on the same Python
+ * accumulators, and returns the same bool; it returns NotImplemented, having changed nothing,
+ * for the records it leaves to Python: a step left out for a reason other than warm-up, an
+ * error or a malformed wall time (flops_counted, explained, compiled), and numbers whose
+ * arithmetic a double would not reproduce (an int past 2**52, a product past a float's range).
+ * Python owns the rules and the constants (configure()); tests/test_fold.py holds the two
+ * paths to the same accumulators on fuzzed records.  Pure CPython API: no torch.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <structmember.h> /* PyMemberDef */
+
+#define ABI 1
+
+static Py_ssize_t spikes_kept = 32, settle_every = 4096, table_cap = 256;
+
+enum {
+    K_STEP, K_DEVICE, K_NAME, K_TFLOPS, K_MFU, K_COMPILES, K_WARMUP, K_ERROR, K_WALL, K_COUNTED,
+    K_EXPLAINED, K_COMPILED, K_GPU, K_BUSY, K_OVERHEAD, K_PEAK, K_RESERVED, K_RSS, K_BATCH, K_SPS,
+    K_WAIT, K_WAIT_IN, K_DATA, K_ALLOC, K_SYNCS, K_PHASES, K_ENERGY, K_ENERGY_SPAN, K_UNAVAIL,
+    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES,
+    /* attributes */
+    A_STEPS, A_WARMUP, A_ERRORS, A_MALFORMED, A_MEASURED, A_FIRST_STEP, A_LAST_STEP, A_FIRST_MEASURED,
+    A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_SYNCS, A_TFLOPS, A_MFU, A_OVERHEAD,
+    A_DATA_WAIT, A_WAIT_IN, A_OVERHEAD_SUM, A_WAIT_SUM, A_LOOP_SUM, A_DATA_SUM, A_DATA_STEPS,
+    A_BATCH_SIZES, A_PEAK, A_RESERVED, A_RESERVED_LAST, A_RSS, A_ALLOC, A_ALLOC_STEPS,
+    A_DEVICE_ALLOC_STEPS, A_SYNC_STEPS, A_SYNC_MECHANISM, A_OTHER_THREADS, A_SITES, A_PHASES,
+    A_SPIKES, A_STEP_REASONS, A_FLOPS_REQUESTED, A_ENERGY_STEPS, A_ENERGY_UJ, A_ENERGY_SPAN_US,
+    A_ENERGY_SAMPLES, A_ENERGY_BATCHED_UJ, A_ENERGY_REASON, A_SINCE_SETTLE, A_VALUE, A_BUF, A_ADD,
+    A_AT, A_TAKE_FLOPS, A_TAKE_COMPILES, A_TAKE_REASONS, A_SETTLE, A_COUNT_PH,
+    N_NAMES
+};
+
+static const char* const NAMES[N_NAMES] = {
+    "step", "device", "name", "tflops_per_s", "mfu", "compiles", "warmup", "error", "wall_ms",
+    "flops_counted", "explained", "compiled", "gpu_ms", "gpu_busy", "overhead_us",
+    "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes", "batch_size", "samples_per_s",
+    "data_wait_ms", "data_wait_in_step_ms", "data_ms", "allocator", "syncs", "phases", "energy_j",
+    "energy_span_ms", "unavailable", "count", "mechanism", "other_threads", "sites",
+    "num_device_alloc", "num_alloc_retries",
+    "steps", "warmup", "errors", "malformed", "measured", "first_step", "last_step",
+    "first_measured", "devices", "names", "wall", "gpu", "span", "busy", "sps", "syncs", "tflops",
+    "mfu", "overhead", "data_wait", "wait_in", "overhead_sum_ns", "data_wait_sum_ns",
+    "loop_sum_ns", "data_sum_ns", "data_steps", "batch_sizes", "peak", "reserved", "reserved_last",
+    "rss", "alloc", "alloc_steps", "steps_with_device_alloc", "sync_steps", "sync_mechanism",
+    "other_threads", "sites", "phases", "spikes", "step_reasons", "flops_requested",
+    "energy_steps", "energy_uj", "energy_span_us", "energy_samples", "energy_batched_uj",
+    "energy_reason", "since_settle", "value", "buf", "add", "at", "_take_flops_state",
+    "_take_compiles", "_take_reasons", "settle", "count",
+};
+
+static PyObject* S[N_NAMES];
+static PyObject* ZERO;
+
+/* The record's value for key k (borrowed; NULL when absent). */
+#define GET(d, k) PyDict_GetItemWithError((d), S[k])
+
+static int is_num(PyObject* x) { return x != NULL && (PyFloat_CheckExact(x) || PyLong_CheckExact(x)); }
+
+/* A number as a double, exact: 0 on success, 1 when a double would not reproduce Python's
+ * arithmetic on it (an int past 2**52), -1 on an error. */
+static int as_double(PyObject* x, double* out) {
+    if (PyFloat_CheckExact(x)) {
+        *out = PyFloat_AS_DOUBLE(x);
+        return 0;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v > (1LL << 52) || v < -(1LL << 52)) return 1;
+    *out = (double)v;
+    return 0;
+}
+
+/* Python's round(x) for a finite double, as an int object. */
+static PyObject* round_int(double x) { return PyLong_FromDouble(nearbyint(x)); }
+
+/* -- the accumulators, read and written through their slots' offsets -- */
+
+/* Each __slots__ attribute's offset in its object, found by configure() from the classes' member
+ * descriptors: StepTotals' and PhaseTotals' accumulators by name, and each accumulator's own
+ * ``value`` (or a sketch's ``buf``).  fold_step checks every object's type before it uses an
+ * offset, so a class that changed shape is an error, never a stray write. */
+static Py_ssize_t off_tot[N_NAMES], off_ph[N_NAMES];
+static Py_ssize_t off_value, off_counter, off_table, off_reasons, off_heap, off_buf, off_since;
+static PyTypeObject *T_TOTALS, *T_PHASE, *T_SUM, *T_MAX, *T_FIRST, *T_LAST, *T_COUNTER, *T_TABLE,
+    *T_SKETCH, *T_REASONS, *T_LARGEST;
+
+#define SLOT(o, off) ((PyObject**)((char*)(o) + (off)))
+
+static PyObject* wrong_shape(PyObject* o, const char* want) {
+    PyErr_Format(PyExc_TypeError, "stepprof's C fold expected a %s, not %.100s: rebuild it (`stepprof build`)",
+                 want, Py_TYPE(o)->tp_name);
+    return NULL;
+}
+
+/* The accumulator in ``owner``'s slot at ``off`` (borrowed), checked to be a ``type``. */
+static PyObject* acc(PyObject* owner, Py_ssize_t off, PyTypeObject* type) {
+    PyObject* a = off > 0 ? *SLOT(owner, off) : NULL;
+    if (a == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "an accumulator of stepprof's aggregate is unset");
+        return NULL;
+    }
+    return Py_TYPE(a) == type ? a : wrong_shape(a, type->tp_name);
+}
+
+static void put(PyObject* o, Py_ssize_t off, PyObject* v) {
+    PyObject** p = SLOT(o, off);
+    PyObject* old = *p;
+    Py_INCREF(v);
+    *p = v;
+    Py_XDECREF(old);
+}
+
+/* <a>.value += n, for a Sum in ``owner``'s slot at ``off``. */
+static int sum_add_at(PyObject* owner, Py_ssize_t off, PyObject* n) {
+    PyObject* a = acc(owner, off, T_SUM);
+    if (a == NULL) return -1;
+    PyObject* old = *SLOT(a, off_value);
+    PyObject* sum = old ? PyNumber_Add(old, n) : NULL;
+    if (sum == NULL) return -1;
+    put(a, off_value, sum);
+    Py_DECREF(sum);
+    return 0;
+}
+
+static PyObject* ONE;
+#define sum_add(t, a, n) sum_add_at((t), off_tot[a], (n))
+#define sum_one(t, a) sum_add_at((t), off_tot[a], ONE)
+
+static int set_value(PyObject* totals, int a, PyObject* x) {
+    PyObject* v = acc(totals, off_tot[a], T_LAST);
+    if (v == NULL) return -1;
+    put(v, off_value, x);
+    return 0;
+}
+
+/* First: set when None. */
+static int first_add(PyObject* totals, int a, PyObject* x) {
+    PyObject* v = acc(totals, off_tot[a], T_FIRST);
+    if (v == NULL) return -1;
+    PyObject* old = *SLOT(v, off_value);
+    if (old == NULL || old == Py_None) put(v, off_value, x);
+    return 0;
+}
+
+/* Max: the value None, or x greater than it. */
+static int max_at(PyObject* owner, Py_ssize_t off, PyObject* x) {
+    PyObject* v = acc(owner, off, T_MAX);
+    if (v == NULL) return -1;
+    PyObject* old = *SLOT(v, off_value);
+    int greater = old == NULL || old == Py_None ? 1 : PyObject_RichCompareBool(x, old, Py_GT);
+    if (greater < 0) return -1;
+    if (greater) put(v, off_value, x);
+    return 0;
+}
+#define max_part(t, a, x) max_at((t), off_tot[a], (x))
+
+/* A sketch's buf.append(x). */
+static int sketch_at(PyObject* owner, Py_ssize_t off, PyObject* x) {
+    PyObject* sk = acc(owner, off, T_SKETCH);
+    if (sk == NULL) return -1;
+    PyObject* buf = *SLOT(sk, off_buf);
+    if (buf == NULL || !PyList_CheckExact(buf)) {
+        wrong_shape(sk, "sketch with a list buffer");
+        return -1;
+    }
+    return PyList_Append(buf, x);
+}
+#define sketch_add(t, a, x) sketch_at((t), off_tot[a], (x))
+
+/* Counter.add(key): += 1 when present, else the accumulator's own add (its cap). */
+static int counter_add(PyObject* totals, int a, PyObject* key) {
+    PyObject* c = acc(totals, off_tot[a], T_COUNTER);
+    if (c == NULL) return -1;
+    PyObject* table = *SLOT(c, off_counter);
+    if (table == NULL || !PyDict_CheckExact(table)) {
+        wrong_shape(c, "counter with a dict");
+        return -1;
+    }
+    PyObject* n = PyDict_GetItemWithError(table, key);
+    if (n != NULL) {
+        PyObject* m = PyNumber_Add(n, ONE);
+        int rc = m ? PyDict_SetItem(table, key, m) : -1;
+        Py_XDECREF(m);
+        return rc;
+    }
+    if (PyErr_Occurred()) return -1;
+    PyObject* r = PyObject_CallMethodOneArg(c, S[A_ADD], key);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+/* -- what the record holds, read before anything changes -- */
+
+typedef struct {
+    PyObject *idx, *wall, *gpu, *span, *batch, *wait, *inside, *data, *alloc, *syncs, *phases,
+        *energy, *energy_span, *unavailable;
+    double wall_d, wait_d, inside_d;
+    PyObject *overhead_ns, *wait_ns, *loop_ns, *data_ns, *energy_uj, *energy_span_us; /* owned */
+    int timed;
+} Parsed;
+
+static void parsed_clear(Parsed* p) {
+    Py_CLEAR(p->overhead_ns);
+    Py_CLEAR(p->wait_ns);
+    Py_CLEAR(p->loop_ns);
+    Py_CLEAR(p->data_ns);
+    Py_CLEAR(p->energy_uj);
+    Py_CLEAR(p->energy_span_us);
+}
+
+/* round(x * scale) into *out for a number x: 0 done, 1 leave the record to Python, -1 error. */
+static int scaled(PyObject* x, double scale, PyObject** out) {
+    double d;
+    int rc = as_double(x, &d);
+    if (rc) return rc;
+    d *= scale;
+    if (!isfinite(d)) return 1;
+    *out = round_int(d);
+    return *out ? 0 : -1;
+}
+
+#define TRY(expr)                 \
+    do {                          \
+        int rc_ = (expr);         \
+        if (rc_) return rc_;      \
+    } while (0)
+
+/* The timed step's numbers: 0 parsed, 1 leave it to Python, -1 error. */
+static int parse_timed(PyObject* r, Parsed* p) {
+    p->gpu = GET(r, K_GPU);
+    if (p->gpu == NULL && PyErr_Occurred()) return -1;
+    p->span = p->wall;
+    if (is_num(p->gpu)) {
+        int gt = PyObject_RichCompareBool(p->gpu, p->wall, Py_GT);
+        if (gt < 0) return -1;
+        if (gt) p->span = p->gpu;
+    }
+    PyObject* x = GET(r, K_OVERHEAD);
+    if (is_num(x)) TRY(scaled(x, 1e3, &p->overhead_ns));
+    p->wait = GET(r, K_WAIT);
+    if (is_num(p->wait)) {
+        TRY(as_double(p->wait, &p->wait_d));
+        TRY(as_double(p->wall, &p->wall_d));
+        TRY(scaled(p->wait, 1e6, &p->wait_ns));
+        p->inside = GET(r, K_WAIT_IN);
+        double loop = p->wait_d + p->wall_d;
+        if (is_num(p->inside)) {
+            TRY(as_double(p->inside, &p->inside_d));
+            loop -= p->inside_d;
+        } else {
+            p->inside = NULL;
+        }
+        loop *= 1e6;
+        if (!isfinite(loop)) return 1;
+        if ((p->loop_ns = round_int(loop)) == NULL) return -1;
+        p->data = GET(r, K_DATA);
+        if (is_num(p->data)) TRY(scaled(p->data, 1e6, &p->data_ns));
+        else p->data = NULL;
+    } else {
+        p->wait = NULL;
+        p->wait_d = -1.0;
+    }
+    p->energy = GET(r, K_ENERGY);
+    if (p->energy != NULL) {
+        p->energy_span = GET(r, K_ENERGY_SPAN);
+        if (is_num(p->energy) && is_num(p->energy_span)) {
+            int ge = PyObject_RichCompareBool(p->energy, ZERO, Py_GE);
+            int gt = PyObject_RichCompareBool(p->energy_span, ZERO, Py_GT);
+            if (ge < 0 || gt < 0) return -1;
+            if (ge && gt) {
+                TRY(scaled(p->energy, 1e6, &p->energy_uj));
+                TRY(scaled(p->energy_span, 1e3, &p->energy_span_us));
+            }
+        }
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* -- a timed step's figures (StepTotals._add_timed) -- */
+
+static int add_phase(PyObject* ph, PyObject* entry, int counted) {
+    if (Py_TYPE(ph) != T_PHASE) {
+        wrong_shape(ph, T_PHASE->tp_name);
+        return -1;
+    }
+    TRY(sum_add_at(ph, off_ph[A_STEPS], ONE));
+    PyObject* x = GET(entry, K_WALL);
+    if (is_num(x)) TRY(sketch_at(ph, off_ph[A_WALL], x));
+    x = GET(entry, K_GPU);
+    if (is_num(x)) TRY(sketch_at(ph, off_ph[A_GPU], x));
+    x = GET(entry, K_PEAK);
+    if (is_num(x)) TRY(max_at(ph, off_ph[A_PEAK], x));
+    x = GET(entry, K_SYNCS);
+    if (x != NULL && PyLong_CheckExact(x) && counted) {
+        TRY(sum_add_at(ph, off_ph[A_SYNCS], x));
+        TRY(sum_add_at(ph, off_ph[A_SYNC_STEPS], ONE));
+    }
+    x = GET(entry, K_COUNT);
+    TRY(sum_add_at(ph, off_ph[A_COUNT_PH], x != NULL && PyLong_CheckExact(x) ? x : ONE));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int add_phases(PyObject* totals, PyObject* phases, int counted) {
+    PyObject* tableacc = acc(totals, off_tot[A_PHASES], T_TABLE);
+    if (tableacc == NULL) return -1;
+    PyObject* table = *SLOT(tableacc, off_table);
+    if (table == NULL || !PyDict_CheckExact(table)) {
+        wrong_shape(tableacc, "table with a dict");
+        return -1;
+    }
+    Py_INCREF(table);  /* (at() may add to it) */
+    Py_ssize_t pos = 0;
+    PyObject *key, *entry;
+    int rc = 0;
+    while (!rc && PyDict_Next(phases, &pos, &key, &entry)) {
+        PyObject* ph = PyDict_GetItemWithError(table, key);
+        Py_XINCREF(ph);
+        if (ph == NULL && !PyErr_Occurred()) ph = PyObject_CallMethodOneArg(tableacc, S[A_AT], key);
+        if (ph == NULL) rc = -1;
+        else if (ph != Py_None && PyDict_CheckExact(entry)) rc = add_phase(ph, entry, counted);
+        Py_XDECREF(ph);
+    }
+    Py_DECREF(table);
+    return rc;
+}
+
+/* The allocator's counters summed; *allocs and *retries: the step's (new refs). */
+static int add_allocator(PyObject* totals, PyObject* alloc, PyObject** allocs, PyObject** retries) {
+    TRY(sum_one(totals, A_ALLOC_STEPS));
+    PyObject* c = acc(totals, off_tot[A_ALLOC], T_COUNTER);
+    if (c == NULL) return -1;
+    PyObject* table = *SLOT(c, off_counter);
+    if (table == NULL || !PyDict_CheckExact(table)) {
+        wrong_shape(c, "counter with a dict");
+        return -1;
+    }
+    Py_INCREF(table);
+    Py_ssize_t pos = 0;
+    PyObject *key, *n;
+    int rc = 0;
+    while (!rc && PyDict_Next(alloc, &pos, &key, &n)) {
+        if (!PyLong_CheckExact(n)) continue;
+        PyObject* old = PyDict_GetItemWithError(table, key);
+        if (old == NULL) {
+            rc = PyErr_Occurred() ? -1 : 0;
+            continue;
+        }
+        PyObject* m = PyNumber_Add(old, n);
+        rc = m ? PyDict_SetItem(table, key, m) : -1;
+        Py_XDECREF(m);
+    }
+    Py_DECREF(table);
+    if (rc) return rc;
+    PyObject* a = GET(alloc, K_DEVICE_ALLOC);
+    if (a != NULL && PyLong_CheckExact(a)) {
+        int gt = PyObject_RichCompareBool(a, ZERO, Py_GT);
+        if (gt < 0) return -1;
+        if (gt) TRY(sum_one(totals, A_DEVICE_ALLOC_STEPS));
+    } else {
+        a = ZERO;
+    }
+    PyObject* t = GET(alloc, K_RETRIES);
+    if (t == NULL || !PyLong_CheckExact(t)) t = ZERO;
+    Py_INCREF(a);
+    Py_INCREF(t);
+    *allocs = a;
+    *retries = t;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The step's syncs; *count: its count (borrowed), or NULL when it did not count them. */
+static int add_syncs(PyObject* totals, PyObject* syncs, PyObject** count) {
+    PyObject* c = GET(syncs, K_COUNT);
+    if (c == NULL || !PyLong_CheckExact(c)) {
+        *count = NULL;
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *count = c;
+    TRY(sum_one(totals, A_SYNC_STEPS));
+    TRY(sketch_add(totals, A_SYNCS, c));
+    PyObject* x = GET(syncs, K_MECHANISM);
+    if (x != NULL && PyUnicode_CheckExact(x)) TRY(set_value(totals, A_SYNC_MECHANISM, x));
+    x = GET(syncs, K_OTHER_THREADS);
+    if (x != NULL && PyLong_CheckExact(x)) {
+        int truth = PyObject_IsTrue(x);
+        if (truth < 0) return -1;
+        if (truth) TRY(sum_add(totals, A_OTHER_THREADS, x));
+    }
+    x = GET(syncs, K_SITES);
+    if (x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) > 0) {
+        PyObject* sites = *SLOT(totals, off_tot[A_SITES]);
+        PyObject* res = sites ? PyObject_CallMethodOneArg(sites, S[A_ADD], x) : NULL;
+        if (res == NULL) return -1;
+        Py_DECREF(res);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int add_spike(PyObject* totals, Parsed* p, PyObject* idx, PyObject* allocs, PyObject* retries,
+                     PyObject* syncs) {
+    PyObject* heapacc = acc(totals, off_tot[A_SPIKES], T_LARGEST);
+    if (heapacc == NULL) return -1;
+    PyObject* heap = *SLOT(heapacc, off_heap);
+    if (heap == NULL || !PyList_CheckExact(heap)) {
+        wrong_shape(heapacc, "heap with a list");
+        return -1;
+    }
+    if (PyList_GET_SIZE(heap) >= spikes_kept) {
+        PyObject* least = PyList_GET_ITEM(heap, 0);
+        if (!PyTuple_CheckExact(least) || PyTuple_GET_SIZE(least) == 0) {
+            wrong_shape(least, "spike tuple");
+            return -1;
+        }
+        int takes = PyObject_RichCompareBool(p->span, PyTuple_GET_ITEM(least, 0), Py_GT);
+        if (takes <= 0) return takes;
+    }
+    PyObject* t = Py_BuildValue("(OOOOOd)", p->span, idx, allocs, retries, syncs, p->wait_d);
+    PyObject* res = t ? PyObject_CallMethodOneArg(heapacc, S[A_ADD], t) : NULL;
+    Py_XDECREF(t);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
+static int take_reasons(PyObject* totals, PyObject* unavailable) {
+    PyObject* r = acc(totals, off_tot[A_STEP_REASONS], T_REASONS);
+    if (r == NULL) return -1;
+    PyObject* table = *SLOT(r, off_reasons);
+    if (table == NULL) {
+        wrong_shape(r, "table");
+        return -1;
+    }
+    Py_INCREF(table);
+    int news = 0;
+    if (PyDict_CheckExact(table) && PyDict_GET_SIZE(table) < table_cap) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *why;
+        while (!news && PyDict_Next(unavailable, &pos, &key, &why)) {
+            int has = PyDict_Contains(table, key);
+            if (has < 0) {
+                Py_DECREF(table);
+                return -1;
+            }
+            news = !has;
+        }
+    }
+    Py_DECREF(table);
+    if (!news) return 0;
+    PyObject* res = PyObject_CallMethodOneArg(totals, S[A_TAKE_REASONS], unavailable);
+    Py_XDECREF(res);
+    return res ? 0 : -1;
+}
+
+/* A timed step's times, memory, batch and input wait (the first part of _add_timed). */
+static int add_figures(PyObject* totals, PyObject* r, Parsed* p) {
+    TRY(sketch_add(totals, A_WALL, p->wall));
+    TRY(sketch_add(totals, A_SPAN, p->span));
+    if (is_num(p->gpu)) TRY(sketch_add(totals, A_GPU, p->gpu));
+    PyObject* x = GET(r, K_BUSY);
+    if (is_num(x)) TRY(sketch_add(totals, A_BUSY, x));
+    x = GET(r, K_OVERHEAD);
+    if (is_num(x)) TRY(sketch_add(totals, A_OVERHEAD, x));
+    if (p->overhead_ns) TRY(sum_add(totals, A_OVERHEAD_SUM, p->overhead_ns));
+    /* memory */
+    x = GET(r, K_PEAK);
+    if (is_num(x)) TRY(max_part(totals, A_PEAK, x));
+    x = GET(r, K_RESERVED);
+    if (is_num(x)) {
+        TRY(set_value(totals, A_RESERVED_LAST, x));
+        TRY(max_part(totals, A_RESERVED, x));
+    }
+    x = GET(r, K_RSS);
+    if (x != NULL && PyLong_CheckExact(x)) TRY(set_value(totals, A_RSS, x));
+    PyObject* batch = GET(r, K_BATCH);
+    if (batch != NULL && PyLong_CheckExact(batch)) {
+        TRY(counter_add(totals, A_BATCH_SIZES, batch));
+        x = GET(r, K_SPS);
+        if (is_num(x)) TRY(sketch_add(totals, A_SPS_, x));
+    }
+    if (p->wait != NULL) {
+        TRY(sketch_add(totals, A_DATA_WAIT, p->wait));
+        TRY(sum_add(totals, A_WAIT_SUM, p->wait_ns));
+        if (p->inside != NULL) TRY(sketch_add(totals, A_WAIT_IN, p->inside));
+        TRY(sum_add(totals, A_LOOP_SUM, p->loop_ns));
+        if (p->data_ns != NULL) {
+            TRY(sum_add(totals, A_DATA_SUM, p->data_ns));
+            TRY(sum_one(totals, A_DATA_STEPS));
+        }
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static int add_timed(PyObject* totals, PyObject* r, Parsed* p) {
+    TRY(add_figures(totals, r, p));
+    PyObject *batch = GET(r, K_BATCH), *allocs = NULL, *retries = NULL;
+    PyObject* x = GET(r, K_ALLOC);
+    if (x != NULL && PyDict_CheckExact(x)) {
+        if (add_allocator(totals, x, &allocs, &retries)) {
+            Py_XDECREF(allocs);
+            Py_XDECREF(retries);
+            return -1;
+        }
+    } else {
+        allocs = Py_NewRef(ZERO);
+        retries = Py_NewRef(ZERO);
+    }
+    int rc = 0;
+    PyObject* n_syncs = NULL;
+    x = GET(r, K_SYNCS);
+    if (x != NULL && PyDict_CheckExact(x)) rc = add_syncs(totals, x, &n_syncs);
+    if (!rc) {
+        x = GET(r, K_PHASES);
+        if (x != NULL && PyDict_CheckExact(x) && PyDict_GET_SIZE(x) > 0)
+            rc = add_phases(totals, x, n_syncs != NULL);
+    }
+    if (!rc && p->energy != NULL) {
+        if (p->energy_uj != NULL) {
+            rc = sum_one(totals, A_ENERGY_STEPS);
+            if (!rc) rc = sum_add(totals, A_ENERGY_UJ, p->energy_uj);
+            if (!rc) rc = sum_add(totals, A_ENERGY_SPAN_US, p->energy_span_us);
+            if (!rc && batch != NULL && PyLong_CheckExact(batch)) {
+                int gt = PyObject_RichCompareBool(batch, ZERO, Py_GT);
+                rc = gt < 0 ? -1 : 0;
+                if (gt > 0) {
+                    rc = sum_add(totals, A_ENERGY_SAMPLES, batch);
+                    if (!rc) rc = sum_add(totals, A_ENERGY_BATCHED_UJ, p->energy_uj);
+                }
+            }
+        } else {
+            PyObject* reasons = GET(r, K_UNAVAIL);
+            PyObject* why = reasons != NULL && PyDict_CheckExact(reasons) ? GET(reasons, K_ENERGY) : NULL;
+            if (why != NULL && PyUnicode_CheckExact(why)) rc = set_value(totals, A_ENERGY_REASON, why);
+            else if (PyErr_Occurred()) rc = -1;
+        }
+    }
+    if (!rc && GET(r, K_TFLOPS) != NULL) {
+        x = GET(r, K_TFLOPS);
+        if (is_num(x)) rc = sketch_add(totals, A_TFLOPS, x);
+        x = rc ? NULL : GET(r, K_MFU);
+        if (is_num(x)) rc = sketch_add(totals, A_MFU, x);
+    }
+    if (!rc) {
+        PyObject* syncs_or = n_syncs != NULL ? n_syncs : NULL;
+        PyObject* minus = syncs_or ? NULL : PyLong_FromLong(-1);
+        rc = add_spike(totals, p, p->idx, allocs, retries, syncs_or ? syncs_or : minus);
+        Py_XDECREF(minus);
+    }
+    Py_DECREF(allocs);
+    Py_DECREF(retries);
+    if (rc) return rc;
+    x = GET(r, K_UNAVAIL);
+    if (x != NULL && PyDict_CheckExact(x) && PyDict_GET_SIZE(x) > 0) TRY(take_reasons(totals, x));
+    /* since_settle: a plain int */
+    PyObject* since = *SLOT(totals, off_since);
+    if (since == NULL || !PyLong_CheckExact(since)) {
+        wrong_shape(totals, "StepTotals with an int since_settle");
+        return -1;
+    }
+    long n = PyLong_AsLong(since) + 1;
+    if (n == 0 && PyErr_Occurred()) return -1;
+    if (n >= settle_every) {
+        PyObject* res = PyObject_CallMethodNoArgs(totals, S[A_SETTLE]);
+        Py_XDECREF(res);
+        return res ? 0 : -1;
+    }
+    PyObject* v = PyLong_FromLong(n);
+    if (v == NULL) return -1;
+    put(totals, off_since, v);
+    Py_DECREF(v);
+    return 0;
+}
+
+enum { TIMED, WARMUP_, ERROR_, MALFORMED_, PYTHON_ };
+
+/* _rules.left_out, for the reasons this fold takes; PYTHON_ for the others. */
+static int classify(PyObject* r, Parsed* p) {
+    if (GET(r, K_WARMUP) == Py_True) return WARMUP_;
+    PyObject* e = GET(r, K_ERROR);
+    if (e != NULL && e != Py_None) return ERROR_;
+    p->wall = GET(r, K_WALL);
+    if (!is_num(p->wall)) return MALFORMED_;
+    if (GET(r, K_COUNTED) == Py_True || GET(r, K_EXPLAINED) == Py_True || GET(r, K_COMPILED) == Py_True)
+        return PYTHON_;
+    return TIMED;
+}
+
+static PyObject* call1(PyObject* obj, int name, PyObject* a) {
+    return PyObject_CallMethodOneArg(obj, S[name], a);
+}
+
+static PyObject* fold_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "fold_step(totals, record) takes 2 arguments");
+        return NULL;
+    }
+    if (!PyDict_CheckExact(args[1])) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *totals = args[0], *r = args[1];
+    if (T_TOTALS == NULL || Py_TYPE(totals) != T_TOTALS) Py_RETURN_NOTIMPLEMENTED;  /* (not configured) */
+    Parsed p = {0};
+    int kind = classify(r, &p);
+    if (PyErr_Occurred()) return NULL;
+    if (kind == PYTHON_) Py_RETURN_NOTIMPLEMENTED;
+    PyObject* idx = GET(r, K_STEP);
+    p.idx = idx != NULL && PyLong_CheckExact(idx) ? idx : NULL;
+    if (kind == TIMED) {
+        int rc = parse_timed(r, &p);
+        if (rc) {
+            parsed_clear(&p);
+            if (rc > 0 && !PyErr_Occurred()) Py_RETURN_NOTIMPLEMENTED;
+            return NULL;
+        }
+    }
+    PyObject* minus = PyLong_FromLong(-1);
+    PyObject* out = NULL;
+    if (minus == NULL) goto done;
+    /* every step: how many, its index, device and name */
+    if (sum_one(totals, A_STEPS)) goto done;
+    if (p.idx != NULL && (first_add(totals, A_FIRST_STEP, p.idx) || set_value(totals, A_LAST_STEP, p.idx)))
+        goto done;
+    PyObject* x = GET(r, K_DEVICE);
+    if (x != NULL && PyUnicode_CheckExact(x) && counter_add(totals, A_DEVICES, x)) goto done;
+    x = GET(r, K_NAME);
+    if (x != NULL && PyUnicode_CheckExact(x) && counter_add(totals, A_NAMES, x)) goto done;
+    if (GET(r, K_TFLOPS) != NULL) {
+        PyObject* mfu = GET(r, K_MFU);
+        int news = mfu == NULL || mfu == Py_None;
+        if (!news) {
+            PyObject* req = acc(totals, off_tot[A_FLOPS_REQUESTED], T_MAX);
+            PyObject* v = req ? *SLOT(req, off_value) : NULL;
+            if (v == NULL) goto done;
+            news = PyObject_Not(v);
+            if (news < 0) goto done;
+        }
+        if (news) {
+            PyObject* res = call1(totals, A_TAKE_FLOPS, r);
+            if (res == NULL) goto done;
+            Py_DECREF(res);
+        }
+    }
+    if (GET(r, K_COMPILES) != NULL) {
+        PyObject* res = PyObject_CallMethodObjArgs(totals, S[A_TAKE_COMPILES], r, p.idx ? p.idx : minus, NULL);
+        if (res == NULL) goto done;
+        Py_DECREF(res);
+    }
+    if (PyErr_Occurred()) goto done;
+    if (kind != TIMED) {
+        if (sum_one(totals, kind == WARMUP_ ? A_WARMUP : kind == ERROR_ ? A_ERRORS : A_MALFORMED)) goto done;
+        out = Py_NewRef(Py_False);
+        goto done;
+    }
+    if (sum_one(totals, A_MEASURED)) goto done;
+    if (p.idx != NULL) {
+        int nonneg = PyObject_RichCompareBool(p.idx, ZERO, Py_GE);
+        if (nonneg < 0 || (nonneg && first_add(totals, A_FIRST_MEASURED, p.idx))) goto done;
+    }
+    if (p.idx == NULL) p.idx = minus;
+    if (add_timed(totals, r, &p)) goto done;
+    out = Py_NewRef(Py_True);
+done:
+    Py_XDECREF(minus);
+    parsed_clear(&p);
+    return out;
+}
+
+/* The offset of ``type``'s __slots__ member ``name``; 0 (and an error) when it is not one. */
+static Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
+    PyObject* d = PyObject_GetAttrString((PyObject*)type, name);
+    if (d == NULL) return 0;
+    Py_ssize_t off = 0;
+    if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject*)d)->d_member->type == 16 /* T_OBJECT_EX */)
+        off = ((PyMemberDescrObject*)d)->d_member->offset;
+    else
+        PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name, name);
+    Py_DECREF(d);
+    return off;
+}
+
+static PyObject* configure(PyObject* self, PyObject* args) {
+    (void)self;
+    Py_ssize_t spikes, settle, cap;
+    PyTypeObject* t[11];
+    if (!PyArg_ParseTuple(args, "nnnO!O!O!O!O!O!O!O!O!O!O!", &spikes, &settle, &cap, &PyType_Type, &t[0],
+                          &PyType_Type, &t[1], &PyType_Type, &t[2], &PyType_Type, &t[3], &PyType_Type, &t[4],
+                          &PyType_Type, &t[5], &PyType_Type, &t[6], &PyType_Type, &t[7], &PyType_Type, &t[8],
+                          &PyType_Type, &t[9], &PyType_Type, &t[10]))
+        return NULL;
+    T_TOTALS = t[0], T_PHASE = t[1], T_SUM = t[2], T_MAX = t[3], T_FIRST = t[4], T_LAST = t[5];
+    T_COUNTER = t[6], T_TABLE = t[7], T_SKETCH = t[8], T_REASONS = t[9], T_LARGEST = t[10];
+    for (int i = 0; i < 11; i++) Py_INCREF(t[i]);  /* (kept for the process's life) */
+    for (int a = A_STEPS; a <= A_ENERGY_REASON; a++) {
+        PyObject* d = PyObject_GetAttr((PyObject*)T_TOTALS, S[a]);
+        if (d == NULL) {
+            PyErr_Clear();
+            off_tot[a] = 0;
+            continue;
+        }
+        Py_DECREF(d);
+        if ((off_tot[a] = slot_offset(T_TOTALS, NAMES[a])) == 0) return NULL;
+    }
+    static const int phase_fields[] = {A_STEPS, A_WALL, A_GPU, A_PEAK, A_SYNCS, A_SYNC_STEPS, A_COUNT_PH};
+    for (size_t i = 0; i < sizeof phase_fields / sizeof *phase_fields; i++) {
+        int a = phase_fields[i];
+        if ((off_ph[a] = slot_offset(T_PHASE, NAMES[a])) == 0) return NULL;
+    }
+    off_value = slot_offset(T_SUM, "value");
+    for (int i = 3; i < 6 && off_value; i++) {
+        if (slot_offset(t[i], "value") != off_value) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "Sum, Max, First and Last must share one value slot");
+            return NULL;
+        }
+    }
+    if (!off_value || !(off_counter = slot_offset(T_COUNTER, "value")) || !(off_table = slot_offset(T_TABLE, "value")) ||
+        !(off_buf = slot_offset(T_SKETCH, "buf")) || !(off_reasons = slot_offset(T_REASONS, "value")) ||
+        !(off_heap = slot_offset(T_LARGEST, "value")) || !(off_since = slot_offset(T_TOTALS, "since_settle")))
+        return NULL;
+    spikes_kept = spikes;
+    settle_every = settle;
+    table_cap = cap;
+    Py_RETURN_NONE;
+}
+
+/* == build_step: the step record of a completed step (stepprof/_recorder/collector.py) ==
+ *
+ * build_step(step, device, start_unix_s, phase_peaks_why) builds the dict that
+ * build_step_record builds for a full step of a CUDA-like backend (device timing and memory,
+ * no reasons of its own), or returns NotImplemented, having read only, for every other step:
+ * one with an error, one another thread's step overlapped, one whose events or memory reads
+ * are missing, numbers past 2**52.  configure_build() gives it the Step class, the record's
+ * keys in their declared order (_schema.STEP_CORE_FIELDS), the allocator's counter names and
+ * the reasons' texts: Python owns them.  tests/test_fold.py holds both to the same records. */
+
+enum { B_INDEX, B_NAME, B_WARMUP, B_BATCH, B_T0, B_T1, B_PEAK, B_RESERVED, B_PHASES, B_OVERHEAD, B_ERROR,
+       B_SYNCS, B_SYNCS_REASON, B_COUNTERS, B_PHASE_PEAKS, B_THREAD, B_SHARED, B_SAMPLED, B_WAIT, B_DATA,
+       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, N_STEP };
+static const char* const STEP_SLOTS[N_STEP] = {
+    "index", "name", "warmup", "batch_size", "t0", "t1", "peak", "reserved", "phases", "overhead_ns",
+    "error", "syncs", "syncs_reason", "counters", "phase_peaks", "thread", "shared", "sampled",
+    "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times"};
+enum { P_T0, P_WALL, P_MARKS, P_PEAK, P_COUNT, P_SYNCS, N_PT };
+static const char* const PT_SLOTS[N_PT] = {"t0", "wall_ns", "marks", "peak", "count", "syncs"};
+static Py_ssize_t off_step[N_STEP], off_pt[N_PT];
+static PyTypeObject *T_STEP, *T_PT;
+/* The record's keys: schema_version, kind, the core fields in order, then the optional ones. */
+enum { R_SCHEMA, R_KIND, R_STEP, R_NAME, R_WARMUP, R_DEVICE, R_START, R_WALL, R_GPU, R_BUSY, R_PEAK, R_RESERVED,
+       R_BATCH, R_SPS, R_WAIT, R_PHASES, R_OVERHEAD, R_ERROR, R_SYNCS, R_ALLOC, R_UNAVAIL, N_CORE };
+/* What build_step fills, in order: the Python side takes it only while the declaration agrees. */
+static const char* const BUILD_FIELDS[N_CORE] = {
+    "schema_version", "kind", "step", "name", "warmup", "device", "start_unix_s", "wall_ms", "gpu_ms", "gpu_busy",
+    "peak_allocated_bytes", "reserved_bytes", "batch_size", "samples_per_s", "data_wait_ms", "phases",
+    "overhead_us", "error", "syncs", "allocator", "unavailable"};
+enum { O_THREAD, O_SAMPLED, O_DATA, O_WAIT_IN, O_PEAK_PHASE, O_GLOBAL, N_OPT };
+enum { PH_WALL, PH_GPU, PH_PEAK, PH_COUNT, PH_SYNCS, PH_START, N_PH };
+enum { W_NO_PREVIOUS, W_OUTSIDE, W_NO_BATCH, W_NO_TIME, W_RANGE, W_ZERO_WALL, W_NOT_COUNTED, W_NOT_READ,
+       U_SPS, U_BATCH, U_SYNCS, U_PH_SYNCS, U_WAIT, U_PEAK_PHASE, U_PH_PEAK, U_BUSY, N_WHY };
+static PyObject *core_keys[N_CORE], *opt_keys[N_OPT], *ph_keys[N_PH], *why[N_WHY], *alloc_names, *schema_version,
+    *kind_step;
+static int build_ready;
+static PyObject* SLASH;
+
+static int keys_from(PyObject* seq, PyObject** out, Py_ssize_t n, const char* what) {
+    if (!PyTuple_CheckExact(seq) || PyTuple_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "configure_build: %s must be a tuple of %zd", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XSETREF(out[i], Py_NewRef(PyTuple_GET_ITEM(seq, i)));
+    }
+    return 0;
+}
+
+static PyObject* configure_build(PyObject* self, PyObject* args) {
+    (void)self;
+    PyTypeObject *step, *pt;
+    PyObject *core, *opt, *ph, *whys, *allocs, *version;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O", &PyType_Type, &step, &PyType_Type, &pt, &PyTuple_Type, &core,
+                          &PyTuple_Type, &opt, &PyTuple_Type, &ph, &PyTuple_Type, &whys, &PyTuple_Type, &allocs,
+                          &version))
+        return NULL;
+    for (int i = 0; i < N_STEP; i++)
+        if ((off_step[i] = slot_offset(step, STEP_SLOTS[i])) == 0) return NULL;
+    for (int i = 0; i < N_PT; i++)
+        if ((off_pt[i] = slot_offset(pt, PT_SLOTS[i])) == 0) return NULL;
+    if (keys_from(core, core_keys, N_CORE, "the core keys") || keys_from(opt, opt_keys, N_OPT, "the optional keys") ||
+        keys_from(ph, ph_keys, N_PH, "the phase keys") || keys_from(whys, why, N_WHY, "the reasons"))
+        return NULL;
+    Py_XSETREF(alloc_names, Py_NewRef(allocs));
+    Py_XSETREF(schema_version, Py_NewRef(version));
+    Py_XSETREF(kind_step, PyUnicode_InternFromString("step"));
+    Py_XSETREF(SLASH, PyUnicode_InternFromString("/"));
+    T_STEP = (PyTypeObject*)Py_NewRef(step);
+    T_PT = (PyTypeObject*)Py_NewRef(pt);
+    build_ready = kind_step != NULL && SLASH != NULL;
+    Py_RETURN_NONE;
+}
+
+/* An int slot as a long long within 2**52 (1 when it is not one: leave the step to Python). */
+static int small_int(PyObject* x, long long* out) {
+    if (x == NULL || !PyLong_CheckExact(x)) return 1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v > (1LL << 52) || v < -(1LL << 52)) return 1;
+    *out = v;
+    return 0;
+}
+
+#define STEP(o, i) (*SLOT((o), off_step[i]))
+#define PT(o, i) (*SLOT((o), off_pt[i]))
+
+/* Put a new reference (stolen) under key; -1 on an error (it is released). */
+static int put_new(PyObject* d, PyObject* key, PyObject* v) {
+    if (v == NULL) return -1;
+    int rc = PyDict_SetItem(d, key, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+static PyObject* ms_of(long long ns) { return PyFloat_FromDouble((double)ns / 1e6); }
+
+/* The phases' figures; 1 to leave the step to Python.  *no_peak: a phase without a peak. */
+static int build_phases(PyObject* s, PyObject* phases, PyObject* times, long long t0, int counted, PyObject* out,
+                        int* no_peak) {
+    Py_ssize_t pos = 0, at = 1, nt = PyTuple_GET_SIZE(times);
+    PyObject *key, *total;
+    while (PyDict_Next(phases, &pos, &key, &total)) {
+        if (Py_TYPE(total) != T_PT) return 1;
+        PyObject* marks = PT(total, P_MARKS);
+        long long pt0, wall, peak;
+        if (marks == NULL || !PyList_CheckExact(marks)) return 1;
+        int rc = small_int(PT(total, P_T0), &pt0);
+        if (!rc) rc = small_int(PT(total, P_WALL), &wall);
+        if (!rc) rc = small_int(PT(total, P_PEAK), &peak);
+        if (rc) return rc;
+        Py_ssize_t n = PyList_GET_SIZE(marks);
+        if (at + n > nt) return 1;
+        double pg = 0.0;
+        for (Py_ssize_t i = at; i < at + n; i++) {
+            PyObject* ms = PyTuple_GET_ITEM(times, i);
+            if (!PyFloat_CheckExact(ms)) return 1;  /* (a mark not read: None) */
+            pg += PyFloat_AS_DOUBLE(ms);
+        }
+        at += n;
+        PyObject* count = PT(total, P_COUNT);
+        PyObject* syncs = PT(total, P_SYNCS);
+        if (count == NULL || syncs == NULL) return 1;
+        PyObject* ph = PyDict_New();
+        if (ph == NULL) return -1;
+        if (put_new(ph, ph_keys[PH_WALL], ms_of(wall)) || put_new(ph, ph_keys[PH_GPU], PyFloat_FromDouble(pg)) ||
+            PyDict_SetItem(ph, ph_keys[PH_PEAK], peak >= 0 ? PT(total, P_PEAK) : Py_None) ||
+            PyDict_SetItem(ph, ph_keys[PH_COUNT], count) ||
+            PyDict_SetItem(ph, ph_keys[PH_SYNCS], counted ? syncs : Py_None) ||
+            put_new(ph, ph_keys[PH_START], ms_of(pt0 - t0)) || PyDict_SetItem(out, key, ph)) {
+            Py_DECREF(ph);
+            return -1;
+        }
+        Py_DECREF(ph);
+        if (peak < 0) *no_peak = 1;
+    }
+    (void)s;
+    return 0;
+}
+
+/* _peak_phase: the innermost phase whose peak is the step's (the first among equals), or NULL
+ * (borrowed; NULL with no error: none reached it). */
+static PyObject* peak_phase(PyObject* phases, PyObject* peak, int* err) {
+    Py_ssize_t pos = 0, depth = -1;
+    PyObject *key, *figures, *best = NULL;
+    while (PyDict_Next(phases, &pos, &key, &figures)) {
+        PyObject* p = PyDict_GetItemWithError(figures, ph_keys[PH_PEAK]);
+        int eq = p == NULL ? 0 : PyObject_RichCompareBool(p, peak, Py_EQ);
+        Py_ssize_t slashes = eq > 0 ? PyUnicode_Count(key, SLASH, 0, PY_SSIZE_T_MAX) : 0;
+        if (eq < 0 || slashes < 0 || PyErr_Occurred()) {
+            *err = 1;
+            return NULL;
+        }
+        if (eq && slashes > depth) {
+            best = key;
+            depth = slashes;
+        }
+    }
+    return best;
+}
+
+/* ``x or fallback``, for a reason that may be None or "" (borrowed). */
+static PyObject* or_else(PyObject* x, PyObject* fallback) {
+    return x != NULL && PyUnicode_CheckExact(x) && PyUnicode_GET_LENGTH(x) > 0 ? x : fallback;
+}
+
+/* What build_step reads from a step (borrowed), and the figures it makes (owned: busy, sps, wait). */
+typedef struct {
+    PyObject *s, *device, *start, *times, *reserved, *counters, *phases, *syncs, *batch, *sampled, *thread, *global,
+        *peak_obj, *gpu;
+    long long t0, t1, peak, overhead, wait_ns, data_ns, in_ns, nbatch;
+    double wall, g;
+    PyObject *ph, *unavailable, *busy, *sps, *wait, *best;
+} View;
+
+/* Read the step: 0 this path takes it, 1 leave it to Python, -1 an error.  Nothing is changed. */
+static int take_step(View* v) {
+    PyObject* s = v->s;
+    PyObject *error = STEP(s, B_ERROR), *shared = STEP(s, B_SHARED);
+    v->times = STEP(s, B_TIMES), v->reserved = STEP(s, B_RESERVED), v->counters = STEP(s, B_COUNTERS);
+    v->phases = STEP(s, B_PHASES), v->syncs = STEP(s, B_SYNCS), v->batch = STEP(s, B_BATCH);
+    v->sampled = STEP(s, B_SAMPLED), v->thread = STEP(s, B_THREAD), v->global = STEP(s, B_GLOBAL);
+    v->peak_obj = STEP(s, B_PEAK);
+    PyObject *times = v->times, *counters = v->counters, *syncs = v->syncs, *batch = v->batch;
+    if (error != Py_None || shared != Py_False || times == NULL || !PyTuple_CheckExact(times) ||
+        PyTuple_GET_SIZE(times) < 1 || !PyFloat_CheckExact(PyTuple_GET_ITEM(times, 0)) || v->reserved == NULL ||
+        !PyLong_CheckExact(v->reserved) || counters == NULL || !PyTuple_CheckExact(counters) ||
+        PyTuple_GET_SIZE(counters) != PyTuple_GET_SIZE(alloc_names) || v->phases == NULL ||
+        !PyDict_CheckExact(v->phases) || syncs == NULL || (syncs != Py_None && !PyDict_CheckExact(syncs)) ||
+        batch == NULL || (batch != Py_None && !PyLong_CheckExact(batch)) || v->sampled == NULL ||
+        v->thread == NULL || v->global == NULL || !PyFloat_CheckExact(v->start))
+        return 1;
+    v->nbatch = 0;
+    int rc = small_int(STEP(s, B_T0), &v->t0);
+    if (!rc) rc = small_int(STEP(s, B_T1), &v->t1);
+    if (!rc) rc = small_int(v->peak_obj, &v->peak);
+    if (!rc) rc = small_int(STEP(s, B_OVERHEAD), &v->overhead);
+    if (!rc) rc = small_int(STEP(s, B_WAIT), &v->wait_ns);
+    if (!rc) rc = small_int(STEP(s, B_DATA), &v->data_ns);
+    if (!rc) rc = small_int(STEP(s, B_WAIT_IN), &v->in_ns);
+    if (!rc && batch != Py_None) rc = small_int(batch, &v->nbatch);
+    if (rc) return rc;
+    if (v->peak < 0) return 1;
+    v->gpu = PyTuple_GET_ITEM(times, 0);
+    v->wall = (double)(v->t1 - v->t0) / 1e6, v->g = PyFloat_AS_DOUBLE(v->gpu);
+    return 0;
+}
+
+/* samples_per_s over the step's span (_samples_per_s), or its reason: 0, 1 (leave it), -1. */
+static int rate_of(View* v) {
+    PyObject* u = v->unavailable;
+    if (v->batch == Py_None) {
+        PyObject* br = STEP(v->s, B_BATCH_REASON);
+        int has = br != NULL && br != Py_None;
+        if (has && !PyUnicode_CheckExact(br)) return 1;
+        return PyDict_SetItem(u, why[U_SPS], or_else(br, why[W_NO_BATCH])) ||
+                       (has && PyDict_SetItem(u, why[U_BATCH], br))
+                   ? -1
+                   : 0;
+    }
+    double span = v->g > v->wall ? v->g : v->wall;
+    if (span <= 0) return PyDict_SetItem(u, why[U_SPS], why[W_NO_TIME]);
+    double rate = (double)v->nbatch / (span / 1e3);
+    if (isinf(rate)) return PyDict_SetItem(u, why[U_SPS], why[W_RANGE]);
+    return (v->sps = PyFloat_FromDouble(rate)) == NULL ? -1 : 0;
+}
+
+/* The figures after the phases, with their reasons, in build_step_record's order: 0, 1, -1. */
+static int figures_of(View* v, PyObject* peaks_why, int no_peak) {
+    PyObject* u = v->unavailable;
+    if (no_peak) {
+        PyObject* w = STEP(v->s, B_PHASE_PEAKS) == Py_True ? why[W_NOT_READ] : peaks_why;
+        TRY(PyDict_SetItem(u, why[U_PH_PEAK], w));
+    }
+    if (v->wall > 0) {
+        if ((v->busy = PyFloat_FromDouble(v->g / v->wall)) == NULL) return -1;
+    } else {
+        TRY(PyDict_SetItem(u, why[U_BUSY], why[W_ZERO_WALL]));
+    }
+    TRY(rate_of(v));
+    if (v->syncs == Py_None) {
+        PyObject* sr = STEP(v->s, B_SYNCS_REASON);
+        if (sr != NULL && sr != Py_None && !PyUnicode_CheckExact(sr)) return 1;
+        PyObject* w = or_else(sr, why[W_NOT_COUNTED]);
+        TRY(PyDict_SetItem(u, why[U_SYNCS], w));
+        if (PyDict_GET_SIZE(v->ph) > 0) TRY(PyDict_SetItem(u, why[U_PH_SYNCS], w));
+    }
+    if (v->wait_ns < 0) {
+        TRY(PyDict_SetItem(u, why[U_WAIT], why[W_NO_PREVIOUS]));
+    } else {
+        double w = (double)v->wait_ns / 1e6;
+        if (v->in_ns >= 0) w += (double)v->in_ns / 1e6;
+        if ((v->wait = PyFloat_FromDouble(w)) == NULL) return -1;
+    }
+    if (PyDict_GET_SIZE(v->ph) > 0) {
+        PyObject* phwhy = PyDict_GetItemWithError(u, why[U_PH_PEAK]);
+        if (phwhy != NULL) return PyDict_SetItem(u, why[U_PEAK_PHASE], phwhy);
+        int err = 0;
+        v->best = peak_phase(v->ph, v->peak_obj, &err);
+        if (err) return -1;
+        if (v->best == NULL) return PyDict_SetItem(u, why[U_PEAK_PHASE], why[W_OUTSIDE]);
+    }
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The record, its keys in step_record's order and the optional ones in build_step_record's. */
+static int assemble(View* v, PyObject* record) {
+    PyObject* alloc = PyDict_New();
+    if (alloc == NULL) return -1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(alloc_names); i++) {
+        if (PyDict_SetItem(alloc, PyTuple_GET_ITEM(alloc_names, i), PyTuple_GET_ITEM(v->counters, i))) {
+            Py_DECREF(alloc);
+            return -1;
+        }
+    }
+    PyObject* s = v->s;
+    PyObject* const values[N_CORE] = {
+        schema_version, kind_step, STEP(s, B_INDEX), STEP(s, B_NAME), STEP(s, B_WARMUP), v->device, v->start, NULL,
+        v->gpu, v->busy ? v->busy : Py_None, v->peak_obj, v->reserved, v->batch, v->sps ? v->sps : Py_None,
+        v->wait ? v->wait : Py_None, v->ph, NULL, Py_None, v->syncs, alloc, v->unavailable};
+    int bad = 0;
+    for (int i = 0; i < N_CORE && !bad; i++) {
+        if (i == R_WALL) bad = put_new(record, core_keys[i], PyFloat_FromDouble(v->wall));
+        else if (i == R_OVERHEAD) bad = put_new(record, core_keys[i], PyFloat_FromDouble((double)v->overhead / 1e3));
+        else bad = PyDict_SetItem(record, core_keys[i], values[i]);
+    }
+    Py_DECREF(alloc);
+    if (!bad && v->thread != Py_None) bad = PyDict_SetItem(record, opt_keys[O_THREAD], v->thread);
+    if (!bad && v->sampled != Py_None) bad = PyDict_SetItem(record, opt_keys[O_SAMPLED], Py_True);
+    if (!bad && v->data_ns >= 0) bad = put_new(record, opt_keys[O_DATA], ms_of(v->data_ns));
+    if (!bad && v->in_ns >= 0) bad = put_new(record, opt_keys[O_WAIT_IN], ms_of(v->in_ns));
+    if (!bad && PyDict_GET_SIZE(v->ph) > 0)
+        bad = PyDict_SetItem(record, opt_keys[O_PEAK_PHASE], v->best ? v->best : Py_None);
+    if (!bad && v->global != Py_None) bad = PyDict_SetItem(record, opt_keys[O_GLOBAL], v->global);
+    return bad ? -1 : 0;
+}
+
+static PyObject* build_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "build_step(step, device, start_unix_s, phase_peaks_why)");
+        return NULL;
+    }
+    View v = {0};
+    v.s = args[0], v.device = args[1], v.start = args[2];
+    if (!build_ready || Py_TYPE(v.s) != T_STEP) Py_RETURN_NOTIMPLEMENTED;
+    int rc = take_step(&v);  /* (read first: a step this path does not take is left untouched) */
+    if (rc < 0) return NULL;
+    if (rc) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *record = PyDict_New(), *out = NULL;
+    v.unavailable = PyDict_New();
+    v.ph = PyDict_New();
+    int no_peak = 0;
+    rc = record && v.unavailable && v.ph ? 0 : -1;
+    if (!rc && PyDict_GET_SIZE(v.phases) > 0)
+        rc = build_phases(v.s, v.phases, v.times, v.t0, v.syncs != Py_None, v.ph, &no_peak);
+    if (!rc) rc = figures_of(&v, args[3], no_peak);
+    if (!rc) rc = assemble(&v, record);
+    if (rc > 0 && !PyErr_Occurred()) out = Py_NewRef(Py_NotImplemented);
+    else if (rc == 0) out = Py_NewRef(record);
+    Py_XDECREF(v.busy);
+    Py_XDECREF(v.sps);
+    Py_XDECREF(v.wait);
+    Py_XDECREF(record);
+    Py_XDECREF(v.unavailable);
+    Py_XDECREF(v.ph);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"fold_step", (PyCFunction)(void (*)(void))fold_step, METH_FASTCALL,
+     "fold_step(totals, record): StepTotals.add(record) in C, or NotImplemented (nothing changed)."},
+    {"build_step", (PyCFunction)(void (*)(void))build_step, METH_FASTCALL,
+     "build_step(step, device, start_unix_s, phase_peaks_why): the step record, or NotImplemented."},
+    {"configure_build", configure_build, METH_VARARGS,
+     "configure_build(Step, PhaseTotals, core keys, optional keys, phase keys, reasons, allocator names, "
+     "schema version)"},
+    {"configure", configure, METH_VARARGS,
+     "configure(spikes_kept, settle_every, table_cap, StepTotals, PhaseTotals, Sum, Max, First, Last, Counter, "
+     "Table, Sketch, FirstByKey, Largest): the constants and classes fold_step works on"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepprof_fold", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit_stepprof_fold(void) {
+    for (int i = 0; i < N_NAMES; i++) {
+        if ((S[i] = PyUnicode_InternFromString(NAMES[i])) == NULL) return NULL;
+    }
+    if ((ZERO = PyLong_FromLong(0)) == NULL || (ONE = PyLong_FromLong(1)) == NULL) return NULL;
+    PyObject* m = PyModule_Create(&module);
+    PyObject* fields = PyTuple_New(N_CORE);
+    for (int i = 0; fields != NULL && i < N_CORE; i++) {
+        PyObject* name = PyUnicode_InternFromString(BUILD_FIELDS[i]);
+        if (name == NULL) Py_CLEAR(fields);
+        else PyTuple_SET_ITEM(fields, i, name);
+    }
+    if (m == NULL || fields == NULL || PyModule_AddIntConstant(m, "ABI", ABI) < 0 ||
+        PyModule_AddObject(m, "BUILD_FIELDS", fields) < 0) {
+        Py_XDECREF(fields);
+        Py_XDECREF(m);
+        return NULL;
+    }
+    return m;
+}
