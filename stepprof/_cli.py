@@ -247,14 +247,19 @@ def _build(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._device.compiled import build
     from ._errors import BuildError
 
+    failed = False
     try:
         print(f"stepprof build: the C fold of the summary and report is ready in {_native.build()}")
+    except BuildError as e:  # (the boundary is still built: they need different compilers)
+        print(f"stepprof build: {e}", file=sys.stderr)
+        failed = True
+    try:
         report = build(verbose=args.verbose)
     except BuildError as e:
         print(f"stepprof build: {e}", file=sys.stderr)
         return 1
     print(f"stepprof build: the compiled boundary is ready in {report.path} ({report.seconds:.1f} s)")
-    return 0
+    return 1 if failed else 0
 
 
 def _print(text: str) -> None:

@@ -315,3 +315,16 @@ def test_the_c_build_fills_the_declared_fields_in_their_order(fold: Any) -> None
     mod = _native.module()
     assert mod is not None and mod.BUILD_FIELDS == ("schema_version", "kind", *STEP_CORE_FIELDS)
     assert collector.use_native() is None and collector._NATIVE.build is not None
+
+
+def test_stepprof_build_without_a_c_compiler_still_builds_the_boundary_and_exits_1(monkeypatch, capsys) -> None:
+    from stepprof import _cli
+    from stepprof._device import compiled
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setattr(_native, "_path", lambda: "/nonexistent/stepprof_fold.so")
+    monkeypatch.setattr(compiled, "build", lambda verbose=False: compiled.BuildReport(path="/x/b.so", seconds=1.0))
+    assert _cli.main(["build"]) == 1
+    out, err = capsys.readouterr()
+    assert "the compiled boundary is ready in /x/b.so" in out and "no C compiler" in err
+    _native.reset()

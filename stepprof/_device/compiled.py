@@ -465,8 +465,11 @@ def _child() -> int:
     """The background build's process: build the C fold and the boundary, or leave a marker
     saying why not."""
     directory = cache_dir()
-    try:
+    try:  # (the fold's failure leaves the Python fold; the boundary is built all the same)
         print(f"stepprof build: the C fold is ready in {_native.build()}")
+    except BuildError as e:
+        print(f"stepprof build: {e}", file=sys.stderr)
+    try:
         report = build()
     except BuildError as e:
         with open(_failed_path(directory), "w", encoding="utf-8") as f:
