@@ -1,4 +1,5 @@
-/* The summary's hot loop in C: StepTotals.add for one step record (stepprof/_aggregate.py).
+/* The collector's per-record work in C: fold_step (the summary's StepTotals.add, below) and
+ * build_step (a full CUDA step's record, further down: stepprof/_recorder/collector.py).
  *
  * fold_step(totals, record) does what StepTotals.add(record) does, on the same Python
  * accumulators, and returns the same bool; it returns NotImplemented, having changed nothing,

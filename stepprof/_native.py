@@ -1,10 +1,11 @@
-"""The summary's fold in C (``_fold.c``): built with the system's C compiler, cached, loaded.
+"""The per-record C module (``_fold.c``: the summary's fold and a step's record): built with
+the system's C compiler, cached, loaded.
 
 ``_fold.c`` needs only Python's headers (no torch), so the report loads it without torch.
 :func:`build` compiles it into :func:`cache_dir` (per Python version and source); the
 profiler's background build and ``stepprof build`` call it.  :func:`module` loads it, never
-compiling, once per process; without it, the aggregate folds in Python, with the same result
-(tests/test_fold.py).  What is cached: ``<stepprof's cache>/fold/<python tag>-<source hash>/``.
+compiling, once per process; without it, the aggregate folds and the collector builds in
+Python, with the same results (tests/test_fold.py); :func:`use` tells them when it changes.  What is cached: ``<stepprof's cache>/fold/<python tag>-<source hash>/``.
 """
 
 from __future__ import annotations
