@@ -274,6 +274,7 @@ def _forget_in_child() -> None:
         prof._forked()
     _open.clear()  # inert: nothing to close at exit or flush on a signal
     _signals.uninstall()
+    _signals.forget_in_child()
 
 
 def _close_all_at_exit() -> None:

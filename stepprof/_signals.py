@@ -13,6 +13,11 @@ Handlers can only be set from the main thread: a profiler opened on another thre
 installs none (the next one opened on the main thread does).  The handlers that were
 there before come back when the last profiler closes, in a forked child, and at reset,
 unless something replaced stepprof's handler meanwhile: that one is left in place.
+
+A signal that lands while the main thread holds a collector's lock (its own harvest, a
+flush, close) is deferred: the handler records it and returns, and :class:`Deferring`
+raises it again as the lock is let go, so the handler then finds the lock free and the
+interrupted harvest complete.  The signal proceeds at most one harvest late.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from ._errors import raised_by_user
 
-__all__ = ["SIGNALS", "install", "installed", "start_thread", "uninstall"]
+__all__ = ["SIGNALS", "Deferring", "forget_in_child", "install", "installed", "start_thread", "uninstall"]
 
 #: The signals whose arrival ends a run: pre-emption (Slurm, Kubernetes) and Ctrl-C.
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None)) if s is not None)
@@ -35,7 +40,65 @@ _previous: dict[int, Any] = {}
 _on_signal: Callable[[str], None] | None = None
 
 
+#: The :class:`Deferring` blocks the main thread is inside, and the signals they deferred.
+_holds: list[Deferring] = []
+_deferred: list[int] = []
+
+
+class Deferring:
+    """``with Deferring(lock), lock:``: on the main thread, a SIGTERM or SIGINT that
+    arrives inside the block waits until the lock is let go (see the module's docstring).
+
+    The block is counted before the lock is taken and uncounted after it is let go, so
+    that no signal finds the lock held by the thread it interrupts.  The lock is taken by
+    its own ``with``, so an interrupt cannot leave it held; one can leave a count behind
+    (a watchdog's exception between two lines here), which the next signal drops once its
+    lock is free (:func:`_holding`).
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        if threading.get_ident() == _MAIN_IDENT:
+            _holds.append(self)
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.get_ident() == _MAIN_IDENT:
+            _leave(self)
+
+
+def _leave(hold: Deferring) -> None:
+    if hold in _holds:
+        _holds.remove(hold)
+    if _deferred and not _holding():
+        _redeliver()
+
+
+def _holding() -> bool:
+    """Whether the main thread is inside a :class:`Deferring` block (stale counts dropped)."""
+    _holds[:] = [h for h in _holds if h._lock.locked()]
+    return bool(_holds)
+
+
+def _redeliver() -> None:
+    """Raise the deferred signals again: stepprof's handler runs now, inside ``raise_signal``."""
+    while _deferred:
+        signum = _deferred.pop(0)
+        if signal.getsignal(signum) is _handler:
+            signal.raise_signal(signum)
+        # else: stepprof's handler was replaced or removed meanwhile: the signal went with it
+
+
+_MAIN_IDENT = threading.main_thread().ident
+
+
 def _handler(signum: int, frame: Any) -> Any:
+    if _holds and _holding():  # the main thread is inside a harvest, a flush or close: after it
+        _deferred.append(signum)
+        return None
     name = signal.Signals(signum).name
     on_signal = _on_signal
     if on_signal is not None:
@@ -87,6 +150,14 @@ def uninstall() -> None:
                 raise
             continue
         _previous.pop(signum, None)
+
+
+def forget_in_child() -> None:
+    """In a forked child: no deferral is under way there, and its main thread is the forker."""
+    global _MAIN_IDENT
+    _holds.clear()
+    _deferred.clear()
+    _MAIN_IDENT = threading.main_thread().ident
 
 
 def installed() -> bool:

@@ -100,6 +100,60 @@ def test_a_profiler_opened_off_the_main_thread_installs_nothing_and_raises_nothi
     assert not errors and seen == [before]
 
 
+def _steps_in(log):
+    with open(log, "rb") as f:
+        return sum(b'"kind":"step"' in line for line in f)
+
+
+def test_a_signal_inside_the_training_threads_own_harvest_waits_for_it_and_loses_no_step(log):
+    """SIGTERM lands mid-harvest on the main thread (a flush, or an inline catch-up): the
+    handler runs once that harvest is done, so the log already holds every step by then."""
+    seen = []  # the user's handler: the steps the log held when it ran
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(_steps_in(log)))
+    try:
+        with stepprof.Profiler(log, device="cpu", flush_every_s=3600) as prof:
+            def watcher(record):
+                if record["step"] == 3 and threading.current_thread() is threading.main_thread():
+                    signal.raise_signal(signal.SIGTERM)  # Python runs the handler right here
+                    assert seen == []  # deferred: the harvest this record belongs to goes on
+
+            prof.watch(watcher)
+            prof._collector.stop()  # (so that the main thread harvests: the flush below)
+            for _ in range(10):
+                with prof.step():
+                    pass
+            prof.flush()
+            assert seen == [10]  # after the flush: all ten steps were written before it ran
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (summary,) = records(log, "summary")  # close had nothing new to add
+    assert summary["ended_by"] == "SIGTERM" and summary["steps"] == 10
+    assert [r["step"] for r in records(log, "step")] == list(range(10))
+    assert _signals._holds == [] and _signals._deferred == []
+
+
+def test_a_signal_during_close_proceeds_after_the_summary(log):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(records(log, "summary")))
+    try:
+        prof = stepprof.Profiler(log, device="cpu", flush_every_s=3600)
+
+        class Raise(stepprof._recorder.hooks.Hook):
+            def on_close(self, closing):
+                signal.raise_signal(signal.SIGTERM)
+                assert seen == []
+
+        prof._hooks.append(Raise())
+        for _ in range(4):
+            with prof.step():
+                pass
+        prof.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert len(seen) == 1 and [s["steps"] for s in seen[0]] == [4]  # close's own summary, whole
+    assert [s["ended_by"] for s in records(log, "summary")] == ["close"]
+
+
 CHILD = textwrap.dedent("""
     import os, signal, sys, time
     import stepprof

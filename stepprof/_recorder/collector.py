@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import raised_by_user, warn
 from .._log import CHUNK_RECORDS
-from .._signals import start_thread
+from .._signals import Deferring, start_thread
 from .._device.backend import ALLOCATOR_COUNTERS, Backend
 from .. import _native
 from .._schema import ABSENT, SCHEMA_VERSION, STEP_CORE_FIELDS, step_record
@@ -520,7 +520,7 @@ class Collector:
 
     def drain(self) -> None:
         """Write every completed step now, from the calling thread (never waits on the device)."""
-        with self.lock:
+        with Deferring(self.lock), self.lock:
             self.harvest()
 
     def take_over(self) -> None:
@@ -530,17 +530,18 @@ class Collector:
         lock, so the wait is one record's work, however starved that thread is of CPU.
         """
         self._wanted.set()
-        with self.lock:
+        with Deferring(self.lock), self.lock:
             self._wanted.clear()
             self.harvest()
 
     def harvest_if_free(self) -> None:
         """Harvest now unless a harvest is under way (then it is as good as done)."""
-        if self.lock.acquire(blocking=False):
-            try:
-                self.harvest()
-            finally:
-                self.lock.release()
+        with Deferring(self.lock):
+            if self.lock.acquire(blocking=False):
+                try:
+                    self.harvest()
+                finally:
+                    self.lock.release()
 
     def finish(self) -> None:
         """At close: wait for the pending steps' own events, then write them all."""

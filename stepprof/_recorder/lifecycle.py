@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import raised_by_user
 from .._records import Summary
 from .._registry import forget_open
+from .._signals import Deferring
 from .._syncs import NOT_WATCHED
 from .boundaries import Boundaries
 from .collector import Collector
@@ -74,7 +75,9 @@ class Lifecycle:
         # was pending when it began, and returns while they go on.
         b.closing = True
         collector.stop()
-        with collector.lock:  # held to the end: no harvest writes to a log being closed
+        # Held to the end: no harvest writes to a log being closed.  A signal meanwhile
+        # proceeds after it, and its handler finds the summary written.
+        with Deferring(collector.lock), collector.lock:
             try:
                 collector.finish()
             except Exception as e:  # noqa: BLE001 - close must always produce a summary
@@ -137,8 +140,9 @@ class Lifecycle:
             return
         self._ended_by = self._ended_by or name
         collector = self._collector
-        # The collector thread holds this lock only while it writes; the interrupted
-        # training thread may hold it too (an inline harvest), so wait a little, no more.
+        # The collector thread holds this lock only while it writes, so wait a little, no
+        # more.  This thread never holds it here: a signal that lands while it does waits
+        # until it lets go (_signals.Deferring).
         locked = collector.lock.acquire(timeout=0.2)
         try:
             if locked:

@@ -25,6 +25,7 @@ from .._memory import MemoryReport
 from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, pop_active, push_active, track_open
+from .._signals import Deferring
 from .._batch import NO_BATCH, infer_batch_size
 from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
@@ -266,7 +267,7 @@ class Profiler(HookedSteps, Lifecycle):
         raises is a warning, and it is not called again.
         """
         check_callable(watcher, "watcher", "e.g. prof.watch(records.append)")
-        with self._collector.lock:
+        with Deferring(self._collector.lock), self._collector.lock:
             hook = next((h for h in self._hooks if isinstance(h, WatchHook)), None)
             if hook is None:
                 hook = WatchHook()
@@ -340,7 +341,7 @@ class Profiler(HookedSteps, Lifecycle):
         n = self._boundaries.next_index
         rep = _memory.report(b, trigger=_memory.ON_DEMAND, step=n - 1 if n else None, peak_floor=floor)
         if self._summary is None:
-            with self._collector.lock:
+            with Deferring(self._collector.lock), self._collector.lock:
                 try:
                     self._collector.harvest()  # completed steps first, so the log stays in order
                 except Exception as e:  # noqa: BLE001, S110 - the collector meets and reports it too
