@@ -72,15 +72,25 @@ class Sampler:
         self._backend = b
         self._stop = threading.Event()
         self._final = False
+        self._ended = False  # the thread's loop returned (read without a lock: one flag)
         self.thread = threading.Thread(target=self._loop, name="stepprof-energy", daemon=True)
         start_thread(self.thread)
 
     @property
     def running(self) -> bool:
-        """Whether more samples may come (the thread is up and no read has failed)."""
-        return self.reason is None and self.thread.is_alive()
+        """Whether more samples may come (the thread is up and no read has failed).
+
+        Two flags, not ``Thread.is_alive()``, which takes a lock: the collector asks for
+        every record that waits for its sample."""
+        return self.reason is None and not self._ended and self.thread.ident is not None
 
     def _loop(self) -> None:
+        try:
+            self._sample_until_stopped()
+        finally:
+            self._ended = True
+
+    def _sample_until_stopped(self) -> None:
         try:
             read, why = self._open(self._backend)
         except Exception as e:  # noqa: BLE001 - no energy, never a broken run
@@ -232,11 +242,11 @@ class EnergyHook(Hook):
         start, end = token
         sampler = self.sampler
         assert sampler is not None  # (a token is only given once it started; a fork drops both)
-        energy = sampler.energy_j(start, end)
-        if energy is None and not final and sampler.running:
-            latest = sampler.latest()
-            if (latest is None or latest < end) and self._clock() - end < self._patience_ns:
+        times = sampler.times
+        if not final and (not times or times[-1] < end):  # (the usual case: checked first)
+            if self._clock() - end < self._patience_ns and sampler.running:
                 return None
+        energy = sampler.energy_j(start, end)
         sampler.trim(start)
         fields = {"energy_j": energy, "energy_span_ms": (end - start) / 1e6}
         if energy is not None:
