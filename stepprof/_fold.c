@@ -108,6 +108,13 @@ static PyObject* acc(PyObject* owner, Py_ssize_t off, PyTypeObject* type) {
     return Py_TYPE(a) == type ? a : wrong_shape(a, type->tp_name);
 }
 
+/* The container in accumulator ``a``'s slot at ``off`` (borrowed), checked to be exactly a
+ * ``type`` (a dict or a list); ``what`` names the shape in the error. */
+static PyObject* inner(PyObject* a, Py_ssize_t off, PyTypeObject* type, const char* what) {
+    PyObject* c = *SLOT(a, off);
+    return c != NULL && Py_TYPE(c) == type ? c : wrong_shape(a, what);
+}
+
 static void put(PyObject* o, Py_ssize_t off, PyObject* v) {
     PyObject** p = SLOT(o, off);
     PyObject* old = *p;
@@ -164,11 +171,8 @@ static int max_at(PyObject* owner, Py_ssize_t off, PyObject* x) {
 static int sketch_at(PyObject* owner, Py_ssize_t off, PyObject* x) {
     PyObject* sk = acc(owner, off, T_SKETCH);
     if (sk == NULL) return -1;
-    PyObject* buf = *SLOT(sk, off_buf);
-    if (buf == NULL || !PyList_CheckExact(buf)) {
-        wrong_shape(sk, "sketch with a list buffer");
-        return -1;
-    }
+    PyObject* buf = inner(sk, off_buf, &PyList_Type, "sketch with a list buffer");
+    if (buf == NULL) return -1;
     return PyList_Append(buf, x);
 }
 #define sketch_add(t, a, x) sketch_at((t), off_tot[a], (x))
@@ -176,12 +180,8 @@ static int sketch_at(PyObject* owner, Py_ssize_t off, PyObject* x) {
 /* Counter.add(key): += 1 when present, else the accumulator's own add (its cap). */
 static int counter_add(PyObject* totals, int a, PyObject* key) {
     PyObject* c = acc(totals, off_tot[a], T_COUNTER);
-    if (c == NULL) return -1;
-    PyObject* table = *SLOT(c, off_counter);
-    if (table == NULL || !PyDict_CheckExact(table)) {
-        wrong_shape(c, "counter with a dict");
-        return -1;
-    }
+    PyObject* table = c ? inner(c, off_counter, &PyDict_Type, "counter with a dict") : NULL;
+    if (table == NULL) return -1;
     PyObject* n = PyDict_GetItemWithError(table, key);
     if (n != NULL) {
         PyObject* m = PyNumber_Add(n, ONE);
@@ -308,12 +308,8 @@ static int add_phase(PyObject* ph, PyObject* entry, int counted) {
 
 static int add_phases(PyObject* totals, PyObject* phases, int counted) {
     PyObject* tableacc = acc(totals, off_tot[A_PHASES], T_TABLE);
-    if (tableacc == NULL) return -1;
-    PyObject* table = *SLOT(tableacc, off_table);
-    if (table == NULL || !PyDict_CheckExact(table)) {
-        wrong_shape(tableacc, "table with a dict");
-        return -1;
-    }
+    PyObject* table = tableacc ? inner(tableacc, off_table, &PyDict_Type, "table with a dict") : NULL;
+    if (table == NULL) return -1;
     Py_INCREF(table);  /* (at() may add to it) */
     Py_ssize_t pos = 0;
     PyObject *key, *entry;
@@ -334,12 +330,8 @@ static int add_phases(PyObject* totals, PyObject* phases, int counted) {
 static int add_allocator(PyObject* totals, PyObject* alloc, PyObject** allocs, PyObject** retries) {
     TRY(sum_one(totals, A_ALLOC_STEPS));
     PyObject* c = acc(totals, off_tot[A_ALLOC], T_COUNTER);
-    if (c == NULL) return -1;
-    PyObject* table = *SLOT(c, off_counter);
-    if (table == NULL || !PyDict_CheckExact(table)) {
-        wrong_shape(c, "counter with a dict");
-        return -1;
-    }
+    PyObject* table = c ? inner(c, off_counter, &PyDict_Type, "counter with a dict") : NULL;
+    if (table == NULL) return -1;
     Py_INCREF(table);
     Py_ssize_t pos = 0;
     PyObject *key, *n;
@@ -405,12 +397,8 @@ static int add_syncs(PyObject* totals, PyObject* syncs, PyObject** count) {
 static int add_spike(PyObject* totals, Parsed* p, PyObject* idx, PyObject* allocs, PyObject* retries,
                      PyObject* syncs) {
     PyObject* heapacc = acc(totals, off_tot[A_SPIKES], T_LARGEST);
-    if (heapacc == NULL) return -1;
-    PyObject* heap = *SLOT(heapacc, off_heap);
-    if (heap == NULL || !PyList_CheckExact(heap)) {
-        wrong_shape(heapacc, "heap with a list");
-        return -1;
-    }
+    PyObject* heap = heapacc ? inner(heapacc, off_heap, &PyList_Type, "heap with a list") : NULL;
+    if (heap == NULL) return -1;
     if (PyList_GET_SIZE(heap) >= spikes_kept) {
         PyObject* least = PyList_GET_ITEM(heap, 0);
         if (!PyTuple_CheckExact(least) || PyTuple_GET_SIZE(least) == 0) {
@@ -760,8 +748,33 @@ enum { W_NO_PREVIOUS, W_OUTSIDE, W_NO_BATCH, W_NO_TIME, W_RANGE, W_ZERO_WALL, W_
        U_SPS, U_BATCH, U_SYNCS, U_PH_SYNCS, U_WAIT, U_PEAK_PHASE, U_PH_PEAK, U_BUSY, N_WHY };
 static PyObject *core_keys[N_CORE], *opt_keys[N_OPT], *ph_keys[N_PH], *why[N_WHY], *alloc_names, *schema_version,
     *kind_step;
+/* The reasons' texts come from Python by these names; the U_ keys are field names. */
+static const char* const WHY_NAMES[N_WHY] = {
+    "no_previous", "outside_phases", "no_batch", "no_time", "past_range", "zero_wall", "not_counted", "not_read",
+    "samples_per_s", "batch_size", "syncs", "phases.syncs", "data_wait_ms", "peak_phase",
+    "phases.peak_allocated_bytes", "gpu_busy"};
 static int build_ready;
 static PyObject* SLASH;
+
+/* why[] from the texts by name (a missing one names itself); the field names are the C's. */
+static int whys_from(PyObject* texts) {
+    for (int i = 0; i < N_WHY; i++) {
+        PyObject* v;
+        if (i >= U_SPS) v = PyUnicode_InternFromString(WHY_NAMES[i]);
+        else {
+            v = PyDict_GetItemString(texts, WHY_NAMES[i]);
+            if (v == NULL || !PyUnicode_CheckExact(v)) {
+                PyErr_Format(PyExc_ValueError, "configure_build: the reasons lack a str %s", WHY_NAMES[i]);
+                return -1;
+            }
+            Py_INCREF(v);
+        }
+        if (v == NULL) return -1;
+        Py_XSETREF(why[i], v);
+    }
+    return PyDict_GET_SIZE(texts) == U_SPS ? 0 : (PyErr_SetString(PyExc_ValueError,
+        "configure_build: the reasons hold names this build does not know: rebuild it (`stepprof build`)"), -1);
+}
 
 static int keys_from(PyObject* seq, PyObject** out, Py_ssize_t n, const char* what) {
     if (!PyTuple_CheckExact(seq) || PyTuple_GET_SIZE(seq) != n) {
@@ -779,7 +792,7 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     PyTypeObject *step, *pt;
     PyObject *core, *opt, *ph, *whys, *allocs, *version;
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!O", &PyType_Type, &step, &PyType_Type, &pt, &PyTuple_Type, &core,
-                          &PyTuple_Type, &opt, &PyTuple_Type, &ph, &PyTuple_Type, &whys, &PyTuple_Type, &allocs,
+                          &PyTuple_Type, &opt, &PyTuple_Type, &ph, &PyDict_Type, &whys, &PyTuple_Type, &allocs,
                           &version))
         return NULL;
     for (int i = 0; i < N_STEP; i++)
@@ -787,7 +800,7 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     for (int i = 0; i < N_PT; i++)
         if ((off_pt[i] = slot_offset(pt, PT_SLOTS[i])) == 0) return NULL;
     if (keys_from(core, core_keys, N_CORE, "the core keys") || keys_from(opt, opt_keys, N_OPT, "the optional keys") ||
-        keys_from(ph, ph_keys, N_PH, "the phase keys") || keys_from(whys, why, N_WHY, "the reasons"))
+        keys_from(ph, ph_keys, N_PH, "the phase keys") || whys_from(whys))
         return NULL;
     Py_XSETREF(alloc_names, Py_NewRef(allocs));
     Py_XSETREF(schema_version, Py_NewRef(version));

@@ -27,7 +27,7 @@ from ._errors import BuildError, raised_by_user
 from ._paths import cache_root
 from ._signals import start_thread
 
-__all__ = ["ABI", "build", "build_in_background", "cache_dir", "load_extension", "module", "reason", "reload", "reset", "use"]
+__all__ = ["ABI", "BUILD_ENV", "background_builds", "build", "build_in_background", "cache_dir", "child_env", "load_extension", "module", "reason", "reload", "reset", "use"]
 
 #: The C API version this module speaks; ``_fold.c``'s ``ABI`` must equal it.
 ABI = 1
@@ -111,6 +111,24 @@ def reload() -> None:
         fn()
 
 
+#: ``STEPPROF_BUILD=0`` in the environment: profilers never build anything themselves.
+BUILD_ENV = "STEPPROF_BUILD"
+
+
+def background_builds() -> bool:
+    """Whether a profiler may build in the background (``STEPPROF_BUILD`` is not ``0``)."""
+    return os.environ.get(BUILD_ENV, "").strip() != "0"
+
+
+def child_env() -> tuple[str, dict[str, str]]:
+    """(the checkout's root, the environment) for a build's child process, which imports
+    this stepprof (the root first on its ``PYTHONPATH``) whatever the caller's path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return root, env
+
+
 def build_in_background() -> None:
     """Build in a child process (never on the calling thread), then :func:`reload`, from a
     thread that waits for it; best effort: a failure leaves the Python paths."""
@@ -129,9 +147,7 @@ def build_in_background() -> None:
         if done.returncode == 0:
             reload()
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    _, env = child_env()
     start_thread(threading.Thread(target=wait, name="stepprof-build-fold", daemon=True))
 
 

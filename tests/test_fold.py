@@ -317,6 +317,31 @@ def test_the_c_build_fills_the_declared_fields_in_their_order(fold: Any) -> None
     assert collector.use_native() is None and collector._NATIVE.build is not None
 
 
+def test_the_c_build_takes_the_reasons_by_name_and_refuses_a_missing_or_unknown_one(fold: Any) -> None:
+    """The reasons' texts reach C by name, so a text cannot land in another reason's place."""
+    from stepprof._device.backend import ALLOCATOR_COUNTERS
+    from stepprof._recorder.step import PhaseTotals, Step
+    from stepprof._schema import SCHEMA_VERSION
+
+    mod = _native.module()
+    assert mod is not None
+
+    def configure(reasons: dict[str, str]) -> None:
+        mod.configure_build(Step, PhaseTotals, mod.BUILD_FIELDS,
+                            ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step"),
+                            ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms"),
+                            reasons, ALLOCATOR_COUNTERS, SCHEMA_VERSION)
+
+    try:
+        missing = {k: v for k, v in collector._BUILD_REASONS.items() if k != "zero_wall"}
+        with pytest.raises(ValueError, match="lack a str zero_wall"):
+            configure(missing)
+        with pytest.raises(ValueError, match="names this build does not know"):
+            configure({**collector._BUILD_REASONS, "new_reason": "x"})
+    finally:
+        assert collector.use_native() is None  # configured again, whole
+
+
 def test_stepprof_build_without_a_c_compiler_still_builds_the_boundary_and_exits_1(monkeypatch, capsys) -> None:
     from stepprof import _cli
     from stepprof._device import compiled

@@ -333,7 +333,7 @@ def status() -> dict[str, Any]:
 
 
 #: ``STEPPROF_BUILD=0`` in the environment: profilers never build the boundary themselves.
-BUILD_ENV = "STEPPROF_BUILD"
+BUILD_ENV = _native.BUILD_ENV
 
 
 class _Background:
@@ -433,10 +433,10 @@ def _start(bg: _Background) -> str | None:
     module, _ = load()
     if module is not None:
         bg.module = module
-        if _native.module() is None and os.environ.get(BUILD_ENV, "").strip() != "0":
+        if _native.module() is None and _native.background_builds():
             _native.build_in_background()  # (the boundary is built, the C fold is not)
         return None
-    if os.environ.get(BUILD_ENV, "").strip() == "0":
+    if not _native.background_builds():
         return f"{BUILD_ENV}=0 turned the background build off: `stepprof build` builds it"
     missing = _missing_tool()
     if missing is not None:
@@ -446,9 +446,7 @@ def _start(bg: _Background) -> str | None:
     if failed is not None:
         return failed
     os.makedirs(os.path.dirname(directory), exist_ok=True)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    root, env = _native.child_env()
     bg.log = directory + ".log"
     with open(bg.log, "wb") as out:
         bg.proc = subprocess.Popen(

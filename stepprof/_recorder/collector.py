@@ -89,6 +89,13 @@ class Flag:
 
 
 _NO_PREVIOUS = "no previous step on this thread returned from its exit (the first step, or one cut short)"
+# Reasons of a step record's null figures (the C build writes them too: _BUILD_REASONS).
+NO_BATCH_SIZE = "no batch_size was given"
+NO_TIME = "step took no measurable time"
+PAST_RANGE = "batch_size over the step time is past a float's range"
+ZERO_WALL = "wall time was zero"
+NOT_COUNTED = "not counted"
+NOT_READ = "not read"
 
 
 def _data_figures(s: Step, unavailable: dict[str, str]) -> tuple[float | None, Any, Any]:
@@ -108,16 +115,16 @@ def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> floa
     """The step's ``batch_size`` over ``span_ms``, or None with the reason (and ``batch_size``'s,
     when it was not inferred)."""
     if s.batch_size is None:
-        unavailable["samples_per_s"] = s.batch_reason or "no batch_size was given"
+        unavailable["samples_per_s"] = s.batch_reason or NO_BATCH_SIZE
         if s.batch_reason is not None:
             unavailable["batch_size"] = s.batch_reason
         return None
     if span_ms <= 0:
-        unavailable["samples_per_s"] = "step took no measurable time"
+        unavailable["samples_per_s"] = NO_TIME
         return None
     rate = per_s(s.batch_size, span_ms)
     if rate is None:
-        unavailable["samples_per_s"] = "batch_size over the step time is past a float's range"
+        unavailable["samples_per_s"] = PAST_RANGE
     return rate
 
 
@@ -161,10 +168,10 @@ def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str
     peak = _memory_figures(s, b, phases, unavailable)
     gpu_busy = gpu_ms / wall_ms if gpu_ms is not None and wall_ms > 0 else None
     if gpu_busy is None and gpu_ms is not None:
-        unavailable["gpu_busy"] = "wall time was zero"
+        unavailable["gpu_busy"] = ZERO_WALL
     samples_per_s = _samples_per_s(s, span_ms(wall_ms, gpu_ms), unavailable)
     if s.syncs is None:
-        unavailable["syncs"] = s.syncs_reason or "not counted"
+        unavailable["syncs"] = s.syncs_reason or NOT_COUNTED
         if phases:
             unavailable["phases.syncs"] = unavailable["syncs"]
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
@@ -214,10 +221,7 @@ def use_native(on: bool = True) -> str | None:
             Step, PhaseTotals, mod.BUILD_FIELDS,
             ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step"),
             ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms"),
-            (_NO_PREVIOUS, OUTSIDE_PHASES, "no batch_size was given", "step took no measurable time",
-             "batch_size over the step time is past a float's range", "wall time was zero", "not counted", "not read",
-             "samples_per_s", "batch_size", "syncs", "phases.syncs", "data_wait_ms", "peak_phase",
-             "phases.peak_allocated_bytes", "gpu_busy"),
+            _BUILD_REASONS,
             ALLOCATOR_COUNTERS, SCHEMA_VERSION)
     _NATIVE.build = mod.build_step if mod is not None else None
     return why
@@ -260,7 +264,7 @@ def _phase_figures(s: Step, b: Backend, phase_peaks_why: str, unavailable: dict[
         unavailable["phases.gpu_ms"] = b.gpu_reason or _NO_EVENT
     if no_peak:
         unavailable["phases.peak_allocated_bytes"] = b.memory_reason or (
-            phase_peaks_why if not s.phase_peaks else "not read"
+            phase_peaks_why if not s.phase_peaks else NOT_READ
         )
     return phases
 
@@ -276,9 +280,9 @@ def _memory_figures(s: Step, b: Backend, phases: dict[str, dict[str, Any]], unav
         unavailable["peak_allocated_bytes"] = unavailable["allocator"] = OVERLAP_REASON
     peak = s.peak if s.peak >= 0 else None
     if peak is None and "peak_allocated_bytes" not in unavailable:
-        unavailable["peak_allocated_bytes"] = b.memory_reason or "not read"
+        unavailable["peak_allocated_bytes"] = b.memory_reason or NOT_READ
     if s.reserved is None:
-        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or "not read"
+        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or NOT_READ
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
     if s.counters is None and "allocator" not in unavailable:
         if on_host:
@@ -287,7 +291,7 @@ def _memory_figures(s: Step, b: Backend, phases: dict[str, dict[str, Any]], unav
             )
         else:
             unavailable["allocator"] = (
-                "this torch's allocator stats lack the counters" if s.peak >= 0 else "not read"
+                "this torch's allocator stats lack the counters" if s.peak >= 0 else NOT_READ
             )
     if on_host and s.rss is None:
         unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
@@ -298,13 +302,20 @@ def _memory_figures(s: Step, b: Backend, phases: dict[str, dict[str, Any]], unav
 OUTSIDE_PHASES = ("the step's peak was reached outside its phases: after the last one, before "
                   "the step's exit")
 
+#: The reasons' texts that ``_fold.c``'s ``build_step`` writes, by its names for them.
+_BUILD_REASONS = {
+    "no_previous": _NO_PREVIOUS, "outside_phases": OUTSIDE_PHASES, "no_batch": NO_BATCH_SIZE,
+    "no_time": NO_TIME, "past_range": PAST_RANGE, "zero_wall": ZERO_WALL, "not_counted": NOT_COUNTED,
+    "not_read": NOT_READ,
+}
+
 
 def _peak_phase(s: Step, phases: dict[str, dict[str, Any]], unavailable: dict[str, str]) -> str | None:
     """The innermost phase whose peak is the step's (the first in ``phases``' order among
     equals), or None with the reason: the phases' peaks were not read, or none reached it."""
     peak = s.peak
     if peak < 0:
-        unavailable["peak_phase"] = unavailable.get("peak_allocated_bytes", "not read")
+        unavailable["peak_phase"] = unavailable.get("peak_allocated_bytes", NOT_READ)
         return None
     if "phases.peak_allocated_bytes" in unavailable:
         unavailable["peak_phase"] = unavailable["phases.peak_allocated_bytes"]
@@ -326,7 +337,7 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     )
     samples_per_s = _samples_per_s(s, wall_ms, unavailable)
     if s.syncs is None:
-        unavailable["syncs"] = s.syncs_reason or "not counted"
+        unavailable["syncs"] = s.syncs_reason or NOT_COUNTED
     on_host = not b.has_device_memory
     if on_host:
         unavailable["host_rss_bytes"] = why
