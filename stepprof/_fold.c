@@ -1068,6 +1068,147 @@ static PyObject* build_step(PyObject* self, PyObject* const* args, Py_ssize_t na
     return out;
 }
 
+/* -- The sanitiser's fast check (stepprof/_sanitise.py): whether a record read from a log is
+ * valid as it is, so that sanitise() may hand it on unchanged.  It says yes only where the
+ * Python pass would change nothing and note nothing; anything else (an undeclared key, a value
+ * to convert, cut or refuse, a missing required field) is left to the Python pass, which then
+ * does all the work.  The declaration reaches C from Python (configure_sanitise) as a table of
+ * specs, tests/test_fold.py holds the two to the same answers on the fuzzers' records. */
+
+enum { SZ_FLOAT, SZ_INT, SZ_STR, SZ_BOOL, SZ_OBJ, SZ_MAP, SZ_LIST, SZ_FREE };
+typedef struct {
+    int code;
+    double lo, hi;          /* a number's range */
+    Py_ssize_t max_items;   /* a map's or list's size */
+    Py_ssize_t sub;         /* SZ_OBJ: its fields' dict in sz_objs; SZ_MAP, SZ_LIST: the value's spec */
+} SzSpec;
+static SzSpec* sz_specs;
+static Py_ssize_t sz_str_max, sz_key_max;
+static PyObject *sz_objs, *sz_kinds;  /* [{key: spec index}], {kind: (fields' index, required keys)} */
+static PyObject* sz_kind_key;        /* "kind" */
+
+/* An exact int or float within [lo, hi]; an int only if ``ints``; ints past 2**53 are left to Python. */
+static int sz_number(PyObject* v, double lo, double hi, int ints) {
+    double x;
+    if (PyLong_CheckExact(v)) {
+        int over = 0;
+        long long n = PyLong_AsLongLongAndOverflow(v, &over);
+        if (over || n > (1LL << 53) || n < -(1LL << 53)) return 0;
+        x = (double)n;
+    } else if (!ints && PyFloat_CheckExact(v)) {
+        x = PyFloat_AS_DOUBLE(v);
+    } else {
+        return 0;
+    }
+    return lo <= x && x <= hi;
+}
+
+static int sz_obj(PyObject* d, Py_ssize_t fields);
+
+/* Whether ``v`` (not None) is valid as it is for spec ``i``. */
+static int sz_value(PyObject* v, Py_ssize_t i) {
+    const SzSpec* sp = &sz_specs[i];
+    Py_ssize_t pos = 0, n;
+    PyObject *k, *x;
+    switch (sp->code) {
+    case SZ_FLOAT: return sz_number(v, sp->lo, sp->hi, 0);
+    case SZ_INT: return sz_number(v, sp->lo, sp->hi, 1);
+    case SZ_STR: return PyUnicode_CheckExact(v) && PyUnicode_GET_LENGTH(v) <= sz_str_max;
+    case SZ_BOOL: return PyBool_Check(v);
+    case SZ_OBJ: return PyDict_CheckExact(v) && sz_obj(v, sp->sub);
+    case SZ_MAP:
+        if (!PyDict_CheckExact(v) || PyDict_GET_SIZE(v) > sp->max_items) return 0;
+        while (PyDict_Next(v, &pos, &k, &x)) {
+            if (!PyUnicode_CheckExact(k) || PyUnicode_GET_LENGTH(k) > sz_key_max) return 0;
+            if (x != Py_None && !sz_value(x, sp->sub)) return 0;
+        }
+        return 1;
+    case SZ_LIST:
+        if (!PyList_CheckExact(v) || (n = PyList_GET_SIZE(v)) > sp->max_items) return 0;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            x = PyList_GET_ITEM(v, j);
+            if (x != Py_None && !sz_value(x, sp->sub)) return 0;
+        }
+        return 1;
+    default: return 0;  /* free-form (a calibration): Python keeps what it may */
+    }
+}
+
+/* Whether every key of ``d`` is declared in fields' dict ``fields`` and its value valid as it is. */
+static int sz_obj(PyObject* d, Py_ssize_t fields) {
+    PyObject* specs = PyList_GET_ITEM(sz_objs, fields);
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        PyObject* at = PyUnicode_CheckExact(k) ? PyDict_GetItemWithError(specs, k) : NULL;
+        if (at == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (v != Py_None && !sz_value(v, PyLong_AsSsize_t(at))) return 0;
+    }
+    return 1;
+}
+
+/* valid_as_is(record) -> bool */
+static PyObject* valid_as_is(PyObject* self, PyObject* record) {
+    (void)self;
+    if (sz_kinds == NULL || !PyDict_CheckExact(record)) Py_RETURN_FALSE;
+    PyObject* kind = PyDict_GetItemWithError(record, sz_kind_key);
+    PyObject* entry = kind != NULL && PyUnicode_CheckExact(kind) ? PyDict_GetItemWithError(sz_kinds, kind) : NULL;
+    if (entry == NULL) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    PyObject* required = PyTuple_GET_ITEM(entry, 1);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(required); j++) {
+        PyObject* x = PyDict_GetItemWithError(record, PyTuple_GET_ITEM(required, j));
+        if (x == NULL || x == Py_None) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    return PyBool_FromLong(sz_obj(record, PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0))));
+}
+
+/* configure_sanitise(specs, objs, kinds, str_max, key_max): specs [(code, lo, hi, max_items, sub)]. */
+static PyObject* configure_sanitise(PyObject* self, PyObject* args) {
+    (void)self;
+    PyObject *specs, *objs, *kinds;
+    Py_ssize_t str_max, key_max;
+    if (!PyArg_ParseTuple(args, "O!O!O!nn", &PyList_Type, &specs, &PyList_Type, &objs, &PyDict_Type, &kinds,
+                          &str_max, &key_max))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(specs);
+    SzSpec* table = PyMem_Calloc(n ? n : 1, sizeof(SzSpec));
+    if (table == NULL) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        SzSpec* sp = &table[i];
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, i), "iddnn", &sp->code, &sp->lo, &sp->hi, &sp->max_items,
+                              &sp->sub)) {
+            PyMem_Free(table);
+            return NULL;
+        }
+        Py_ssize_t limit = sp->code == SZ_OBJ ? PyList_GET_SIZE(objs) : n;
+        if ((sp->code == SZ_OBJ || sp->code == SZ_MAP || sp->code == SZ_LIST) && (sp->sub < 0 || sp->sub >= limit)) {
+            PyMem_Free(table);
+            PyErr_Format(PyExc_ValueError, "configure_sanitise: spec %zd points past its table", i);
+            return NULL;
+        }
+    }
+    if (sz_kind_key == NULL && (sz_kind_key = PyUnicode_InternFromString("kind")) == NULL) {
+        PyMem_Free(table);
+        return NULL;
+    }
+    PyMem_Free(sz_specs);
+    sz_specs = table;
+    sz_str_max = str_max;
+    sz_key_max = key_max;
+    Py_XSETREF(sz_objs, Py_NewRef(objs));
+    Py_XSETREF(sz_kinds, Py_NewRef(kinds));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"fold_step", (PyCFunction)(void (*)(void))fold_step, METH_FASTCALL,
      "fold_step(totals, record): StepTotals.add(record) in C, or NotImplemented (nothing changed)."},
@@ -1079,6 +1220,10 @@ static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS,
      "configure(spikes_kept, settle_every, table_cap, StepTotals, PhaseTotals, Sum, Max, First, Last, Counter, "
      "Table, Sketch, FirstByKey, Largest): the constants and classes fold_step works on"},
+    {"valid_as_is", valid_as_is, METH_O,
+     "valid_as_is(record) -> bool: whether sanitise() would hand the record on unchanged (False: ask it)."},
+    {"configure_sanitise", configure_sanitise, METH_VARARGS,
+     "configure_sanitise(specs, objs, kinds, str_max, key_max): the declaration valid_as_is checks against"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+from . import _native
 from ._fields import (
     FLOAT_GREATEST, FOREIGN, FREE, INT64_MAX, RECORDS, UNITS, Field, ListOf, MapOf, Obj, Scalar, Type,
 )
@@ -281,6 +282,50 @@ def _shown(v: Any) -> str:
     return f"a list of {len(v):,} items" if t is list else f"an object of {len(v):,} entries"
 
 
+def _c_tables() -> tuple[list[tuple[int, float, float, int, int]], list[dict[str, int]], dict[str, Any]]:
+    """The declaration as ``_fold.c``'s ``valid_as_is`` reads it: specs (code, least, greatest,
+    most items, sub), the objects' fields (key -> spec), the kinds (-> their object, required keys)."""
+    specs: list[tuple[int, float, float, int, int]] = []
+    objs: list[dict[str, int]] = []
+    codes = {_FLOAT: 0, _INT: 1, _STR: 2, _BOOL: 3}
+
+    def spec(f: Field, t: Type, depth: int) -> int:
+        if isinstance(t, Scalar):
+            code, lo, hi = _spec(f, t, "", depth)[:3]
+            specs.append((codes[code], float(lo), float(hi), 0, -1))
+        elif t is FREE:
+            specs.append((7, 0.0, 0.0, 0, -1))
+        elif isinstance(t, Obj):
+            specs.append((4, 0.0, 0.0, 0, obj(t.fields, depth)))
+        elif isinstance(t, MapOf):
+            specs.append((5, 0.0, 0.0, t.max_items, spec(f, t.value, depth + 1)))
+        else:
+            assert isinstance(t, ListOf)
+            specs.append((6, 0.0, 0.0, t.max_items, spec(f, t.item, depth + 1)))
+        return len(specs) - 1
+
+    def obj(fields: tuple[Field, ...], depth: int) -> int:
+        table = {f.name: spec(f, f.type, depth + 1) for f in fields}
+        objs.append(table)
+        return len(objs) - 1
+
+    kinds = {kind: (obj(r.fields, 0), _REQUIRED[kind]) for kind, r in RECORDS.items()}
+    return specs, objs, kinds
+
+
+#: ``_fold.c``'s ``valid_as_is`` once it is built and configured (:func:`use_native`), or None.
+_valid_as_is: Callable[[dict[str, Any]], bool] | None = None
+
+
+def use_native(on: bool = True) -> None:
+    """Pass records that are valid as they are through ``_fold.c``'s check (``on=False``: never)."""
+    global _valid_as_is
+    mod = _native.module() if on else None
+    if mod is not None:
+        mod.configure_sanitise(*_c_tables(), STR_MAX, KEY_MAX)
+    _valid_as_is = mod.valid_as_is if mod is not None else None
+
+
 def sanitise(record: dict[str, Any]) -> dict[str, Any] | None:
     """``record``, as the JSON parser gave it, made safe for the readers (in place); None to drop it.
 
@@ -291,6 +336,9 @@ def sanitise(record: dict[str, Any]) -> dict[str, Any] | None:
         >>> sanitise({"kind": ["step"]}) is None
         True
     """
+    valid = _valid_as_is
+    if valid is not None and valid(record):  # (the usual record: nothing to change or note)
+        return record
     kind = record.get("kind")
     if type(kind) is not str:
         return None
@@ -319,3 +367,6 @@ def _note(record: dict[str, Any], bad: _Bad) -> None:
         if type(reasons) is not dict:
             reasons = record["unavailable"] = {}
         reasons[key] = f"{INVALID} ({_shown(v)}; expected {expected})"
+
+
+_native.use(use_native)

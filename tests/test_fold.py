@@ -353,3 +353,56 @@ def test_stepprof_build_without_a_c_compiler_still_builds_the_boundary_and_exits
     out, err = capsys.readouterr()
     assert "the compiled boundary is ready in /x/b.so" in out and "no C compiler" in err
     _native.reset()
+
+
+def _python_sanitise(record: Any) -> Any:
+    from stepprof import _sanitise
+
+    fast, _sanitise._valid_as_is = _sanitise._valid_as_is, None
+    try:
+        return _sanitise.sanitise(record)
+    finally:
+        _sanitise._valid_as_is = fast
+
+
+def test_the_c_check_passes_a_record_only_where_the_python_pass_would_change_nothing(fold: Any) -> None:
+    """Every record of 600 fuzzer cases (every kind, every field meeting hostile values): where
+    ``valid_as_is`` says yes, the Python pass returns the same record, unchanged and with nothing
+    noted; and it says yes to the unmutated log's records of every kind but one."""
+    import copy
+
+    from stepprof import _sanitise
+
+    mod = _native.module()
+    assert mod is not None and _sanitise._valid_as_is is mod.valid_as_is
+    passed = 0
+    base = fuzzlogs.case_records(0, [], seed=7)
+    # (a flops record's calibration is free-form: Python checks it)
+    assert {r["kind"] for r in base if not mod.valid_as_is(r)} == {"flops"}
+    for index, mutations in enumerate(fuzzlogs.cases(600, seed=7)):
+        for r in fuzzlogs.case_records(index, mutations, seed=7):
+            if not mod.valid_as_is(r):
+                continue
+            passed += 1
+            before = state(r)
+            out = _python_sanitise(copy.deepcopy(r))
+            assert out is not None and state(out) == before, r
+    assert passed > 1000
+
+
+@pytest.mark.parametrize("record", [
+    {"kind": "step", "step": 1, "wall_ms": 4096.0, "batch_size": 4096.0},  # an integral float in an int field
+    {"kind": "step", "step": 1, "wall_ms": float("nan")},
+    {"kind": "step", "step": 1, "wall_ms": True},
+    {"kind": "step", "step": 1, "name": "x" * 5000},
+    {"kind": "step", "step": 1, "phases": {"k" * 300: {}}},
+    {"kind": "step", "step": 1, "newer_field": 1},
+    {"kind": "step", "step": None},
+    {"kind": "step"},
+    {"kind": "nope", "step": 1},
+    {"kind": ["step"], "step": 1},
+    {"kind": "step", "step": 2**60},
+])
+def test_the_c_check_leaves_to_python_what_python_would_change(fold: Any, record: dict[str, Any]) -> None:
+    mod = _native.module()
+    assert mod is not None and mod.valid_as_is(record) is False
