@@ -366,6 +366,59 @@ static int add_allocator(PyObject* totals, PyObject* alloc, PyObject** allocs, P
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* A site already in SyncSites' table, with a str where and kind and an int count: its entry's
+ * count and steps, in C; any other site (new, odd, or a full table's) through SyncSites.add.
+ * The sites go in their order either way. */
+static int add_one_site(PyObject* sites, PyObject* table, PyObject* site) {
+    if (!PyDict_CheckExact(site)) return 0;
+    PyObject* n = GET(site, K_COUNT);
+    if (n == NULL || !PyLong_CheckExact(n)) return PyErr_Occurred() ? -1 : 0;
+    PyObject* where = PyDict_GetItemString(site, "where");
+    PyObject* kind = PyDict_GetItemString(site, "kind");
+    PyObject* entry = NULL;
+    if (where != NULL && kind != NULL && PyUnicode_CheckExact(where) && PyUnicode_CheckExact(kind)) {
+        PyObject* key = PyTuple_Pack(2, where, kind);
+        if (key == NULL) return -1;
+        entry = PyDict_GetItemWithError(table, key);
+        Py_DECREF(key);
+        if (entry == NULL && PyErr_Occurred()) return -1;
+    }
+    if (entry == NULL || !PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 3) {
+        PyObject* one = PyList_New(1);
+        if (one == NULL) return -1;
+        PyList_SET_ITEM(one, 0, Py_NewRef(site));
+        PyObject* res = PyObject_CallMethodOneArg(sites, S[A_ADD], one);
+        Py_DECREF(one);
+        Py_XDECREF(res);
+        return res ? 0 : -1;
+    }
+    PyObject* count = PyNumber_Add(PyList_GET_ITEM(entry, 0), n);
+    PyObject* steps = count ? PyNumber_Add(PyList_GET_ITEM(entry, 2), ONE) : NULL;
+    if (steps == NULL) {
+        Py_XDECREF(count);
+        return -1;
+    }
+    PyList_SetItem(entry, 0, count);  /* (steals the references) */
+    PyList_SetItem(entry, 2, steps);
+    return 0;
+}
+
+static int add_sites(PyObject* sites, PyObject* list) {
+    PyObject* table = PyObject_GetAttr(sites, S[A_VALUE]);
+    if (table == NULL) return -1;
+    int rc = 0;
+    if (!PyDict_CheckExact(table)) rc = (wrong_shape(sites, "sync sites with a dict"), -1);
+    Py_INCREF(list);  /* (a site's Python add may run arbitrary code: keep both alive) */
+    for (Py_ssize_t i = 0; !rc && i < PyList_GET_SIZE(list); i++) {
+        PyObject* site = Py_NewRef(PyList_GET_ITEM(list, i));
+        rc = add_one_site(sites, table, site);
+        Py_DECREF(site);
+    }
+    Py_DECREF(list);
+    Py_DECREF(table);
+    return rc;
+}
+
 /* The step's syncs; *count: its count (borrowed), or NULL when it did not count them. */
 static int add_syncs(PyObject* totals, PyObject* syncs, PyObject** count) {
     PyObject* c = GET(syncs, K_COUNT);
@@ -387,9 +440,7 @@ static int add_syncs(PyObject* totals, PyObject* syncs, PyObject** count) {
     x = GET(syncs, K_SITES);
     if (x != NULL && PyList_CheckExact(x) && PyList_GET_SIZE(x) > 0) {
         PyObject* sites = *SLOT(totals, off_tot[A_SITES]);
-        PyObject* res = sites ? PyObject_CallMethodOneArg(sites, S[A_ADD], x) : NULL;
-        if (res == NULL) return -1;
-        Py_DECREF(res);
+        if (sites == NULL || add_sites(sites, x) < 0) return -1;
     }
     return PyErr_Occurred() ? -1 : 0;
 }

@@ -406,3 +406,28 @@ def test_the_c_check_passes_a_record_only_where_the_python_pass_would_change_not
 def test_the_c_check_leaves_to_python_what_python_would_change(fold: Any, record: dict[str, Any]) -> None:
     mod = _native.module()
     assert mod is not None and mod.valid_as_is(record) is False
+
+
+def test_sync_sites_fold_the_same_known_new_odd_and_past_the_tables_cap(fold: Any, monkeypatch) -> None:
+    """The sites' table in C (a site seen before) and through SyncSites.add (the rest), in order."""
+    monkeypatch.setattr(_aggregate, "TABLE_CAP", 5)
+    _aggregate.use_native()  # (the cap is Python's, read at configure)
+    try:
+        rng = random.Random(3)
+        pool: list[Any] = [
+            {"where": "a.py:1", "kind": "item", "count": 2, "code": "x.item()"},
+            {"where": "a.py:2", "kind": "cpu", "count": 1},
+            {"where": 7, "kind": "item", "count": 1},  # a where that is not a str
+            {"where": "a.py:1", "kind": "item", "count": True},  # a bool count: skipped
+            {"where": "a.py:1", "kind": "item", "count": 2**70},
+            "not a site", {"kind": "item", "count": 1},
+        ] + [{"where": f"b.py:{i}", "kind": "sync", "count": 1} for i in range(8)]
+        records = []
+        for i in range(400):
+            sites = [rng.choice(pool) for _ in range(rng.randint(1, 4))]
+            records.append({"kind": "step", "step": i, "warmup": False, "wall_ms": 2.0,
+                            "syncs": {"count": 3, "mechanism": "warn", "sites": sites}})
+        assert fold_both(fold, records) == len(records)
+    finally:
+        monkeypatch.undo()
+        _aggregate.use_native()
