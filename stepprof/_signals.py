@@ -84,12 +84,10 @@ def _holding() -> bool:
 
 
 def _redeliver() -> None:
-    """Raise the deferred signals again: stepprof's handler runs now, inside ``raise_signal``."""
+    """Raise the deferred signals again, each once: whatever handles the signal now (stepprof's
+    handler, or what replaced it meanwhile) runs inside ``raise_signal``, as if it came now."""
     while _deferred:
-        signum = _deferred.pop(0)
-        if signal.getsignal(signum) is _handler:
-            signal.raise_signal(signum)
-        # else: stepprof's handler was replaced or removed meanwhile: the signal went with it
+        signal.raise_signal(_deferred.pop(0))
 
 
 _MAIN_IDENT = threading.main_thread().ident
@@ -97,7 +95,8 @@ _MAIN_IDENT = threading.main_thread().ident
 
 def _handler(signum: int, frame: Any) -> Any:
     if _holds and _holding():  # the main thread is inside a harvest, a flush or close: after it
-        _deferred.append(signum)
+        if signum not in _deferred:  # (pending twice is pending once, as the kernel has it)
+            _deferred.append(signum)
         return None
     name = signal.Signals(signum).name
     on_signal = _on_signal
