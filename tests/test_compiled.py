@@ -704,34 +704,6 @@ def test_a_profiler_on_the_real_compiled_backend(built, log):
 
 
 @pytest.mark.cuda
-def test_the_real_backends_cross_is_one_c_call_over_the_pool(built):
-    """``cross`` is the extension's own function over the backend's event pool: an event
-    comes from the pool and a released one is reused; an unrecorded one (a graph capture)
-    goes back; no flags is (None, None)."""
-    import functools
-
-    dev = torch.cuda.current_device()
-    b = CompiledCudaBackend(dev, built, syncs="off", nvtx=False)
-    assert isinstance(b.cross, functools.partial) and b.cross.func is built.cross
-    assert b.cross(0) == (None, None) and b.cross(PUSH, "masked") == (None, None)  # nvtx off: masked
-    first, mem = b.cross(MARK | READ)
-    assert first is not None and mem[0] >= 0 and b._events == []
-    b.release(first)
-    again, _ = b.cross(MARK)
-    assert again == first and b._events == []  # reused
-    b.release(again)
-    stream = torch.cuda.Stream()
-    graph = torch.cuda.CUDAGraph()
-    x = torch.zeros(8, device=dev)
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            x += 1
-            mark, _ = b.cross(MARK)
-    assert mark is None and b._events == [first]  # not recorded while capturing: back in the pool
-    torch.cuda.synchronize()
-
-
-@pytest.mark.cuda
 def test_the_compiled_and_python_boundaries_agree_on_the_same_steps(built, tmp_path):
     """One deterministic GPU-bound step, run alternately under each boundary (as the user
     would choose it: Profiler(boundary=...)): the same peak to the byte on every step,

@@ -604,72 +604,6 @@ PyObject* boundary(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
-// cross(device, events, mask, flags[, name]) -> (mark or None, mem or None)
-//
-// CompiledCudaBackend.cross in one call (no Python frame at a boundary): flags &= mask;
-// with MARK, the event is the last of the pool `events` (a list of handles), or a new one
-// when it is empty, and it goes back to the pool when no mark came of it (the stream
-// captures a graph) or the boundary failed.  Without flags, (None, None).
-PyObject* cross(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 4 && nargs != 5) {
-    PyErr_Format(PyExc_TypeError, "stepprof boundary: cross takes 4 or 5 arguments (%zd given)", nargs);
-    return nullptr;
-  }
-  PyObject* events = args[1];
-  long mask = 0, flags = 0;
-  if (!PyList_CheckExact(events)) {
-    PyErr_SetString(PyExc_TypeError, "stepprof boundary: cross's event pool must be a list");
-    return nullptr;
-  }
-  if (!as_long(args[2], &mask) || !as_long(args[3], &flags)) {
-    return nullptr;
-  }
-  flags &= mask;
-  if (flags == 0) {
-    return PyTuple_Pack(2, Py_None, Py_None);
-  }
-  PyObject* ev = nullptr;
-  if (flags & kMARK) {
-    Py_ssize_t n = PyList_GET_SIZE(events);
-    if (n > 0) {
-      ev = Py_NewRef(PyList_GET_ITEM(events, n - 1));
-      if (PyList_SetSlice(events, n - 1, n, nullptr) < 0) {
-        Py_DECREF(ev);
-        return nullptr;
-      }
-    } else {
-      ev = event_create(self, args, 1);
-      if (ev == nullptr) {
-        return nullptr;
-      }
-    }
-  } else {
-    ev = PyLong_FromLong(0);
-    if (ev == nullptr) {
-      return nullptr;
-    }
-  }
-  PyObject* flag_obj = PyLong_FromLong(flags);
-  PyObject* result = nullptr;
-  if (flag_obj != nullptr) {
-    PyObject* call[4] = {args[0], ev, flag_obj, nargs == 5 ? args[4] : Py_None};
-    result = boundary(self, call, 4);
-    Py_DECREF(flag_obj);
-  }
-  if ((flags & kMARK) && (result == nullptr || PyTuple_GET_ITEM(result, 0) == Py_None)) {
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);  // (the boundary's error, kept across the append)
-    if (PyList_Append(events, ev) < 0 && type == nullptr) {
-      Py_XDECREF(result);
-      Py_DECREF(ev);
-      return nullptr;
-    }
-    PyErr_Restore(type, value, tb);
-  }
-  Py_DECREF(ev);
-  return result;
-}
-
 #endif  // STEPPROF_CUDA
 
 // host_rss(fd, page_bytes) -> int: this process's resident set in bytes, from one
@@ -715,8 +649,6 @@ PyMethodDef methods[] = {
     {"event_synchronize",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(event_synchronize)),
      METH_FASTCALL, "event_synchronize(ev): wait for the event (releases the GIL)."},
-    {"cross", STEPPROF_FN(cross), METH_FASTCALL,
-     "cross(device, events, mask, flags[, name]) -> (mark, mem): a boundary with a pooled event."},
     {"read_marks", STEPPROF_FN(read_marks), METH_FASTCALL,
      "read_marks((start, end, ...)) -> (ms or None, ...) or None: a step's device times, None "
      "until every end event has completed (keeps the GIL: it never blocks)."},

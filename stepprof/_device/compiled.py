@@ -20,7 +20,6 @@ extension: marks are ``cudaEvent_t`` handles, as ints, from a reusable pool.
 
 from __future__ import annotations
 
-import functools
 import glob
 import hashlib
 import os
@@ -526,11 +525,6 @@ class CompiledCudaBackend(CudaBackend):
         #: The flags the C call takes; ranges it cannot push go through torch (_py_ranges).
         self._mask = ~0 if c_ranges else ~_RANGES
         self._py_ranges = _RANGES if nvtx and not c_ranges else 0
-        fast = getattr(module, "cross", None)
-        if fast is not None and not self._py_ranges:  # cross() below as one C call, no frame
-            self.cross = functools.partial(fast, self.index, self._events, self._mask)  # type: ignore[method-assign]
-        else:
-            self.__dict__.pop("cross", None)  # (adopted from a backend that had one)
 
     def cross(self, flags: int, name: str | None = None) -> tuple[Any | None, Memory | None]:
         if flags & self._py_ranges:
