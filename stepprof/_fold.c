@@ -1222,6 +1222,34 @@ static PyObject* valid_as_is(PyObject* self, PyObject* record) {
     return PyBool_FromLong(sz_obj(record, PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0))));
 }
 
+/* Whether the objects (dicts of spec indices below n) or the kinds ((object index, tuple))
+ * are not what valid_as_is indexes without checking (then a ValueError is set). */
+static int sz_tables_wrong(PyObject* objs, PyObject* kinds, Py_ssize_t n) {
+    Py_ssize_t pos = 0;
+    PyObject *k, *v;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objs); i++) {
+        PyObject* d = PyList_GET_ITEM(objs, i);
+        if (!PyDict_CheckExact(d)) goto wrong;
+        pos = 0;
+        while (PyDict_Next(d, &pos, &k, &v)) {
+            Py_ssize_t at = PyLong_Check(v) ? PyLong_AsSsize_t(v) : -1;
+            if (!PyUnicode_CheckExact(k) || at < 0 || at >= n) goto wrong;
+        }
+    }
+    pos = 0;
+    while (PyDict_Next(kinds, &pos, &k, &v)) {
+        if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 2 || !PyTuple_CheckExact(PyTuple_GET_ITEM(v, 1)))
+            goto wrong;
+        Py_ssize_t at = PyLong_Check(PyTuple_GET_ITEM(v, 0)) ? PyLong_AsSsize_t(PyTuple_GET_ITEM(v, 0)) : -1;
+        if (at < 0 || at >= PyList_GET_SIZE(objs)) goto wrong;
+    }
+    return 0;
+wrong:
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "configure_sanitise: a table is not what valid_as_is reads");
+    return 1;
+}
+
 /* configure_sanitise(specs, objs, kinds, str_max, key_max): specs [(code, lo, hi, max_items, sub)]. */
 static PyObject* configure_sanitise(PyObject* self, PyObject* args) {
     (void)self;
@@ -1247,7 +1275,7 @@ static PyObject* configure_sanitise(PyObject* self, PyObject* args) {
             return NULL;
         }
     }
-    if (sz_kind_key == NULL && (sz_kind_key = PyUnicode_InternFromString("kind")) == NULL) {
+    if (sz_tables_wrong(objs, kinds, n) || (sz_kind_key == NULL && (sz_kind_key = PyUnicode_InternFromString("kind")) == NULL)) {
         PyMem_Free(table);
         return NULL;
     }

@@ -391,6 +391,20 @@ def test_the_c_check_passes_a_record_only_where_the_python_pass_would_change_not
     assert passed > 1000
 
 
+def test_the_c_check_refuses_tables_it_could_not_read(fold: Any) -> None:
+    from stepprof import _sanitise
+
+    mod = _native.module()
+    specs, objs, kinds = _sanitise._c_tables()
+    try:
+        for bad in ((specs, [{"step": len(specs)}, *objs[1:]], kinds), (specs, objs, {"step": (len(objs), ())}),
+                    (specs, objs, {"step": (0, ["step"])}), (specs, [["step"], *objs[1:]], kinds)):
+            with pytest.raises(ValueError, match="not what valid_as_is reads"):
+                mod.configure_sanitise(*bad, _sanitise.STR_MAX, _sanitise.KEY_MAX)
+    finally:
+        _sanitise.use_native()
+
+
 @pytest.mark.parametrize("record", [
     {"kind": "step", "step": 1, "wall_ms": 4096.0, "batch_size": 4096.0},  # an integral float in an int field
     {"kind": "step", "step": 1, "wall_ms": float("nan")},
