@@ -22,7 +22,7 @@ enum {
     K_STEP, K_DEVICE, K_NAME, K_TFLOPS, K_MFU, K_COMPILES, K_WARMUP, K_ERROR, K_WALL, K_COUNTED,
     K_EXPLAINED, K_COMPILED, K_GPU, K_BUSY, K_OVERHEAD, K_PEAK, K_RESERVED, K_RSS, K_BATCH, K_SPS,
     K_WAIT, K_WAIT_IN, K_DATA, K_ALLOC, K_SYNCS, K_PHASES, K_ENERGY, K_ENERGY_SPAN, K_UNAVAIL,
-    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES,
+    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES, K_WHERE, K_KIND,
     /* attributes */
     A_STEPS, A_WARMUP, A_ERRORS, A_MALFORMED, A_MEASURED, A_FIRST_STEP, A_LAST_STEP, A_FIRST_MEASURED,
     A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_SYNCS, A_TFLOPS, A_MFU, A_OVERHEAD,
@@ -41,7 +41,7 @@ static const char* const NAMES[N_NAMES] = {
     "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes", "batch_size", "samples_per_s",
     "data_wait_ms", "data_wait_in_step_ms", "data_ms", "allocator", "syncs", "phases", "energy_j",
     "energy_span_ms", "unavailable", "count", "mechanism", "other_threads", "sites",
-    "num_device_alloc", "num_alloc_retries",
+    "num_device_alloc", "num_alloc_retries", "where", "kind",
     "steps", "warmup", "errors", "malformed", "measured", "first_step", "last_step",
     "first_measured", "devices", "names", "wall", "gpu", "span", "busy", "sps", "syncs", "tflops",
     "mfu", "overhead", "data_wait", "wait_in", "overhead_sum_ns", "data_wait_sum_ns",
@@ -373,9 +373,10 @@ static int add_one_site(PyObject* sites, PyObject* table, PyObject* site) {
     if (!PyDict_CheckExact(site)) return 0;
     PyObject* n = GET(site, K_COUNT);
     if (n == NULL || !PyLong_CheckExact(n)) return PyErr_Occurred() ? -1 : 0;
-    PyObject* where = PyDict_GetItemString(site, "where");
-    PyObject* kind = PyDict_GetItemString(site, "kind");
+    PyObject* where = GET(site, K_WHERE);
+    PyObject* kind = where != NULL ? GET(site, K_KIND) : NULL;
     PyObject* entry = NULL;
+    if (PyErr_Occurred()) return -1;
     if (where != NULL && kind != NULL && PyUnicode_CheckExact(where) && PyUnicode_CheckExact(kind)) {
         PyObject* key = PyTuple_Pack(2, where, kind);
         if (key == NULL) return -1;
@@ -1136,7 +1137,6 @@ typedef struct {
 static SzSpec* sz_specs;
 static Py_ssize_t sz_str_max, sz_key_max;
 static PyObject *sz_objs, *sz_kinds;  /* [{key: spec index}], {kind: (fields' index, required keys)} */
-static PyObject* sz_kind_key;        /* "kind" */
 
 /* An exact int or float within [lo, hi]; an int only if ``ints``; ints past 2**53 are left to Python. */
 static int sz_number(PyObject* v, double lo, double hi, int ints) {
@@ -1205,7 +1205,7 @@ static int sz_obj(PyObject* d, Py_ssize_t fields) {
 static PyObject* valid_as_is(PyObject* self, PyObject* record) {
     (void)self;
     if (sz_kinds == NULL || !PyDict_CheckExact(record)) Py_RETURN_FALSE;
-    PyObject* kind = PyDict_GetItemWithError(record, sz_kind_key);
+    PyObject* kind = GET(record, K_KIND);
     PyObject* entry = kind != NULL && PyUnicode_CheckExact(kind) ? PyDict_GetItemWithError(sz_kinds, kind) : NULL;
     if (entry == NULL) {
         PyErr_Clear();
@@ -1275,7 +1275,7 @@ static PyObject* configure_sanitise(PyObject* self, PyObject* args) {
             return NULL;
         }
     }
-    if (sz_tables_wrong(objs, kinds, n) || (sz_kind_key == NULL && (sz_kind_key = PyUnicode_InternFromString("kind")) == NULL)) {
+    if (sz_tables_wrong(objs, kinds, n)) {
         PyMem_Free(table);
         return NULL;
     }
