@@ -777,11 +777,11 @@ static PyObject* configure(PyObject* self, PyObject* args) {
 
 enum { B_INDEX, B_NAME, B_WARMUP, B_BATCH, B_T0, B_T1, B_PEAK, B_RESERVED, B_PHASES, B_OVERHEAD, B_ERROR,
        B_SYNCS, B_SYNCS_REASON, B_COUNTERS, B_PHASE_PEAKS, B_THREAD, B_SHARED, B_SAMPLED, B_WAIT, B_DATA,
-       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, N_STEP };
+       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, B_RSS, N_STEP };
 static const char* const STEP_SLOTS[N_STEP] = {
     "index", "name", "warmup", "batch_size", "t0", "t1", "peak", "reserved", "phases", "overhead_ns",
     "error", "syncs", "syncs_reason", "counters", "phase_peaks", "thread", "shared", "sampled",
-    "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times"};
+    "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "rss"};
 enum { P_T0, P_WALL, P_MARKS, P_PEAK, P_COUNT, P_SYNCS, N_PT };
 static const char* const PT_SLOTS[N_PT] = {"t0", "wall_ns", "marks", "peak", "count", "syncs"};
 static Py_ssize_t off_step[N_STEP], off_pt[N_PT];
@@ -794,17 +794,19 @@ static const char* const BUILD_FIELDS[N_CORE] = {
     "schema_version", "kind", "step", "name", "warmup", "device", "start_unix_s", "wall_ms", "gpu_ms", "gpu_busy",
     "peak_allocated_bytes", "reserved_bytes", "batch_size", "samples_per_s", "data_wait_ms", "phases",
     "overhead_us", "error", "syncs", "allocator", "unavailable"};
-enum { O_THREAD, O_SAMPLED, O_DATA, O_WAIT_IN, O_PEAK_PHASE, O_GLOBAL, N_OPT };
+enum { O_THREAD, O_SAMPLED, O_DATA, O_WAIT_IN, O_PEAK_PHASE, O_GLOBAL, O_RSS, N_OPT };
 enum { PH_WALL, PH_GPU, PH_PEAK, PH_COUNT, PH_SYNCS, PH_START, N_PH };
 enum { W_NO_PREVIOUS, W_OUTSIDE, W_NO_BATCH, W_NO_TIME, W_RANGE, W_ZERO_WALL, W_NOT_COUNTED, W_NOT_READ,
-       U_SPS, U_BATCH, U_SYNCS, U_PH_SYNCS, U_WAIT, U_PEAK_PHASE, U_PH_PEAK, U_BUSY, N_WHY };
+       U_SPS, U_BATCH, U_SYNCS, U_PH_SYNCS, U_WAIT, U_PEAK_PHASE, U_PH_PEAK, U_BUSY, U_GPU, U_PH_GPU, U_PEAK,
+       U_RESERVED, U_ALLOC, U_RSS, N_WHY };
 static PyObject *core_keys[N_CORE], *opt_keys[N_OPT], *ph_keys[N_PH], *why[N_WHY], *alloc_names, *schema_version,
     *kind_step;
 /* The reasons' texts come from Python by these names; the U_ keys are field names. */
 static const char* const WHY_NAMES[N_WHY] = {
     "no_previous", "outside_phases", "no_batch", "no_time", "past_range", "zero_wall", "not_counted", "not_read",
     "samples_per_s", "batch_size", "syncs", "phases.syncs", "data_wait_ms", "peak_phase",
-    "phases.peak_allocated_bytes", "gpu_busy"};
+    "phases.peak_allocated_bytes", "gpu_busy", "gpu_ms", "phases.gpu_ms", "peak_allocated_bytes",
+    "reserved_bytes", "allocator", "host_rss_bytes"};
 static int build_ready;
 static PyObject* SLASH;
 
@@ -1120,6 +1122,155 @@ static PyObject* build_step(PyObject* self, PyObject* const* args, Py_ssize_t na
     return out;
 }
 
+/* == build_host_step: the record of a full step on the host (no device timing or memory) ==
+ *
+ * build_host_step(step, device, start_unix_s, reasons) builds what build_step_record builds for
+ * a full step of a host backend, whose device figures are all null: ``reasons`` holds the
+ * backend's texts for them (collector.host_reasons, made once per backend), in HOST_REASONS'
+ * order.  NotImplemented, having read only, for a step it does not take: device figures present
+ * (a light step or another backend's), numbers past 2**52. */
+
+enum { H_GPU, H_PH_GPU, H_PEAK, H_PH_PEAK, H_RESERVED, H_ALLOC, H_RSS, N_HOST };
+
+/* A host step's phases: their wall time, count, syncs and start; no GPU time or peak. */
+static int host_phases(PyObject* phases, long long t0, int counted, PyObject* out, int* no_peak) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *total;
+    while (PyDict_Next(phases, &pos, &key, &total)) {
+        if (Py_TYPE(total) != T_PT) return 1;
+        long long pt0, wall, peak;
+        int rc = small_int(PT(total, P_T0), &pt0);
+        if (!rc) rc = small_int(PT(total, P_WALL), &wall);
+        if (!rc) rc = small_int(PT(total, P_PEAK), &peak);
+        if (rc) return rc;
+        PyObject* count = PT(total, P_COUNT);
+        PyObject* syncs = PT(total, P_SYNCS);
+        if (count == NULL || syncs == NULL) return 1;
+        PyObject* ph = PyDict_New();
+        if (ph == NULL) return -1;
+        if (put_new(ph, ph_keys[PH_WALL], ms_of(wall)) || PyDict_SetItem(ph, ph_keys[PH_GPU], Py_None) ||
+            PyDict_SetItem(ph, ph_keys[PH_PEAK], peak >= 0 ? PT(total, P_PEAK) : Py_None) ||
+            PyDict_SetItem(ph, ph_keys[PH_COUNT], count) ||
+            PyDict_SetItem(ph, ph_keys[PH_SYNCS], counted ? syncs : Py_None) ||
+            put_new(ph, ph_keys[PH_START], ms_of(pt0 - t0)) || PyDict_SetItem(out, key, ph)) {
+            Py_DECREF(ph);
+            return -1;
+        }
+        Py_DECREF(ph);
+        if (peak < 0) *no_peak = 1;
+    }
+    return 0;
+}
+
+/* The host record's figures and reasons, in build_step_record's order: 0, 1 (leave it), -1. */
+static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
+    PyObject* u = v->unavailable;
+    PyObject* gpu = PyTuple_GET_ITEM(reasons, H_GPU);
+    TRY(PyDict_SetItem(u, why[U_GPU], gpu));
+    TRY(PyDict_SetItem(u, why[U_BUSY], gpu));
+    int no_peak = 0;
+    if (PyDict_GET_SIZE(v->phases) > 0) {
+        int rc = host_phases(v->phases, v->t0, v->syncs != Py_None, v->ph, &no_peak);
+        if (rc) return rc;
+        TRY(PyDict_SetItem(u, why[U_PH_GPU], PyTuple_GET_ITEM(reasons, H_PH_GPU)));
+        if (no_peak) TRY(PyDict_SetItem(u, why[U_PH_PEAK], PyTuple_GET_ITEM(reasons, H_PH_PEAK)));
+    }
+    TRY(PyDict_SetItem(u, why[U_PEAK], PyTuple_GET_ITEM(reasons, H_PEAK)));
+    TRY(PyDict_SetItem(u, why[U_RESERVED], PyTuple_GET_ITEM(reasons, H_RESERVED)));
+    TRY(PyDict_SetItem(u, why[U_ALLOC], PyTuple_GET_ITEM(reasons, H_ALLOC)));
+    if (rss == Py_None) TRY(PyDict_SetItem(u, why[U_RSS], PyTuple_GET_ITEM(reasons, H_RSS)));
+    TRY(rate_of(v));
+    if (v->syncs == Py_None) {
+        PyObject* sr = STEP(v->s, B_SYNCS_REASON);
+        if (sr != NULL && sr != Py_None && !PyUnicode_CheckExact(sr)) return 1;
+        PyObject* w = or_else(sr, why[W_NOT_COUNTED]);
+        TRY(PyDict_SetItem(u, why[U_SYNCS], w));
+        if (PyDict_GET_SIZE(v->ph) > 0) TRY(PyDict_SetItem(u, why[U_PH_SYNCS], w));
+    }
+    if (v->wait_ns < 0) {
+        TRY(PyDict_SetItem(u, why[U_WAIT], why[W_NO_PREVIOUS]));
+    } else {
+        double w = (double)v->wait_ns / 1e6;
+        if (v->in_ns >= 0) w += (double)v->in_ns / 1e6;
+        if ((v->wait = PyFloat_FromDouble(w)) == NULL) return -1;
+    }
+    if (PyDict_GET_SIZE(v->ph) > 0) TRY(PyDict_SetItem(u, why[U_PEAK_PHASE], PyTuple_GET_ITEM(reasons, H_PEAK)));
+    return 0;
+}
+
+static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "build_host_step(step, device, start_unix_s, reasons)");
+        return NULL;
+    }
+    View v = {0};
+    v.s = args[0], v.device = args[1], v.start = args[2];
+    PyObject* reasons = args[3];
+    if (!build_ready || Py_TYPE(v.s) != T_STEP || !PyTuple_CheckExact(reasons) || PyTuple_GET_SIZE(reasons) != N_HOST ||
+        !PyFloat_CheckExact(v.start))
+        Py_RETURN_NOTIMPLEMENTED;
+    for (int i = 0; i < N_HOST; i++)
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(reasons, i))) Py_RETURN_NOTIMPLEMENTED;
+    PyObject* s = v.s;
+    PyObject *error = STEP(s, B_ERROR), *rss = STEP(s, B_RSS);
+    v.times = STEP(s, B_TIMES), v.reserved = STEP(s, B_RESERVED), v.counters = STEP(s, B_COUNTERS);
+    v.phases = STEP(s, B_PHASES), v.syncs = STEP(s, B_SYNCS), v.batch = STEP(s, B_BATCH);
+    v.sampled = STEP(s, B_SAMPLED), v.thread = STEP(s, B_THREAD), v.global = STEP(s, B_GLOBAL);
+    if (error == NULL || (error != Py_None && !PyDict_CheckExact(error)) || rss == NULL ||
+        (rss != Py_None && !PyLong_CheckExact(rss)) || v.times == NULL || !PyTuple_CheckExact(v.times) ||
+        PyTuple_GET_SIZE(v.times) != 0 || v.reserved != Py_None || v.counters != Py_None || v.phases == NULL ||
+        !PyDict_CheckExact(v.phases) || v.syncs == NULL || (v.syncs != Py_None && !PyDict_CheckExact(v.syncs)) ||
+        v.batch == NULL || (v.batch != Py_None && !PyLong_CheckExact(v.batch)) || v.sampled == NULL ||
+        v.thread == NULL || v.global == NULL)
+        Py_RETURN_NOTIMPLEMENTED;
+    long long peak;
+    int rc = small_int(STEP(s, B_T0), &v.t0);
+    if (!rc) rc = small_int(STEP(s, B_T1), &v.t1);
+    if (!rc) rc = small_int(STEP(s, B_PEAK), &peak);
+    if (!rc) rc = small_int(STEP(s, B_OVERHEAD), &v.overhead);
+    if (!rc) rc = small_int(STEP(s, B_WAIT), &v.wait_ns);
+    if (!rc) rc = small_int(STEP(s, B_DATA), &v.data_ns);
+    if (!rc) rc = small_int(STEP(s, B_WAIT_IN), &v.in_ns);
+    if (!rc && v.batch != Py_None) rc = small_int(v.batch, &v.nbatch);
+    if (!rc && peak >= 0) rc = 1;  /* (a host step has no peak) */
+    if (rc < 0) return NULL;
+    if (rc) Py_RETURN_NOTIMPLEMENTED;
+    v.wall = (double)(v.t1 - v.t0) / 1e6, v.g = 0.0;
+    PyObject *record = PyDict_New(), *out = NULL;
+    v.unavailable = PyDict_New();
+    v.ph = PyDict_New();
+    rc = record && v.unavailable && v.ph ? host_figures(&v, reasons, rss) : -1;
+    if (!rc) {
+        PyObject* s_ = v.s;
+        PyObject* const values[N_CORE] = {
+            schema_version, kind_step, STEP(s_, B_INDEX), STEP(s_, B_NAME), STEP(s_, B_WARMUP), v.device, v.start,
+            NULL, Py_None, Py_None, Py_None, Py_None, v.batch, v.sps ? v.sps : Py_None, v.wait ? v.wait : Py_None,
+            v.ph, NULL, error, v.syncs, Py_None, v.unavailable};
+        for (int i = 0; i < N_CORE && !rc; i++) {
+            if (i == R_WALL) rc = put_new(record, core_keys[i], PyFloat_FromDouble(v.wall));
+            else if (i == R_OVERHEAD) rc = put_new(record, core_keys[i], PyFloat_FromDouble((double)v.overhead / 1e3));
+            else rc = PyDict_SetItem(record, core_keys[i], values[i]);
+        }
+        if (!rc) rc = PyDict_SetItem(record, opt_keys[O_RSS], rss);
+        if (!rc && v.thread != Py_None) rc = PyDict_SetItem(record, opt_keys[O_THREAD], v.thread);
+        if (!rc && v.sampled != Py_None) rc = PyDict_SetItem(record, opt_keys[O_SAMPLED], Py_True);
+        if (!rc && v.data_ns >= 0) rc = put_new(record, opt_keys[O_DATA], ms_of(v.data_ns));
+        if (!rc && v.in_ns >= 0) rc = put_new(record, opt_keys[O_WAIT_IN], ms_of(v.in_ns));
+        if (!rc && PyDict_GET_SIZE(v.ph) > 0) rc = PyDict_SetItem(record, opt_keys[O_PEAK_PHASE], Py_None);
+        if (!rc && v.global != Py_None) rc = PyDict_SetItem(record, opt_keys[O_GLOBAL], v.global);
+        if (rc) rc = -1;
+    }
+    if (rc > 0 && !PyErr_Occurred()) out = Py_NewRef(Py_NotImplemented);
+    else if (rc == 0) out = Py_NewRef(record);
+    Py_XDECREF(v.sps);
+    Py_XDECREF(v.wait);
+    Py_XDECREF(record);
+    Py_XDECREF(v.unavailable);
+    Py_XDECREF(v.ph);
+    return out;
+}
+
 /* -- The sanitiser's fast check (stepprof/_sanitise.py): whether a record read from a log is
  * valid as it is, so that sanitise() may hand it on unchanged.  It says yes only where the
  * Python pass would change nothing and note nothing; anything else (an undeclared key, a value
@@ -1293,6 +1444,8 @@ static PyMethodDef methods[] = {
      "fold_step(totals, record): StepTotals.add(record) in C, or NotImplemented (nothing changed)."},
     {"build_step", (PyCFunction)(void (*)(void))build_step, METH_FASTCALL,
      "build_step(step, device, start_unix_s, phase_peaks_why): the step record, or NotImplemented."},
+    {"build_host_step", (PyCFunction)(void (*)(void))build_host_step, METH_FASTCALL,
+     "build_host_step(step, device, start_unix_s, reasons): a host step's record, or NotImplemented."},
     {"configure_build", configure_build, METH_VARARGS,
      "configure_build(Step, PhaseTotals, core keys, optional keys, phase keys, reasons, allocator names, "
      "schema version)"},
@@ -1305,6 +1458,8 @@ static PyMethodDef methods[] = {
      "configure_sanitise(specs, objs, kinds, str_max, key_max): the declaration valid_as_is checks against"},
     {NULL, NULL, 0, NULL},
 };
+
+int stepprof_core_add(PyObject* m); /* _core.c: the step core */
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "stepprof_fold", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
@@ -1321,7 +1476,7 @@ PyMODINIT_FUNC PyInit_stepprof_fold(void) {
         else PyTuple_SET_ITEM(fields, i, name);
     }
     if (m == NULL || fields == NULL || PyModule_AddIntConstant(m, "ABI", ABI) < 0 ||
-        PyModule_AddObject(m, "BUILD_FIELDS", fields) < 0) {
+        PyModule_AddObject(m, "BUILD_FIELDS", fields) < 0 || (fields = NULL, stepprof_core_add(m) < 0)) {
         Py_XDECREF(fields);
         Py_XDECREF(m);
         return NULL;

@@ -1,7 +1,8 @@
-"""The per-record C module (``_fold.c``: the summary's fold and a step's record): built with
-the system's C compiler, cached, loaded.
+"""stepprof's C module: ``_fold.c`` (the summary's fold, a step's record, the readers' check)
+and ``_core.c`` (the step core: the training thread's boundaries), built with the system's C
+compiler into one extension, cached, loaded.
 
-``_fold.c`` needs only Python's headers (no torch), so the report loads it without torch.
+Both need only Python's headers (no torch), so the report loads it without torch.
 :func:`build` compiles it into :func:`cache_dir` (per Python version and source); the
 profiler's background build and ``stepprof build`` call it.  :func:`module` loads it, never
 compiling, once per process; without it, the aggregate folds and the collector builds in
@@ -32,13 +33,16 @@ __all__ = ["ABI", "BUILD_ENV", "background_builds", "build", "build_in_backgroun
 #: The C API version this module speaks; ``_fold.c``'s ``ABI`` must equal it.
 ABI = 1
 _NAME = "stepprof_fold"
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fold.c")
+_SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name) for name in ("_fold.c", "_core.c"))
 
 
 def cache_dir() -> str:
-    """``<stepprof's cache>/fold/<python tag>-<source hash>``: a new Python or stepprof gets its own."""
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    """``<stepprof's cache>/fold/<python tag>-<sources' hash>``: a new Python or stepprof gets its own."""
+    h = hashlib.sha256()
+    for source in _SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:12]
     tag = f"{sys.implementation.cache_tag}{getattr(sys, 'abiflags', '')}"
     return os.path.join(cache_root(), "fold", f"{tag}-{digest}")
 
@@ -63,7 +67,7 @@ def _compiler() -> list[str] | None:
 
 
 def build() -> str:
-    """Compile ``_fold.c`` into :func:`cache_dir` (a no-op when it is there); returns its path.
+    """Compile ``_fold.c`` and ``_core.c`` into :func:`cache_dir` (a no-op when it is there); returns its path.
 
     Raises:
         BuildError: no C compiler or Python headers (the message names the fix), or the compile failed.
@@ -81,11 +85,11 @@ def build() -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     flags = ["-undefined", "dynamic_lookup"] if sys.platform == "darwin" else []
-    cmd = [*cc, "-O2", "-shared", "-fPIC", *flags, "-I", include, _SOURCE, "-o", tmp]
+    cmd = [*cc, "-O2", "-shared", "-fPIC", *flags, "-I", include, *_SOURCES, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         if done.returncode != 0:
-            raise BuildError(f"compiling {_SOURCE} failed ({shlex.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+            raise BuildError(f"compiling {' and '.join(_SOURCES)} failed ({shlex.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)  # whole or not at all: another process may be loading it
     finally:
         if os.path.exists(tmp):

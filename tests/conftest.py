@@ -93,6 +93,19 @@ def clean_state(monkeypatch, request):
         assert torch.cuda.get_sync_debug_mode() == sync_mode, "sync-debug mode was not restored"
 
 
+@pytest.fixture(params=["core", "python"])
+def either_path(request, monkeypatch) -> str:
+    """The test once on the step core (stepprof/_core.c) and once on the Python boundaries,
+    as a profiler without the C module runs (the fault suite runs on both)."""
+    from stepprof._recorder import core
+
+    if request.param == "python":
+        monkeypatch.setattr(core._STATE, "module", None)
+    elif core._STATE.module is None:
+        pytest.skip("stepprof's C module is not built here (no C compiler)")
+    return request.param
+
+
 @pytest.fixture
 def gpu() -> FakeGpu:
     return FakeGpu()

@@ -11,12 +11,14 @@ the C path is tested there; without one the tests skip.
 from __future__ import annotations
 
 import random
+import threading
 import shutil
 from array import array
 from typing import Any
 
 import pytest
 
+import stepprof
 from stepprof import _aggregate, _native
 from stepprof._aggregate import RunAggregate, StepTotals
 from stepprof._errors import BuildError
@@ -238,16 +240,21 @@ def both(fold: Any, monkeypatch) -> list[int]:
     counts = [0, 0]
     real = collector.build_step_record
 
-    def checked(s, b, *, start_unix_s, phase_peaks_why, not_sampled=None):
+    def checked(s, b, *, start_unix_s, phase_peaks_why, not_sampled=None, host=None):
         if not_sampled is None and collector._NATIVE.build is not None:
-            got = collector._NATIVE.build(s, b.device, start_unix_s, phase_peaks_why)
+            if b.has_device_timing:
+                got = collector._NATIVE.build(s, b.device, start_unix_s, phase_peaks_why)
+            else:
+                assert host is not None and host == collector.host_reasons(b)
+                got = collector._NATIVE.build_host(s, b.device, start_unix_s, host)
             want = collector._build_python(s, b, start_unix_s, phase_peaks_why)
             if got is not NotImplemented:
                 assert _as_list(got) == _as_list(want)
                 counts[0] += 1
             else:
                 counts[1] += 1
-        return real(s, b, start_unix_s=start_unix_s, phase_peaks_why=phase_peaks_why, not_sampled=not_sampled)
+        return real(s, b, start_unix_s=start_unix_s, phase_peaks_why=phase_peaks_why, not_sampled=not_sampled,
+                    host=host)
 
     monkeypatch.setattr(collector, "build_step_record", checked)
     return counts
@@ -295,6 +302,30 @@ def test_the_c_build_gives_the_python_records_for_every_kind_of_step(both: list[
     assert both[0] > 40, both  # the C path takes the ordinary steps; errors, warm-up (etc.) stay in Python
 
 
+@pytest.mark.parametrize("settings", [{}, {"phase_peaks_every": 1}, {"syncs": "off"}, {"warmup": 0},
+                                      {"overhead_budget": 0.05}])
+def test_the_c_build_gives_the_python_records_of_host_steps(both: list[int], log, settings) -> None:
+    """On the host (the CPU): every device figure null with the backend's reasons, the RSS."""
+    from stepprof._recorder.profiler import _make_profiler
+
+    gpu = FakeGpu(seed=5)  # (only its random work: the steps run on the real host backend)
+    rng = random.Random(str(settings))
+    with _make_profiler(log, device="cpu", collect_every_s=None, energy_every_s=None, **settings) as prof:
+        _loop(prof, gpu, rng, 80)
+        prof.begin_step(global_step=3)
+        prof.add_batch(list(range(4)), wait_s=0.001)
+        prof.end_step()
+        for _ in prof.iterate([1, 2]):
+            with prof.step():
+                pass
+        t = threading.Thread(target=lambda: prof.step().__enter__().__exit__(None, None, None))
+        t.start()
+        t.join()
+    assert both[0] > (0 if "overhead_budget" in settings else 40), both  # (light steps: Python's)
+    recs = list(stepprof.read(log, kind="step"))
+    assert any(r["error"] for r in recs) and all(r["gpu_ms"] is None for r in recs)
+
+
 def test_a_step_from_another_thread_is_left_to_python(both: list[int], log) -> None:
     import threading
 
@@ -328,10 +359,8 @@ def test_the_c_build_takes_the_reasons_by_name_and_refuses_a_missing_or_unknown_
     assert mod is not None
 
     def configure(reasons: dict[str, str]) -> None:
-        mod.configure_build(Step, PhaseTotals, mod.BUILD_FIELDS,
-                            ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step"),
-                            ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms"),
-                            reasons, ALLOCATOR_COUNTERS, SCHEMA_VERSION)
+        mod.configure_build(Step, PhaseTotals, mod.BUILD_FIELDS, collector._BUILD_OPTIONAL,
+                            collector._BUILD_PHASE_KEYS, reasons, ALLOCATOR_COUNTERS, SCHEMA_VERSION)
 
     try:
         missing = {k: v for k, v in collector._BUILD_REASONS.items() if k != "zero_wall"}

@@ -31,6 +31,8 @@ from stepprof._recorder.profiler import _make_profiler
 from .conftest import make
 from .fakes import FakeGpu
 
+#: The fault suite runs on the step core and on the Python boundaries.
+pytestmark = pytest.mark.usefixtures("either_path")
 _STEPPROF_DIR = os.path.dirname(stepprof.__file__) + os.sep
 _FAKES = os.path.join(os.path.dirname(__file__), "fakes.py")
 PHASES = {"fwd", "fwd/inner", "bwd"}

@@ -16,7 +16,8 @@ import pytest
 import stepprof
 from stepprof import _signals
 
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals")
+pytestmark = [pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals"),
+              pytest.mark.usefixtures("either_path")]
 
 
 def records(log, kind):

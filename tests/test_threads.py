@@ -19,6 +19,9 @@ from stepprof import _syncs
 
 from .conftest import make
 
+#: The fault suite runs on the step core and on the Python boundaries.
+pytestmark = pytest.mark.usefixtures("either_path")
+
 THREADS = 4
 STEPS = 10_000
 PHASES = {"fwd", "fwd/inner", "bwd"}

@@ -184,6 +184,13 @@ class BoundaryOps:
             self.range_push(name)  # type: ignore[attr-defined]
         return mark, mem
 
+    def core_plan(self) -> tuple[Any, ...]:
+        """How the step core (``stepprof/_core.c``) crosses a boundary on this backend:
+        ``(0,)``: nothing to do; ``(1, boundary, event pool, make event, device index, flag
+        mask)``: the compiled CUDA boundary's call, with its pool; ``(2, cross)``: call
+        :meth:`cross`.  Asked once per backend object."""
+        return (2, self.cross)
+
     def read_marks(self, marks: tuple[Any, ...]) -> tuple[float | None, ...] | None:
         """A step's device times: ``marks`` is (start, end, start, end, ...).  None until every
         end mark has completed (queried, never waited on); then each pair's milliseconds, None
@@ -236,6 +243,9 @@ class HostBackend(BoundaryOps):
     def cross(self, flags: int, name: str | None = None) -> tuple[None, None]:
         """No mark, no memory read, no range: the host has none of them (one call, not five)."""
         return None, None
+
+    def core_plan(self) -> tuple[Any, ...]:
+        return (0,) if type(self).cross is HostBackend.cross else (2, self.cross)
 
     def mark(self) -> None:
         return None

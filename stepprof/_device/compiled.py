@@ -543,6 +543,11 @@ class CompiledCudaBackend(CudaBackend):
             events.append(ev)
         return mark, mem
 
+    def core_plan(self) -> tuple[Any, ...]:
+        if type(self).cross is not CompiledCudaBackend.cross or self._py_ranges:
+            return (2, self.cross)
+        return (1, self._boundary, self._events, self._create, self.index, self._mask)
+
     def _cross_with_torch_ranges(self, flags: int, name: str | None) -> tuple[Any | None, Memory | None]:
         if flags & POP:
             self.range_pop()

@@ -150,16 +150,26 @@ class Boundaries(StepMeasure):
                     batch_size, batch_reason = infer_batch_size(batch)
                 return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason, t_in)
             return self.begin_phase(ctx, open_step, name or "phase", t_in)
-        except StepprofError:
-            raise
         except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
-            if raised_by_user(e):  # an interrupt: leave the context consistent, re-raise it
-                self._undo_entry(ctx, open_step, depth, e)
-                raise
-            self.fail(e)
-            if open_step is None and self._exchange is not None and ctx.hooked:
-                return self._exchange.entry_failed()
-            return None
+            return self.entry_failed(ctx, open_step, depth, e)
+
+    def entry_failed(self, ctx: ThreadSteps, open_step: Step | None, depth: int, e: BaseException) -> Any:
+        """An exception inside an entry (this class's or the step core's, :mod:`.core`), which
+        had ``depth`` phases open and ``open_step`` (None: it was opening a step).
+
+        stepprof's own usage errors and the user's exceptions (an interrupt: the context is
+        left consistent first) are raised again; an internal failure stops recording and
+        returns the token the scope gets.
+        """
+        if isinstance(e, StepprofError):
+            raise e
+        if raised_by_user(e):  # an interrupt: leave the context consistent, re-raise it
+            self._undo_entry(ctx, open_step, depth, e)
+            raise e
+        self.fail(e)
+        if open_step is None and self._exchange is not None and ctx.hooked:
+            return self._exchange.entry_failed()
+        return None
 
     def exit(self, token: Any, exc: BaseException | None) -> None:
         """Close the step or phase that :meth:`enter` returned ``token`` for.
@@ -186,13 +196,7 @@ class Boundaries(StepMeasure):
                 if ctx.step is not None:
                     self.end_phase(ctx, ctx.step, token, exc, t_in)
         except BaseException as e:  # noqa: BLE001 - stepprof never breaks training
-            if raised_by_user(e):
-                self._finish_exit(token, e)
-                raise
-            self.fail(e)
-            if self._exchange is not None and isinstance(token, Step) and token.ctx.hooked:
-                self._exchange.exit_unrecorded(token, self.slot.device_index())
-                self._exchange.stopped_in_step()
+            self.exit_failed(token, e)
             return
         if isinstance(token, Step):
             tracker = token.ctx.tracker
@@ -201,6 +205,17 @@ class Boundaries(StepMeasure):
                 # could not raise (torch calls it from C++): raised at the step's exit instead.
                 deferred, tracker.deferred = tracker.deferred, None
                 raise deferred
+
+    def exit_failed(self, token: Any, e: BaseException) -> None:
+        """An exception inside the exit of ``token``'s scope (this class's or the step core's):
+        the user's is raised again once the scope is closed; an internal failure stops recording."""
+        if raised_by_user(e):
+            self._finish_exit(token, e)
+            raise e
+        self.fail(e)
+        if self._exchange is not None and isinstance(token, Step) and token.ctx.hooked:
+            self._exchange.exit_unrecorded(token, self.slot.device_index())
+            self._exchange.stopped_in_step()
 
     def _exit_unrecorded(self, token: Any) -> None:
         """The exit of a scope that is not recorded (recording stopped, or closed)."""

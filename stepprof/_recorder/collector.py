@@ -129,7 +129,8 @@ def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> floa
 
 
 def build_step_record(
-    s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None
+    s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None,
+    host: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """The ``kind: "step"`` record of a completed step (its marks' events have completed).
 
@@ -142,16 +143,32 @@ def build_step_record(
         start_unix_s: when it started, in seconds since the epoch.
         phase_peaks_why: why its phases have no peak when they were not read on it.
         not_sampled: for a light step (``overhead_budget``), why it has no GPU figures.
+        host: ``host_reasons(b)`` on the host, for the C build of its records.
     """
     if not_sampled is not None:
         return _light_record(s, b, start_unix_s, not_sampled)
-    fast = _NATIVE.build
-    if fast is not None and b.has_device_timing and b.has_device_memory and b.gpu_reason is None and (
-            b.memory_reason is None):
-        record = fast(s, b.device, start_unix_s, phase_peaks_why)
+    if b.has_device_timing:
+        fast = _NATIVE.build
+        if fast is not None and b.has_device_memory and b.gpu_reason is None and b.memory_reason is None:
+            record = fast(s, b.device, start_unix_s, phase_peaks_why)
+            if record is not NotImplemented:
+                return record  # type: ignore[no-any-return]
+    elif host is not None and _NATIVE.build_host is not None and not b.has_device_memory:
+        record = _NATIVE.build_host(s, b.device, start_unix_s, host)
         if record is not NotImplemented:
             return record  # type: ignore[no-any-return]
     return _build_python(s, b, start_unix_s, phase_peaks_why)
+
+
+def host_reasons(b: Backend) -> tuple[str, ...] | None:
+    """The reasons a host backend's steps give for the figures they never have, as
+    ``_fold.c``'s ``build_host_step`` takes them (gpu_ms, phases.gpu_ms, peak_allocated_bytes,
+    phases.peak_allocated_bytes, reserved_bytes, allocator, host_rss_bytes when it is missing);
+    None where the backend lacks a reason (its records are built in Python)."""
+    if b.has_device_timing or b.has_device_memory or not b.gpu_reason or not b.memory_reason:
+        return None
+    return (b.gpu_reason, b.gpu_reason, b.memory_reason, b.memory_reason, _reserved_reason(b), _host_allocator(b),
+            NO_RSS)
 
 
 def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
@@ -201,9 +218,11 @@ def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str
 
 
 class _Native:
-    """``_fold.c``'s ``build_step`` while it is loaded and agrees with the declaration, else None."""
+    """``_fold.c``'s ``build_step`` and ``build_host_step`` while it is loaded and agrees with
+    the declaration, else None."""
 
     build: Callable[[Step, str, float, str], Any] | None = None
+    build_host: Callable[[Step, str, float, tuple[str, ...]], Any] | None = None
 
 
 _NATIVE = _Native()
@@ -217,13 +236,10 @@ def use_native(on: bool = True) -> str | None:
     if mod is not None and mod.BUILD_FIELDS != ("schema_version", "kind", *STEP_CORE_FIELDS):
         mod, why = None, "the C build fills other fields than the step record declares: rebuild it (`stepprof build`)"
     if mod is not None:
-        mod.configure_build(
-            Step, PhaseTotals, mod.BUILD_FIELDS,
-            ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step"),
-            ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms"),
-            _BUILD_REASONS,
-            ALLOCATOR_COUNTERS, SCHEMA_VERSION)
+        mod.configure_build(Step, PhaseTotals, mod.BUILD_FIELDS, _BUILD_OPTIONAL, _BUILD_PHASE_KEYS, _BUILD_REASONS,
+                            ALLOCATOR_COUNTERS, SCHEMA_VERSION)
     _NATIVE.build = mod.build_step if mod is not None else None
+    _NATIVE.build_host = getattr(mod, "build_host_step", None) if mod is not None else None
     return why
 
 
@@ -282,25 +298,40 @@ def _memory_figures(s: Step, b: Backend, phases: dict[str, dict[str, Any]], unav
     if peak is None and "peak_allocated_bytes" not in unavailable:
         unavailable["peak_allocated_bytes"] = b.memory_reason or NOT_READ
     if s.reserved is None:
-        unavailable["reserved_bytes"] = getattr(b, "reserved_reason", None) or b.memory_reason or NOT_READ
+        unavailable["reserved_bytes"] = _reserved_reason(b)
     on_host = not b.has_device_memory  # the host's RSS stands in for device memory
     if s.counters is None and "allocator" not in unavailable:
         if on_host:
-            unavailable["allocator"] = (
-                f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
-            )
+            unavailable["allocator"] = _host_allocator(b)
         else:
             unavailable["allocator"] = (
                 "this torch's allocator stats lack the counters" if s.peak >= 0 else NOT_READ
             )
     if on_host and s.rss is None:
-        unavailable["host_rss_bytes"] = "psutil could not read this process's RSS"
+        unavailable["host_rss_bytes"] = NO_RSS
     return peak
+
+
+#: Why a host step has no ``host_rss_bytes``.
+NO_RSS = "psutil could not read this process's RSS"
+
+
+def _reserved_reason(b: Backend) -> str:
+    return getattr(b, "reserved_reason", None) or b.memory_reason or NOT_READ
+
+
+def _host_allocator(b: Backend) -> str:
+    """Why a host step has no ``allocator`` counters."""
+    return f"{b.gpu_reason or b.memory_reason}: the counters are CUDA's caching allocator's"
 
 
 #: Why a step's ``peak_phase`` is null when its phases' peaks were read and none reached it.
 OUTSIDE_PHASES = ("the step's peak was reached outside its phases: after the last one, before "
                   "the step's exit")
+
+#: The step record's optional keys and a phase's keys, in the order ``_fold.c``'s builds write them.
+_BUILD_OPTIONAL = ("thread", "sampled", "data_ms", "data_wait_in_step_ms", "peak_phase", "global_step", "host_rss_bytes")
+_BUILD_PHASE_KEYS = ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms")
 
 #: The reasons' texts that ``_fold.c``'s ``build_step`` writes, by its names for them.
 _BUILD_REASONS = {
@@ -424,6 +455,7 @@ class Collector:
         self._unix0 = unix0_s
         self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
         self._not_sampled_why: tuple[int, str] | None = None
+        self._host: tuple[Any, tuple[str, ...] | None] = (None, None)  # a backend and its host_reasons
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
         self._wanted = Flag()  # a training thread waits for the lock
@@ -652,10 +684,13 @@ class Collector:
         """Build a completed step's record, hand it to the hooks, release its marks; with the
         late hook's token (None: it has no late field)."""
         b = s.backend
+        host = self._host
+        if host[0] is not b:  # (once per backend)
+            host = self._host = (b, host_reasons(b))
         record = build_step_record(
             s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
             phase_peaks_why=self._phase_peaks_why,
-            not_sampled=self._not_sampled() if s.sampled == 0 else None,
+            not_sampled=self._not_sampled() if s.sampled == 0 else None, host=host[1],
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)

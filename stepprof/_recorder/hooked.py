@@ -58,7 +58,7 @@ class HookedSteps:
             reason = _check_reason(batch_reason, batch_size is not None or batch is not NO_BATCH)
         elif batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
             batch_size, reason = infer_batch_size(batch)
-        token = self._enter(name, batch_size, step=True, batch_reason=reason)
+        token = self._enter(name, batch_size, True, (None, None), reason)
         self._begun[threading.get_ident()] = [(name, token)]
         if global_step is not None:
             step = self._boundaries.threads.step()
@@ -92,7 +92,7 @@ class HookedSteps:
             raise UsageError(
                 f"begin_phase({checked!r}) outside a step: call prof.begin_step() first"
             )
-        begun.append((checked, self._enter(checked, None, step=False)))
+        begun.append((checked, self._enter(checked, None, False)))
 
     def end_phase(self, name: str | None = None) -> None:
         """Close the innermost phase :meth:`begin_phase` opened on this thread (``name``, if

@@ -114,6 +114,8 @@ class StepMeasure:
         self._warn_at_entry: str | None = None
         self.hooks = ActiveHooks()
         self._exchange: ExchangeHook | None = None  # set with the hooks (Boundaries.use)
+        #: Called once the background build has been taken (the step core is in it).
+        self.on_core: Callable[[], None] | None = None
 
     @property
     def backend(self) -> Backend | None:
@@ -156,6 +158,8 @@ class StepMeasure:
         slot = self.slot
         if slot.awaiting is not None and slot.ready():
             slot.take_core()  # built in the background: from this step on
+            if self.on_core is not None:
+                self.on_core()
         b = slot.backend
         if b is None or not b.has_device_timing:
             b = slot.ensure()

@@ -35,6 +35,7 @@ from .._validate import (
 )
 from .boundaries import Boundaries
 from .collector import Collector
+from .core import make_core
 from .energy import EnergyHook
 from .compiles import CompileHook
 from .exchange import ExchangeHook
@@ -211,8 +212,8 @@ class Profiler(HookedSteps, Lifecycle):
             self._collector, options.capture, options.sync, backend=seams.backend, clock=clock,
             read_rss=HOST_RSS.read,
         )
-        self._enter = b.enter
-        self._exit = b.exit
+        self._bind_core()
+        b.on_core = self._bind_core  # the C module built in the background: from the next boundary on
         parts = _make_hooks(options, seams, b, self._collector, ident, group)
         self._flops, self._memory, self._peak, self._exchange, self._energy, self._compiles = parts
         self._hooks = hooks = [h for h in parts if h is not None]
@@ -222,6 +223,13 @@ class Profiler(HookedSteps, Lifecycle):
         # begin_step/begin_phase's tokens, per thread: [(name, token), ...], the step's first.
         self._begun: dict[int, list[tuple[str | None, Any]]] = {}
         track_open(self)
+
+    def _bind_core(self) -> None:
+        """Point the scopes' entry and exit at the step core (``stepprof/_core.c``) when the C
+        module is built, else at the Python boundaries."""
+        b = self._boundaries
+        core = make_core(b, self.boundary)
+        self._enter, self._exit = (core.enter, core.exit) if core is not None else (b.enter, b.exit)
 
     # -- public -------------------------------------------------------------
 
