@@ -17,7 +17,8 @@ default 3,000 near-empty steps take less) shows a long run's steady state.
 Variants:
   step        ``prof.step(batch_size=8)``, the default settings;
   3 phases    the same with three ``prof.measure`` phases inside;
-  python      ``step`` with ``boundary="python"`` (CUDA only: the compiled boundary is CUDA's);
+  python      ``step`` with ``boundary="python"``: the Python boundaries, without the step core
+              (and on CUDA without the compiled device boundary), as where nothing could be built;
   no log      ``step`` with ``log=None`` (what writing the lines costs, by difference).
 
     python bench/floor.py [--steps 3000] [--rounds 7] [--device auto|cpu|cuda] [--json PATH]
@@ -47,14 +48,12 @@ PHASES = ("forward", "backward", "optimizer")
 
 def variants(cuda: bool) -> dict[str, tuple[dict, tuple[str, ...], bool]]:
     """name -> (Profiler settings, phase names, whether it writes a log)."""
-    out = {
+    return {
         "step": ({}, (), True),
         "3 phases": ({}, PHASES, True),
         "no log": ({}, (), False),
+        "python": ({"boundary": "python"}, (), True),
     }
-    if cuda:
-        out["python"] = ({"boundary": "python"}, (), True)
-    return out
 
 
 def near_empty_step(cuda: bool) -> tuple[Callable[[], None], Callable[[], None]]:

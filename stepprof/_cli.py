@@ -249,7 +249,7 @@ def _build(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     failed = False
     try:
-        print(f"stepprof build: the C fold of the summary and report is ready in {_native.build()}")
+        print(f"stepprof build: the C module (the step core, the fold of the summary and report) is ready in {_native.build()}")
     except BuildError as e:  # (the boundary is still built: they need different compilers)
         print(f"stepprof build: {e}", file=sys.stderr)
         failed = True

@@ -164,5 +164,5 @@ def summary_lines(summary: Summary, *, on_cpu: bool) -> list[str]:
         line = f"{group}: {text}"
         lines.append(line if len(line) <= WIDTH else line[: WIDTH - 1] + "…")
     if s.boundary == "python":
-        lines.append("the Python boundary ran: `stepprof build` compiles the C++ one (less stepprof time per step)")
+        lines.append("the Python boundary ran: `stepprof build` compiles the C one (less stepprof time per step)")
     return lines

@@ -134,10 +134,14 @@ def _boundary(cuda_reason: str | None) -> dict[str, Any]:
 
 
 def _fold() -> dict[str, Any]:
-    """Whether the summary and the report fold step records in C (stepprof/_fold.c), or why not."""
+    """Whether the summary and the report fold step records in C (stepprof/_fold.c), and the
+    training thread's boundaries run in C (the step core, stepprof/_core.c), or why not."""
     from . import _native
+    from ._recorder import core
 
-    return {"used": "c" if _native.module() is not None else "python", "reason": _native.reason()}
+    why = core.reason("auto")
+    return {"used": "c" if _native.module() is not None else "python", "reason": _native.reason(),
+            "core": "c" if why is None else "python", "core_reason": why}
 
 
 def _boundary_row(b: dict[str, Any]) -> str:
@@ -220,6 +224,7 @@ def render_env(env: dict[str, Any]) -> str:
         ),
         ("calibration cache", env["calibration_dir"]),
         ("step boundary", _boundary_row(env["boundary"])),
+        ("step core", "C" if env["fold"]["core"] == "c" else f"Python: {env['fold']['core_reason']}"),
         ("summary fold", "C" if env["fold"]["used"] == "c" else f"Python, about 3x the CPU a record: {env['fold']['reason']}"),
         ("sync detection", env["syncs"]["used"]),
         ("", env["syncs"]["trace"]),

@@ -19,14 +19,20 @@ COMPILED_SAVES_US = 78.0
 __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 
-def python_boundary_line(why: str | None) -> str:
+#: What the compiled boundaries (the step core, stepprof/_core.c) save a step record on the
+#: host, in µs: bench/floor.py's ``python`` less ``step`` on the 2-core CPU (docs/benchmarks.md).
+CORE_SAVES_CPU_US = 2.3
+
+
+def python_boundary_line(why: str | None, device: str | None = None) -> str:
     """The summary's and the report's line for a run on the Python boundary (``why``: the
-    reason the compiled one was not used, when known)."""
+    reason the compiled one was not used, when known; ``device``: the run's)."""
+    saves = COMPILED_SAVES_US if device is None or device.startswith("cuda") else CORE_SAVES_CPU_US
+    where = "an H200's launch-bound step" if saves is COMPILED_SAVES_US else "a near-empty step on a 2-core CPU"
+    cost = f"about {saves:.0f} µs less per step on {where} (docs/benchmarks.md)"
     if why:
-        return (f"the Python boundary ran ({why}); the compiled one costs about "
-                f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
-    return (f"the Python boundary ran; `stepprof build` compiles the C++ one, about "
-            f"{COMPILED_SAVES_US:.0f} µs less per step (docs/measurement.md)")
+        return f"the Python boundary ran ({why}); the compiled one costs {cost}"
+    return f"the Python boundary ran; `stepprof build` compiles the C one, {cost}"
 
 
 @attrs.frozen
@@ -198,5 +204,5 @@ class Summary:
             parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({self.boundary or 'host'} boundary)")
         text = "stepprof: " + ", ".join(parts)
         if self.boundary == "python":
-            text += "\nstepprof: " + python_boundary_line(self.unavailable.get("boundary"))
+            text += "\nstepprof: " + python_boundary_line(self.unavailable.get("boundary"), self.device)
         return text

@@ -507,7 +507,7 @@ def test_stepprof_build_prints_where_it_went(capsys, tools):
     rc, out, _ = cli(capsys, "build", "--verbose")
     assert rc == 0 and compiled.cache_dir() in out and " s)" in out
     assert tools[0]["verbose"] is True
-    assert f"the C fold of the summary and report is ready in {_native.cache_dir()}" in out
+    assert f"the C module (the step core, the fold of the summary and report) is ready in {_native.cache_dir()}" in out
 
 
 def test_stepprof_build_with_a_missing_tool_prints_the_reason_and_exits_1(monkeypatch, capsys, tools):
@@ -515,7 +515,7 @@ def test_stepprof_build_with_a_missing_tool_prints_the_reason_and_exits_1(monkey
 
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
     rc, out, err = cli(capsys, "build")
-    assert rc == 1 and out.count("\n") == 1 and "C fold" in out  # (the fold needs no ninja)
+    assert rc == 1 and out.count("\n") == 1 and "C module" in out  # (the C module needs no ninja)
     assert err.count("\n") == 1 and "pip install ninja" in err
 
 
@@ -816,4 +816,4 @@ def test_the_summary_and_the_report_say_which_boundary_ran(tmp_path, torch_cuda_
         assert ("`stepprof build`" in str(summary)) == (b.boundary == "python")
     report = report_log(log)
     assert [r.boundary for r in report.runs] == ["compiled", "python"]
-    assert render(build_report([log])).count("`stepprof build` compiles the C++ one") == 1
+    assert render(build_report([log])).count("`stepprof build` compiles the C one") == 1

@@ -321,3 +321,30 @@ def test_the_compiled_boundarys_pool_in_c_is_the_pool_in_python(tmp_path):
     assert sum(r.startswith("+") for r in ranges) == ranges.count("-") > 0  # every range pushed was popped
     captured = [r for r in records if r.get("kind") == "step" and r["gpu_ms"] is None and not r["error"]]
     assert len(captured) == 3
+
+
+@pytest.mark.parametrize("path", ["core", "python", "asked"])
+def test_the_summary_and_stepprof_env_say_whether_the_boundaries_ran_in_c(tmp_path, monkeypatch, path):
+    """On the host: ``boundary`` is "compiled" where the step core ran, else "python", with the
+    reason and what the compiled one saves, in the summary's text."""
+    from stepprof._env import environment, render_env
+    from stepprof._recorder.profiler import _make_profiler
+
+    if path == "python":
+        monkeypatch.setattr(core_mod._STATE, "module", None)
+        monkeypatch.setattr(core_mod._STATE, "reason", "no C compiler (the test's)")
+    kw = {"boundary": "python"} if path == "asked" else {}
+    with _make_profiler(str(tmp_path / "run.jsonl"), device="cpu", energy_every_s=None, **kw) as prof:
+        for _ in range(3):
+            with prof.step(batch_size=2):
+                pass
+    s = prof.summary
+    if path == "core":
+        assert s.boundary == "compiled" and "boundary" not in s.unavailable
+        assert "`stepprof build`" not in str(s)
+    else:
+        why = "no C compiler (the test's)" if path == "python" else "boundary='python' was asked for"
+        assert s.boundary == "python" and s.unavailable["boundary"] == why
+        assert why in str(s)
+    row = [line for line in render_env(environment()).splitlines() if line.startswith("step core")]
+    assert row and (row[0].split()[-1] == "C") is (path != "python")

@@ -214,7 +214,7 @@ def test_stepprof_env_says_which_fold_is_used(fold: Any) -> None:
     from stepprof._env import environment, render_env as render
 
     env = environment()
-    assert env["fold"] == {"used": "c", "reason": None}
+    assert env["fold"] == {"used": "c", "reason": None, "core": "c", "core_reason": None}
     assert "summary fold" in render(env)
 
 

@@ -14,6 +14,7 @@ from .._signals import Deferring
 from .._syncs import NOT_WATCHED
 from .boundaries import Boundaries
 from .collector import Collector
+from .core import reason as core_reason
 from .energy import ENERGY_OFF
 from .hooks import Closing, Hook
 from .sinks import LogSink, SummarySink
@@ -38,6 +39,8 @@ class Lifecycle:
     _summary_sink: SummarySink
     _summary: Summary | None
     _ended_by: str | None
+    _core: Any
+    boundary: str
     _signal_written: int
     _close_lock: Any
     _hooks: list[Hook]
@@ -115,6 +118,7 @@ class Lifecycle:
 
     def _build_summary(self, ended_by: str) -> Summary:
         b = self._boundaries.backend
+        boundary, boundary_reason = self._boundary_used()
         return self._summary_sink.summary(
             log=self.log,
             ended_by=ended_by,
@@ -122,12 +126,24 @@ class Lifecycle:
             stopped=self._collector.error or self._boundaries.broken,
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
-            boundary=b.boundary if b is not None and b.has_device_timing else None,
+            boundary=boundary,
             budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
             energy_reason=ENERGY_OFF if self._energy is None else None,
-            boundary_reason=self._boundaries.slot.reason(),
+            boundary_reason=boundary_reason,
         )
+
+    def _boundary_used(self) -> tuple[str | None, str | None]:
+        """The summary's ``boundary``, and why it is ``"python"``: ``"compiled"`` where the
+        boundaries ran in the step core (``stepprof/_core.c``) and, on CUDA, their device work on
+        the compiled boundary; None before any step."""
+        b = self._boundaries.backend
+        if b is None:
+            return None, None
+        core_why = None if self._core is not None else core_reason(self.boundary)
+        if b.has_device_timing and b.boundary != "compiled":
+            return "python", self._boundaries.slot.reason() or core_why
+        return ("compiled", None) if core_why is None else ("python", core_why)
 
     def _on_signal(self, name: str) -> None:
         """SIGTERM or SIGINT arrived (main thread): write the completed steps and a summary.

@@ -228,7 +228,7 @@ class Profiler(HookedSteps, Lifecycle):
         """Point the scopes' entry and exit at the step core (``stepprof/_core.c``) when the C
         module is built, else at the Python boundaries."""
         b = self._boundaries
-        core = make_core(b, self.boundary)
+        core = self._core = make_core(b, self.boundary)
         self._enter, self._exit = (core.enter, core.exit) if core is not None else (b.enter, b.exit)
 
     # -- public -------------------------------------------------------------

@@ -162,7 +162,8 @@ class SummarySink:
                 count, which no step record carries.  None: no backend gave one.
             energy_reason: why no step has energy, when no step record says (energy
                 sampling off).
-            boundary_reason: with ``boundary="python"``, why the compiled one was not used.
+            boundary_reason: with ``boundary="python"``, why the compiled one (the step core, and
+                on CUDA the compiled device boundary) was not used.
         """
         agg = self.aggregate
         extra: dict[str, str] = {}

@@ -153,7 +153,7 @@ def _render_run(run: RunReport, out: list[str], several: bool) -> None:
         previous = why
         out.append(f"   {label:<{width}}  {value}{reason}")
     if run.boundary == "python":
-        out.append("   " + python_boundary_line(run.unavailable.get("boundary")))
+        out.append("   " + python_boundary_line(run.unavailable.get("boundary"), run.device))
     out.extend(_detail_lines(run))
     out.append("")
     out.extend(_diagnosis_lines(run))
