@@ -1020,18 +1020,10 @@ static int rate_of(View* v) {
     return (v->sps = PyFloat_FromDouble(rate)) == NULL ? -1 : 0;
 }
 
-/* The figures after the phases, with their reasons, in build_step_record's order: 0, 1, -1. */
-static int figures_of(View* v, PyObject* peaks_why, int no_peak) {
+/* samples_per_s, the syncs' reason and data_wait_ms, with their reasons, in build_step_record's
+ * order (both builds): 0, 1 (leave it), -1. */
+static int rate_syncs_wait(View* v) {
     PyObject* u = v->unavailable;
-    if (no_peak) {
-        PyObject* w = STEP(v->s, B_PHASE_PEAKS) == Py_True ? why[W_NOT_READ] : peaks_why;
-        TRY(PyDict_SetItem(u, why[U_PH_PEAK], w));
-    }
-    if (v->wall > 0) {
-        if ((v->busy = PyFloat_FromDouble(v->g / v->wall)) == NULL) return -1;
-    } else {
-        TRY(PyDict_SetItem(u, why[U_BUSY], why[W_ZERO_WALL]));
-    }
     TRY(rate_of(v));
     if (v->syncs == Py_None) {
         PyObject* sr = STEP(v->s, B_SYNCS_REASON);
@@ -1047,6 +1039,22 @@ static int figures_of(View* v, PyObject* peaks_why, int no_peak) {
         if (v->in_ns >= 0) w += (double)v->in_ns / 1e6;
         if ((v->wait = PyFloat_FromDouble(w)) == NULL) return -1;
     }
+    return 0;
+}
+
+/* The figures after the phases, with their reasons, in build_step_record's order: 0, 1, -1. */
+static int figures_of(View* v, PyObject* peaks_why, int no_peak) {
+    PyObject* u = v->unavailable;
+    if (no_peak) {
+        PyObject* w = STEP(v->s, B_PHASE_PEAKS) == Py_True ? why[W_NOT_READ] : peaks_why;
+        TRY(PyDict_SetItem(u, why[U_PH_PEAK], w));
+    }
+    if (v->wall > 0) {
+        if ((v->busy = PyFloat_FromDouble(v->g / v->wall)) == NULL) return -1;
+    } else {
+        TRY(PyDict_SetItem(u, why[U_BUSY], why[W_ZERO_WALL]));
+    }
+    TRY(rate_syncs_wait(v));
     if (PyDict_GET_SIZE(v->ph) > 0) {
         PyObject* phwhy = PyDict_GetItemWithError(u, why[U_PH_PEAK]);
         if (phwhy != NULL) return PyDict_SetItem(u, why[U_PEAK_PHASE], phwhy);
@@ -1179,21 +1187,7 @@ static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
     TRY(PyDict_SetItem(u, why[U_RESERVED], PyTuple_GET_ITEM(reasons, H_RESERVED)));
     TRY(PyDict_SetItem(u, why[U_ALLOC], PyTuple_GET_ITEM(reasons, H_ALLOC)));
     if (rss == Py_None) TRY(PyDict_SetItem(u, why[U_RSS], PyTuple_GET_ITEM(reasons, H_RSS)));
-    TRY(rate_of(v));
-    if (v->syncs == Py_None) {
-        PyObject* sr = STEP(v->s, B_SYNCS_REASON);
-        if (sr != NULL && sr != Py_None && !PyUnicode_CheckExact(sr)) return 1;
-        PyObject* w = or_else(sr, why[W_NOT_COUNTED]);
-        TRY(PyDict_SetItem(u, why[U_SYNCS], w));
-        if (PyDict_GET_SIZE(v->ph) > 0) TRY(PyDict_SetItem(u, why[U_PH_SYNCS], w));
-    }
-    if (v->wait_ns < 0) {
-        TRY(PyDict_SetItem(u, why[U_WAIT], why[W_NO_PREVIOUS]));
-    } else {
-        double w = (double)v->wait_ns / 1e6;
-        if (v->in_ns >= 0) w += (double)v->in_ns / 1e6;
-        if ((v->wait = PyFloat_FromDouble(w)) == NULL) return -1;
-    }
+    TRY(rate_syncs_wait(v));
     if (PyDict_GET_SIZE(v->ph) > 0) TRY(PyDict_SetItem(u, why[U_PEAK_PHASE], PyTuple_GET_ITEM(reasons, H_PEAK)));
     return 0;
 }

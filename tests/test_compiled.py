@@ -731,6 +731,8 @@ def test_the_compiled_and_python_boundaries_agree_on_the_same_steps(built, tmp_p
     for _ in range(30):
         for prof in profs.values():
             step(prof)
+    # "compiled": every boundary but the first step's in the step core (stepprof/_core.c); "python": none
+    assert profs["compiled"]._core.counts() == (30 * 4 - 1, 30 * 4) and profs["python"]._core is None
     summaries = {b: p.close() for b, p in profs.items()}
     assert {b: s.boundary for b, s in summaries.items()} == {"compiled": "compiled", "python": "python"}
     compiled_steps, python_steps = (steps(str(tmp_path / f"{b}.jsonl"))[2:] for b in ("compiled", "python"))
