@@ -6,7 +6,7 @@
  * (stepprof/_recorder/measure.py and boundaries.py), on the same Python objects: the Step,
  * OpenPhase and PhaseTotals they make, the thread's ThreadSteps, the profiler's counters.
  * Every other boundary (the first step, another thread's, a closed or broken profiler, an
- * orphaned scope, a light step under overhead_budget, a distributed exchange, explain_peak's
+ * orphaned scope, a distributed exchange, explain_peak's
  * watched phases, a batch whose size must be inferred, phases left open) goes to Boundaries
  * untouched: the core decides that before it changes anything.
  *
@@ -37,7 +37,7 @@ enum {
     M_MAX_SYNCS, M_ON_SYNC, M_BEGIN, M_END, M_WATCH, M_UNWATCH, M_ENSURE, M_READ_RSS, M_DEFERRED,
     M_FAILED, M_ERROR, M_THREAD, M_CATCH_UP_AT, M_HARVEST_AT, M_CATCH_UP, M_START, M_HARVEST,
     M_WARN_ASYNC, M_APPEND, M_POP, M_ON_STEP_BEGIN, M_ON_STEP_END, M_TIMING, M_MEMORY, M_NAME_,
-    M_TYPE, M_MESSAGE, M_ATTACHED, M_CORE_PLAN,
+    M_TYPE, M_MESSAGE, M_ATTACHED, M_CORE_PLAN, M_INTERVAL_AT,
     N_KEYS
 };
 
@@ -48,7 +48,7 @@ static const char* const KEYS[N_KEYS] = {
     "max_syncs", "on_sync", "begin", "end", "watch_syncs", "_unwatch", "ensure", "read_rss", "deferred",
     "failed", "error", "thread", "catch_up_at", "harvest_at", "catch_up", "start", "harvest",
     "warn_async", "append", "pop", "on_step_begin", "on_step_end", "has_device_timing",
-    "has_device_memory", "__name__", "type", "message", "attached", "core_plan",
+    "has_device_memory", "__name__", "type", "message", "attached", "core_plan", "interval_at",
 };
 
 static PyObject* K[N_KEYS];
@@ -95,6 +95,7 @@ typedef struct {
 static Class CLS[N_CLASSES];
 static int configured = 0;
 static PyObject* NO_BATCH;       /* stepprof._batch.NO_BATCH */
+static PyObject* LIGHT_PHASE;    /* boundaries.LIGHT_PHASE: a phase of a light step's token */
 static PyObject* ERROR_MESSAGE;  /* measure.error_message */
 static PyObject* DEFAULT_STEP;   /* "step" */
 static PyObject* DEFAULT_PHASE;  /* "phase" */
@@ -634,7 +635,7 @@ static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py
     PyObject* open_steps = bget(d, B_OPEN);
     if (hooks == NULL || !Py_IS_TYPE(hooks, CLS[C_HOOKS].type) || slot == NULL || !Py_IS_TYPE(slot, CLS[C_SLOT].type) ||
         clock == NULL || next == NULL || !PyLong_CheckExact(next) || warm == NULL || open_steps == NULL ||
-        !PyDict_CheckExact(open_steps) || bget(d, B_BUDGET) != Py_None || bget(d, B_EXCHANGE) != Py_None ||
+        !PyDict_CheckExact(open_steps) || bget(d, B_BUDGET) == NULL || bget(d, B_EXCHANGE) != Py_None ||
         SLOT(slot, C_SLOT, L_AWAITING) != Py_None || SLOT(slot, C_SLOT, L_BACKEND) == Py_None ||
         !PyTuple_CheckExact(SLOT(hooks, C_HOOKS, 0)) || !PyList_CheckExact(SLOT(ctx, C_CTX, X_STACK)) ||
         PyList_GET_SIZE(SLOT(ctx, C_CTX, X_STACK)) != 0) {
@@ -724,6 +725,34 @@ static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py
     if (memory < 0 || plan(self, b) < 0) {
         Py_DECREF(b);
         goto fail;
+    }
+    PyObject* budget_ = bget(d, B_BUDGET);
+    if (budget_ != NULL && budget_ != Py_None && !warmup) {  /* overhead_budget: one step in k in full */
+        PyObject* k = PyObject_CallMethodOneArg(budget_, K[M_INTERVAL_AT], index);
+        long long kk = 0;
+        if (k == NULL || as_ll(k, &kk) < 0 || kk < 1) {
+            if (k != NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "stepprof core: an interval below 1");
+            Py_XDECREF(k);
+            Py_DECREF(b);
+            goto fail;
+        }
+        if (i % kk) {  /* a light step: the clock and the sync count only */
+            Py_DECREF(k);
+            set_slot(step, C_STEP, S_SAMPLED, ZERO_);
+            if (bset(d, B_COUNTERS, Py_None) < 0 || watch(self, ctx, step, b, timing, warmup, budget) < 0) {
+                Py_DECREF(b);
+                goto fail;
+            }
+            Py_DECREF(b);
+            if (tick(clock, &t0) < 0 || set_ll(step, C_STEP, S_T0, t0) < 0 ||
+                set_ll(step, C_STEP, S_OVERHEAD, t0 - t_in) < 0)
+                goto fail;
+            Py_DECREF(index);
+            self->fast_entries++;
+            return step;
+        }
+        set_slot(step, C_STEP, S_SAMPLED, k);
+        Py_DECREF(k);
     }
     if (n != 1) {
         PyObject* s = bget(d, B_STEADY);
@@ -860,9 +889,15 @@ static PyObject* core_enter(Core* self, PyObject* const* args, Py_ssize_t nargsf
             if (open_step == Py_None) {
                 r = begin_step(self, ctx, args, nargs);
             } else if (is_step == Py_False && Py_IS_TYPE(open_step, CLS[C_STEP].type) &&
-                       Py_REFCNT(open_step) > 2 /* else orphaned: Python closes it */ &&
-                       SLOT(open_step, C_STEP, S_SAMPLED) == Py_None) {
-                r = begin_phase(self, ctx, open_step, args[0]);
+                       Py_REFCNT(open_step) > 2 /* else orphaned: Python closes it */) {
+                PyObject* sampled = SLOT(open_step, C_STEP, S_SAMPLED);
+                if (sampled == Py_None || (PyLong_CheckExact(sampled) && PyLong_AsLong(sampled) > 0)) {
+                    r = begin_phase(self, ctx, open_step, args[0]);
+                } else if (PyLong_CheckExact(sampled) && PyLong_AsLong(sampled) == 0) {
+                    self->fast_entries++;
+                    return Py_NewRef(LIGHT_PHASE);  /* a phase of a light step: not measured */
+                }
+                if (r == SLOW && PyErr_Occurred()) PyErr_Clear();  /* (an int past a long: Python's) */
             }
         }
     }
@@ -1068,7 +1103,7 @@ static int queue(Core* self, PyObject* ctx, PyObject* step, long long t_in, PyOb
 }
 
 /* Close a step (StepMeasure.end_step for a full step with no phase left open). */
-static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* exc) {
+static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* exc, int light) {
     PyObject* d = self->d;
     PyObject* clock = bget(d, B_CLOCK);
     PyObject* hooks = bget(d, B_HOOKS);
@@ -1091,8 +1126,14 @@ static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* e
         (timing = attr_true(b, M_TIMING)) < 0 || (memory = attr_true(b, M_MEMORY)) < 0)
         goto fail;
     Label l = {NULL, NULL};
-    if (cross(self, F_MARK | F_READ | F_POP, &l, &mark, &mem) < 0) goto fail;
-    set_slot(step, C_STEP, S_END, mark);
+    if (light) {  /* a light step (overhead_budget): no device boundary */
+        mark = Py_NewRef(Py_None);
+        mem = Py_NewRef(Py_None);
+    } else if (cross(self, F_MARK | F_READ | F_POP, &l, &mark, &mem) < 0) {
+        goto fail;
+    } else {
+        set_slot(step, C_STEP, S_END, mark);
+    }
     if (mem != Py_None && fold_peak(ctx, step, mem) < 0) goto fail;
     if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True) {
         PyObject* syncs = PyObject_CallMethodNoArgs(tracker, K[M_END]);
@@ -1106,7 +1147,9 @@ static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* e
         if (PyErr_Occurred() || call_void(PyObject_CallOneArg(self->unwatch, ctx)) < 0) goto fail;
     }
     if (mem != Py_None && step_memory(d, step, mem) < 0) goto fail;
-    if (!memory && steal_slot(step, C_STEP, S_RSS, PyObject_CallNoArgs(SLOT(slot, C_SLOT, L_READ_RSS))) < 0) goto fail;
+    if (!memory && !light &&
+        steal_slot(step, C_STEP, S_RSS, PyObject_CallNoArgs(SLOT(slot, C_SLOT, L_READ_RSS))) < 0)
+        goto fail;
     if (SLOT(ctx, C_CTX, X_HOOKED) == Py_True) {
         PyObject* end = Py_NewRef(SLOT(hooks, C_HOOKS, 1));
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(end); i++) {
@@ -1178,15 +1221,21 @@ static PyObject* core_exit(Core* self, PyObject* const* args, Py_ssize_t nargsf,
     PyObject* r = SLOW;
     if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)
         return PyObject_Vectorcall(self->exit, args, nargs, kwnames);
+    if (nargs == 2 && args[0] == LIGHT_PHASE) {
+        self->fast_exits++;
+        Py_RETURN_NONE;  /* a phase of a light step: nothing was measured */
+    }
     if (nargs == 2 && bget(d, B_CLOSED) == Py_False && bget(d, B_CLOSING) == Py_False &&
         bget(d, B_BROKEN) == Py_None) {
         PyObject* token = args[0];
         if (Py_IS_TYPE(token, CLS[C_STEP].type)) {
             PyObject* ctx = SLOT(token, C_STEP, S_CTX);
+            PyObject* sampled = SLOT(token, C_STEP, S_SAMPLED);
             if (Py_IS_TYPE(ctx, CLS[C_CTX].type) && SLOT(ctx, C_CTX, X_STEP) == token &&
                 PyList_CheckExact(SLOT(ctx, C_CTX, X_STACK)) && PyList_GET_SIZE(SLOT(ctx, C_CTX, X_STACK)) == 0 &&
-                SLOT(token, C_STEP, S_SAMPLED) == Py_None && bget(d, B_EXCHANGE) == Py_None && !PyErr_Occurred())
-                r = end_step(self, ctx, token, args[1]);
+                (sampled == Py_None || PyLong_CheckExact(sampled)) && bget(d, B_EXCHANGE) == Py_None &&
+                !PyErr_Occurred())
+                r = end_step(self, ctx, token, args[1], sampled != Py_None && PyLong_AsLong(sampled) == 0);
         } else if (Py_IS_TYPE(token, CLS[C_PHASE].type)) {
             PyObject* ctx = SLOT(token, C_PHASE, P_CTX);
             if (Py_IS_TYPE(ctx, CLS[C_CTX].type)) {
@@ -1232,15 +1281,16 @@ static PyTypeObject CoreType = {
 };
 
 /* configure_core(Step, step, OpenPhase, phase, PhaseTotals, totals, ThreadSteps, Threads,
- *                ActiveHooks, BackendSlot, NO_BATCH, error_message, (MARK, READ, RESET, PUSH, POP)) */
+ *                ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message,
+ *                (MARK, READ, RESET, PUSH, POP)) */
 static PyObject* configure_core(PyObject* self, PyObject* args) {
     (void)self;
     PyObject *step_t, *step, *phase_t, *phase, *totals_t, *totals, *ctx_t, *threads_t, *hooks_t, *slot_t;
-    PyObject *no_batch, *error_message;
+    PyObject *no_batch, *light_phase, *error_message;
     long f[5];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOO(lllll):configure_core", &step_t, &step, &phase_t, &phase, &totals_t,
-                          &totals, &ctx_t, &threads_t, &hooks_t, &slot_t, &no_batch, &error_message, &f[0], &f[1],
-                          &f[2], &f[3], &f[4]))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO(lllll):configure_core", &step_t, &step, &phase_t, &phase, &totals_t,
+                          &totals, &ctx_t, &threads_t, &hooks_t, &slot_t, &no_batch, &light_phase, &error_message,
+                          &f[0], &f[1], &f[2], &f[3], &f[4]))
         return NULL;
     /* Into new tables first, swapped in at once: a step core in use on another thread never
      * sees a table half made (configuring runs Python's allocator, which may switch threads). */
@@ -1263,13 +1313,16 @@ static PyObject* configure_core(PyObject* self, PyObject* args) {
     memcpy(old, CLS, sizeof CLS);
     memcpy(CLS, fresh, sizeof CLS);
     PyObject* old_no_batch = NO_BATCH;
+    PyObject* old_light = LIGHT_PHASE;
     PyObject* old_message = ERROR_MESSAGE;
     NO_BATCH = Py_NewRef(no_batch);
+    LIGHT_PHASE = Py_NewRef(light_phase);
     ERROR_MESSAGE = Py_NewRef(error_message);
     F_MARK = f[0], F_READ = f[1], F_RESET = f[2], F_PUSH = f[3], F_POP = f[4];
     configured = 1;
     for (int i = 0; i < N_CLASSES; i++) class_clear(&old[i]);
     Py_XDECREF(old_no_batch);
+    Py_XDECREF(old_light);
     Py_XDECREF(old_message);
     Py_RETURN_NONE;
 }
@@ -1277,7 +1330,7 @@ static PyObject* configure_core(PyObject* self, PyObject* args) {
 static PyMethodDef core_functions[] = {
     {"configure_core", configure_core, METH_VARARGS,
      "configure_core(Step, a Step, OpenPhase, an OpenPhase, PhaseTotals, a PhaseTotals, ThreadSteps, Threads, "
-     "ActiveHooks, BackendSlot, NO_BATCH, error_message, (MARK, READ, RESET, PUSH, POP))"},
+     "ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message, (MARK, READ, RESET, PUSH, POP))"},
     {NULL, NULL, 0, NULL},
 };
 

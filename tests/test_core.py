@@ -122,6 +122,8 @@ def _loop(prof, gpu: FakeGpu) -> None:
     {"phase_peaks_every": 1},
     {"phase_peaks_every": 0},
     {"warmup": 2, "phase_peaks_every": 3, "memory_every": 4},
+    {"overhead_budget": 0.05},
+    {"overhead_budget": 0.5, "warmup": 1},
 ])
 def test_the_core_writes_what_python_writes(tmp_path, settings):
     runs = {}

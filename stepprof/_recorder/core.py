@@ -18,6 +18,7 @@ from .. import _native
 from .._batch import NO_BATCH
 from .._device.backend import MARK, POP, PUSH, READ, RESET
 from .backend_slot import BackendSlot
+from .boundaries import LIGHT_PHASE
 from .hooks import ActiveHooks
 from .measure import error_message
 from .step import OpenPhase, PhaseTotals, Step
@@ -48,7 +49,7 @@ def _configure() -> None:
     try:
         mod.configure_core(
             Step, Step(0, "", False, None), OpenPhase, OpenPhase(""), PhaseTotals, PhaseTotals(0),
-            ThreadSteps, Threads, ActiveHooks, BackendSlot, NO_BATCH, error_message,
+            ThreadSteps, Threads, ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message,
             (MARK, READ, RESET, PUSH, POP),
         )
     except (TypeError, ValueError) as e:  # a class changed shape: the Python boundaries go on
