@@ -14,7 +14,7 @@ import torch
 
 from ._plot import default_png
 from ._recorder.profiler import Profiler
-from ._records import Summary
+from ._records import Summary, boundary_name
 from ._units import format_bytes
 
 
@@ -151,7 +151,7 @@ def summary_lines(summary: Summary, *, on_cpu: bool) -> list[str]:
         lines.append(f"  syncs per step          {s.syncs_per_step_median:g}")
     if s.overhead_us_mean is not None:
         lines.append(f"  stepprof's own cost     {s.overhead_us_mean:.0f} µs/step (mean, "
-                     f"{s.boundary or 'host'} boundary)")
+                     f"{boundary_name(s.boundary)} boundary)")
     if s.measured_steps == 0:
         lines.append(f"  no figures: {s.unavailable.get('wall_ms', 'no measured steps')}"[:WIDTH])
     for group, keys in _GROUPS.items():

@@ -19,6 +19,15 @@ COMPILED_SAVES_US = 78.0
 __all__ = ["Percentiles", "PhaseFigures", "Summary"]
 
 
+#: How a summary's ``boundary`` reads in a sentence ("compiled" is stepprof's own, not torch.compile).
+BOUNDARY_NAMES = {"compiled": "C", "python": "Python"}
+
+
+def boundary_name(boundary: str | None) -> str:
+    """``boundary`` as the summary, the report and the demo print it (None: no step ran)."""
+    return BOUNDARY_NAMES.get(boundary, "no") if boundary is not None else "no"
+
+
 #: What the compiled boundaries (the step core, stepprof/_core.c) save a step record on the
 #: host, in µs: bench/floor.py's ``python`` less ``step`` on the 2-core CPU (docs/benchmarks.md).
 CORE_SAVES_CPU_US = 2.3
@@ -201,7 +210,7 @@ class Summary:
         if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
             parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
         if self.overhead_us_mean is not None:
-            parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({self.boundary or 'host'} boundary)")
+            parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({boundary_name(self.boundary)} boundary)")
         text = "stepprof: " + ", ".join(parts)
         if self.boundary == "python":
             text += "\nstepprof: " + python_boundary_line(self.unavailable.get("boundary"), self.device)

@@ -9,7 +9,7 @@ of them (a terminal escape, a newline) prints as a visible escape, on its own li
 from __future__ import annotations
 
 from .._log import LINE_MAX_BYTES
-from .._records import Percentiles, python_boundary_line
+from .._records import Percentiles, boundary_name, python_boundary_line
 from .._units import format_bytes, printable
 from .peak import peak_lines
 from .model import DistributedView, Report, RunReport
@@ -211,7 +211,7 @@ def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
         ("TFLOP/s (median)", _number(f.tflops_per_s_median, ".4g")),
         ("MFU (median)", _number(f.mfu_median, ".1%")),
         ("stepprof µs/step (mean)", _number(f.overhead_us_mean, ".0f")
-         + (f" ({run.boundary} boundary)" if run.boundary else "")),
+         + (f" ({boundary_name(run.boundary)} boundary)" if run.boundary else "")),
         ("energy J/step (mean)", _number(f.energy_j_per_step, ".4g")),
         ("power W (mean)", _number(f.power_w_mean, ".0f")),
         ("samples/J", _number(f.samples_per_j, ",.4g")),
