@@ -615,7 +615,8 @@ static int watch(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int tim
     return steal_slot(step, C_STEP, S_SYNCS_REASON, reason);
 }
 
-/* Open a step (StepMeasure.begin_step with no budget).  SLOW when Boundaries must. */
+/* Open a step (StepMeasure.begin_step; under overhead_budget a light one too).  SLOW when
+ * Boundaries must. */
 static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* d = self->d;
     PyObject* name = args[0];
@@ -1102,7 +1103,8 @@ static int queue(Core* self, PyObject* ctx, PyObject* step, long long t_in, PyOb
     return 0;
 }
 
-/* Close a step (StepMeasure.end_step for a full step with no phase left open). */
+/* Close a step with no phase left open (StepMeasure.end_step; ``light``: one without device
+ * boundaries, under overhead_budget). */
 static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* exc, int light) {
     PyObject* d = self->d;
     PyObject* clock = bget(d, B_CLOCK);
