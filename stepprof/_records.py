@@ -24,8 +24,9 @@ BOUNDARY_NAMES = {"compiled": "C", "python": "Python"}
 
 
 def boundary_name(boundary: str | None) -> str:
-    """``boundary`` as the summary, the report and the demo print it (None: no step ran)."""
-    return BOUNDARY_NAMES.get(boundary, "no") if boundary is not None else "no"
+    """``boundary`` as the summary, the report and the demo print it (None, in a log written
+    before the CPU had a step core: the host's)."""
+    return BOUNDARY_NAMES.get(boundary, boundary) if boundary is not None else "host"
 
 
 #: What the compiled boundaries (the step core, stepprof/_core.c) save a step record on the
