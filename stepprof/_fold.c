@@ -890,10 +890,11 @@ static int put_new(PyObject* d, PyObject* key, PyObject* v) {
 
 static PyObject* ms_of(long long ns) { return PyFloat_FromDouble((double)ns / 1e6); }
 
-/* The phases' figures; 1 to leave the step to Python.  *no_peak: a phase without a peak. */
+/* The phases' figures; 1 to leave the step to Python.  *no_peak: a phase without a peak.
+ * ``times`` NULL: a host step's, without GPU time. */
 static int build_phases(PyObject* s, PyObject* phases, PyObject* times, long long t0, int counted, PyObject* out,
                         int* no_peak) {
-    Py_ssize_t pos = 0, at = 1, nt = PyTuple_GET_SIZE(times);
+    Py_ssize_t pos = 0, at = 1, nt = times != NULL ? PyTuple_GET_SIZE(times) : 0;
     PyObject *key, *total;
     while (PyDict_Next(phases, &pos, &key, &total)) {
         if (Py_TYPE(total) != T_PT) return 1;
@@ -905,9 +906,9 @@ static int build_phases(PyObject* s, PyObject* phases, PyObject* times, long lon
         if (!rc) rc = small_int(PT(total, P_PEAK), &peak);
         if (rc) return rc;
         Py_ssize_t n = PyList_GET_SIZE(marks);
-        if (at + n > nt) return 1;
+        if (times != NULL && at + n > nt) return 1;
         double pg = 0.0;
-        for (Py_ssize_t i = at; i < at + n; i++) {
+        for (Py_ssize_t i = at; times != NULL && i < at + n; i++) {
             PyObject* ms = PyTuple_GET_ITEM(times, i);
             if (!PyFloat_CheckExact(ms)) return 1;  /* (a mark not read: None) */
             pg += PyFloat_AS_DOUBLE(ms);
@@ -918,7 +919,9 @@ static int build_phases(PyObject* s, PyObject* phases, PyObject* times, long lon
         if (count == NULL || syncs == NULL) return 1;
         PyObject* ph = PyDict_New();
         if (ph == NULL) return -1;
-        if (put_new(ph, ph_keys[PH_WALL], ms_of(wall)) || put_new(ph, ph_keys[PH_GPU], PyFloat_FromDouble(pg)) ||
+        if (put_new(ph, ph_keys[PH_WALL], ms_of(wall)) ||
+            (times != NULL ? put_new(ph, ph_keys[PH_GPU], PyFloat_FromDouble(pg))
+                           : PyDict_SetItem(ph, ph_keys[PH_GPU], Py_None)) ||
             PyDict_SetItem(ph, ph_keys[PH_PEAK], peak >= 0 ? PT(total, P_PEAK) : Py_None) ||
             PyDict_SetItem(ph, ph_keys[PH_COUNT], count) ||
             PyDict_SetItem(ph, ph_keys[PH_SYNCS], counted ? syncs : Py_None) ||
@@ -1140,36 +1143,6 @@ static PyObject* build_step(PyObject* self, PyObject* const* args, Py_ssize_t na
 
 enum { H_GPU, H_PH_GPU, H_PEAK, H_PH_PEAK, H_RESERVED, H_ALLOC, H_RSS, N_HOST };
 
-/* A host step's phases: their wall time, count, syncs and start; no GPU time or peak. */
-static int host_phases(PyObject* phases, long long t0, int counted, PyObject* out, int* no_peak) {
-    Py_ssize_t pos = 0;
-    PyObject *key, *total;
-    while (PyDict_Next(phases, &pos, &key, &total)) {
-        if (Py_TYPE(total) != T_PT) return 1;
-        long long pt0, wall, peak;
-        int rc = small_int(PT(total, P_T0), &pt0);
-        if (!rc) rc = small_int(PT(total, P_WALL), &wall);
-        if (!rc) rc = small_int(PT(total, P_PEAK), &peak);
-        if (rc) return rc;
-        PyObject* count = PT(total, P_COUNT);
-        PyObject* syncs = PT(total, P_SYNCS);
-        if (count == NULL || syncs == NULL) return 1;
-        PyObject* ph = PyDict_New();
-        if (ph == NULL) return -1;
-        if (put_new(ph, ph_keys[PH_WALL], ms_of(wall)) || PyDict_SetItem(ph, ph_keys[PH_GPU], Py_None) ||
-            PyDict_SetItem(ph, ph_keys[PH_PEAK], peak >= 0 ? PT(total, P_PEAK) : Py_None) ||
-            PyDict_SetItem(ph, ph_keys[PH_COUNT], count) ||
-            PyDict_SetItem(ph, ph_keys[PH_SYNCS], counted ? syncs : Py_None) ||
-            put_new(ph, ph_keys[PH_START], ms_of(pt0 - t0)) || PyDict_SetItem(out, key, ph)) {
-            Py_DECREF(ph);
-            return -1;
-        }
-        Py_DECREF(ph);
-        if (peak < 0) *no_peak = 1;
-    }
-    return 0;
-}
-
 /* The host record's figures and reasons, in build_step_record's order: 0, 1 (leave it), -1. */
 static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
     PyObject* u = v->unavailable;
@@ -1178,7 +1151,7 @@ static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
     TRY(PyDict_SetItem(u, why[U_BUSY], gpu));
     int no_peak = 0;
     if (PyDict_GET_SIZE(v->phases) > 0) {
-        int rc = host_phases(v->phases, v->t0, v->syncs != Py_None, v->ph, &no_peak);
+        int rc = build_phases(v->s, v->phases, NULL, v->t0, v->syncs != Py_None, v->ph, &no_peak);
         if (rc) return rc;
         TRY(PyDict_SetItem(u, why[U_PH_GPU], PyTuple_GET_ITEM(reasons, H_PH_GPU)));
         if (no_peak) TRY(PyDict_SetItem(u, why[U_PH_PEAK], PyTuple_GET_ITEM(reasons, H_PH_PEAK)));
