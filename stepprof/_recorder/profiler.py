@@ -208,10 +208,8 @@ class Profiler(HookedSteps, Lifecycle):
             cost_clock=time.thread_time_ns if clock is REAL.clock else clock,
             overhead_budget=self.overhead_budget, flush_every_ns=round(self.flush_every_s * 1e9),
         )
-        self._boundaries = b = Boundaries(
-            self._collector, options.capture, options.sync, backend=seams.backend, clock=clock,
-            read_rss=HOST_RSS.read,
-        )
+        self._boundaries = b = Boundaries(self._collector, options.capture, options.sync, backend=seams.backend,
+                                          clock=clock, read_rss=HOST_RSS.read)
         self._bind_core()
         b.on_core = self._bind_core  # the C module built in the background: from the next boundary on
         parts = _make_hooks(options, seams, b, self._collector, ident, group)
@@ -225,11 +223,9 @@ class Profiler(HookedSteps, Lifecycle):
         track_open(self)
 
     def _bind_core(self) -> None:
-        """Point the scopes' entry and exit at the step core (``stepprof/_core.c``) when the C
-        module is built, else at the Python boundaries."""
-        b = self._boundaries
-        core = self._core = make_core(b, self.boundary)
-        self._enter, self._exit = (core.enter, core.exit) if core is not None else (b.enter, b.exit)
+        """The scopes' entry and exit: the step core's (``_core.c``) once built, else the Python boundaries'."""
+        b, core = self._boundaries, make_core(self._boundaries, self.boundary)
+        self._core, (self._enter, self._exit) = core, (core.enter, core.exit) if core is not None else (b.enter, b.exit)
 
     # -- public -------------------------------------------------------------
 
