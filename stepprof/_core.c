@@ -34,9 +34,9 @@ enum {
     B_PP_EVERY, B_STEADY, B_LAST_PEAK, B_PP_AT, B_COUNTERS, B_NEXT, B_SYNC, B_COLLECTOR, B_PENDING,
     B_WRITER, B_INLINE, B_OPEN, B_BEGIN_PHASE, B_END_PHASE,
     /* methods and other attributes */
-    M_MAX_SYNCS, M_ON_SYNC, M_BEGIN, M_END, M_WATCH, M_UNWATCH, M_ENSURE, M_READ_RSS, M_DEFERRED,
+    M_MAX_SYNCS, M_ON_SYNC, M_BEGIN, M_END, M_WATCH, M_ENSURE, M_DEFERRED,
     M_FAILED, M_ERROR, M_THREAD, M_CATCH_UP_AT, M_HARVEST_AT, M_CATCH_UP, M_START, M_HARVEST,
-    M_WARN_ASYNC, M_APPEND, M_POP, M_ON_STEP_BEGIN, M_ON_STEP_END, M_TIMING, M_MEMORY, M_NAME_,
+    M_WARN_ASYNC, M_APPEND, M_ON_STEP_BEGIN, M_ON_STEP_END, M_TIMING, M_MEMORY, M_NAME_,
     M_TYPE, M_MESSAGE, M_ATTACHED, M_CORE_PLAN, M_INTERVAL_AT,
     N_KEYS
 };
@@ -45,9 +45,9 @@ static const char* const KEYS[N_KEYS] = {
     "closed", "closing", "broken", "threads", "hooks", "slot", "_budget", "_exchange", "_clock", "_warmup",
     "_phase_peaks_every", "_steady", "_last_peak", "_phase_peaks_at", "_counters", "next_index", "_sync",
     "_collector", "_pending", "_writer", "_inline", "_open", "begin_phase", "end_phase",
-    "max_syncs", "on_sync", "begin", "end", "watch_syncs", "_unwatch", "ensure", "read_rss", "deferred",
+    "max_syncs", "on_sync", "begin", "end", "watch_syncs", "ensure", "deferred",
     "failed", "error", "thread", "catch_up_at", "harvest_at", "catch_up", "start", "harvest",
-    "warn_async", "append", "pop", "on_step_begin", "on_step_end", "has_device_timing",
+    "warn_async", "append", "on_step_begin", "on_step_end", "has_device_timing",
     "has_device_memory", "__name__", "type", "message", "attached", "core_plan", "interval_at",
 };
 
@@ -126,16 +126,8 @@ static int steal_slot(PyObject* obj, int c, int f, PyObject* v) {
     return 0;
 }
 
-static Py_ssize_t member_offset(PyTypeObject* type, PyObject* name) {
-    PyObject* d = PyDict_GetItemWithError(type->tp_dict, name);
-    if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
-        ((PyMemberDescrObject*)d)->d_member->type != T_OBJECT_EX) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_TypeError, "configure_core: %s.%U is not a __slots__ member", type->tp_name, name);
-        return 0;
-    }
-    return ((PyMemberDescrObject*)d)->d_member->offset;
-}
+/* The offset of ``type``'s __slots__ member ``name``; 0 (and an error) when it is not one (_fold.c). */
+Py_ssize_t slot_offset(PyTypeObject* type, const char* name);
 
 static void class_clear(Class* k) {
     for (Py_ssize_t i = 0; i < k->n_all; i++) Py_CLEAR(k->all_default[i]);
@@ -156,11 +148,7 @@ static int take_class(Class* k, int c, PyObject* type, PyObject* proto) {
         return -1;
     }
     for (int i = 0; FIELDS[c][i] != NULL; i++) {
-        PyObject* name = PyUnicode_InternFromString(FIELDS[c][i]);
-        if (name == NULL) return -1;
-        k->off[i] = member_offset(t, name);
-        Py_DECREF(name);
-        if (k->off[i] == 0) return -1;
+        if ((k->off[i] = slot_offset(t, FIELDS[c][i])) == 0) return -1;
     }
     k->type = (PyTypeObject*)Py_NewRef(type);
     if (proto != Py_None) {
@@ -177,7 +165,8 @@ static int take_class(Class* k, int c, PyObject* type, PyObject* proto) {
         }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject* name = PySequence_Fast_GET_ITEM(seq, i);
-            Py_ssize_t off = PyUnicode_Check(name) ? member_offset(t, name) : 0;
+            const char* utf8 = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+            Py_ssize_t off = utf8 != NULL ? slot_offset(t, utf8) : 0;
             if (off == 0) {
                 if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "configure_core: a slot name is not a str");
                 Py_DECREF(seq);
@@ -458,27 +447,19 @@ static int cross(Core* self, long flags, Label* l, PyObject** mark, PyObject** m
         return split(r, mark, mem);
     }
     flags &= self->mask;
-    if (!(flags & F_MARK)) {
-        if (!flags) {
-            *mark = Py_NewRef(Py_None);
-            *mem = Py_NewRef(Py_None);
-            return 0;
-        }
-        if ((text = flags & F_PUSH ? label_text(l) : Py_NewRef(Py_None)) == NULL) return -1;
-        PyObject* argv[4] = {self->index, ZERO_, PyLong_FromLong(flags), text};
-        if (argv[2] == NULL) {
-            Py_DECREF(text);
-            return -1;
-        }
-        PyObject* r = PyObject_Vectorcall(self->fn, argv, 4, NULL);
-        Py_DECREF(argv[2]);
-        Py_DECREF(text);
-        return split(r, mark, mem);
+    if (!flags) {
+        *mark = Py_NewRef(Py_None);
+        *mem = Py_NewRef(Py_None);
+        return 0;
     }
+    /* A mark takes a pooled event (made when the pool is empty); without one, the call gets 0. */
     PyObject* events = self->events;
+    int pooled = (flags & F_MARK) != 0;
     PyObject* ev;
     Py_ssize_t n = PyList_GET_SIZE(events);
-    if (n > 0) {
+    if (!pooled) {
+        ev = Py_NewRef(ZERO_);
+    } else if (n > 0) {
         ev = Py_NewRef(PyList_GET_ITEM(events, n - 1));
         if (PyList_SetSlice(events, n - 1, n, NULL) < 0) {
             Py_DECREF(ev);
@@ -487,30 +468,27 @@ static int cross(Core* self, long flags, Label* l, PyObject** mark, PyObject** m
     } else if ((ev = PyObject_CallOneArg(self->create, self->index)) == NULL) {
         return -1;
     }
-    if ((text = flags & F_PUSH ? label_text(l) : Py_NewRef(Py_None)) == NULL) {
-        PyList_Append(events, ev);
-        Py_DECREF(ev);
-        return -1;
-    }
-    PyObject* argv[4] = {self->index, ev, PyLong_FromLong(flags), text};
+    text = flags & F_PUSH ? label_text(l) : Py_NewRef(Py_None);
+    PyObject* argv[4] = {self->index, ev, text == NULL ? NULL : PyLong_FromLong(flags), text};
     PyObject* r = argv[2] == NULL ? NULL : PyObject_Vectorcall(self->fn, argv, 4, NULL);
     Py_XDECREF(argv[2]);
-    Py_DECREF(text);
-    if (split(r, mark, mem) < 0) {
-        /* the event goes back to the pool, the error stays */
+    Py_XDECREF(text);
+    int rc = split(r, mark, mem);
+    if (pooled && (rc < 0 || *mark == Py_None)) {  /* no mark came of it: the event goes back */
         PyObject *t, *v, *tb;
         PyErr_Fetch(&t, &v, &tb);
-        PyList_Append(events, ev);
-        PyErr_Restore(t, v, tb);
-        Py_DECREF(ev);
-        return -1;
+        if (PyList_Append(events, ev) < 0 && rc == 0) {
+            rc = -1;
+            Py_CLEAR(*mark);
+            Py_CLEAR(*mem);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        } else {
+            PyErr_Restore(t, v, tb);
+        }
     }
-    int rc = *mark == Py_None ? PyList_Append(events, ev) : 0;
     Py_DECREF(ev);
-    if (rc < 0) {
-        Py_CLEAR(*mark);
-        Py_CLEAR(*mem);
-    }
     return rc;
 }
 

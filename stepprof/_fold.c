@@ -709,7 +709,7 @@ done:
 }
 
 /* The offset of ``type``'s __slots__ member ``name``; 0 (and an error) when it is not one. */
-static Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {
+Py_ssize_t slot_offset(PyTypeObject* type, const char* name) {  /* (_core.c's too) */
     PyObject* d = PyObject_GetAttrString((PyObject*)type, name);
     if (d == NULL) return 0;
     Py_ssize_t off = 0;
@@ -1141,7 +1141,8 @@ static PyObject* build_step(PyObject* self, PyObject* const* args, Py_ssize_t na
  * order.  NotImplemented, having read only, for a step it does not take: device figures present
  * (a light step or another backend's), numbers past 2**52. */
 
-enum { H_GPU, H_PH_GPU, H_PEAK, H_PH_PEAK, H_RESERVED, H_ALLOC, H_RSS, N_HOST };
+/* The host's reasons: no GPU (its phases' too), no peak (its phases' too), reserved, allocator, RSS. */
+enum { H_GPU, H_PEAK, H_RESERVED, H_ALLOC, H_RSS, N_HOST };
 
 /* The host record's figures and reasons, in build_step_record's order: 0, 1 (leave it), -1. */
 static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
@@ -1153,8 +1154,8 @@ static int host_figures(View* v, PyObject* reasons, PyObject* rss) {
     if (PyDict_GET_SIZE(v->phases) > 0) {
         int rc = build_phases(v->s, v->phases, NULL, v->t0, v->syncs != Py_None, v->ph, &no_peak);
         if (rc) return rc;
-        TRY(PyDict_SetItem(u, why[U_PH_GPU], PyTuple_GET_ITEM(reasons, H_PH_GPU)));
-        if (no_peak) TRY(PyDict_SetItem(u, why[U_PH_PEAK], PyTuple_GET_ITEM(reasons, H_PH_PEAK)));
+        TRY(PyDict_SetItem(u, why[U_PH_GPU], PyTuple_GET_ITEM(reasons, H_GPU)));
+        if (no_peak) TRY(PyDict_SetItem(u, why[U_PH_PEAK], PyTuple_GET_ITEM(reasons, H_PEAK)));
     }
     TRY(PyDict_SetItem(u, why[U_PEAK], PyTuple_GET_ITEM(reasons, H_PEAK)));
     TRY(PyDict_SetItem(u, why[U_RESERVED], PyTuple_GET_ITEM(reasons, H_RESERVED)));

@@ -162,13 +162,12 @@ def build_step_record(
 
 def host_reasons(b: Backend) -> tuple[str, ...] | None:
     """The reasons a host backend's steps give for the figures they never have, as
-    ``_fold.c``'s ``build_host_step`` takes them (gpu_ms, phases.gpu_ms, peak_allocated_bytes,
-    phases.peak_allocated_bytes, reserved_bytes, allocator, host_rss_bytes when it is missing);
-    None where the backend lacks a reason (its records are built in Python)."""
+    ``_fold.c``'s ``build_host_step`` takes them (gpu_ms and its phases', peak_allocated_bytes
+    and its phases', reserved_bytes, allocator, host_rss_bytes when it is missing); None where
+    the backend lacks a reason (its records are built in Python)."""
     if b.has_device_timing or b.has_device_memory or not b.gpu_reason or not b.memory_reason:
         return None
-    return (b.gpu_reason, b.gpu_reason, b.memory_reason, b.memory_reason, _reserved_reason(b), _host_allocator(b),
-            NO_RSS)
+    return (b.gpu_reason, b.memory_reason, _reserved_reason(b), _host_allocator(b), NO_RSS)
 
 
 def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str) -> dict[str, Any]:
