@@ -15,9 +15,12 @@ hooks: ``Collector._build``), ``summary`` (``RunAggregate.add_step``), ``hold`` 
 ``log`` (``LogSink.write`` and ``end_batch``), ``harvest`` (all of a harvest, these included).
 
 ``--python-fold``: records are built and the summary folds in Python, not in C (stepprof/_fold.c,
-when it is built).
+when it is built).  ``--python-harvest``: the harvest's loop in Python, not in one C call for
+many steps (``harvest_steps``), which runs read, build and log inside it: without the flag only
+``harvest``, ``summary``, ``hold``, ``write held`` and the log's batch write are charged apart.
 
-    python bench/record_costs.py [--steps 5000] [--phases 3] [--energy-off] [--no-gc] [--python-fold] [--json PATH]
+    python bench/record_costs.py [--steps 5000] [--phases 3] [--energy-off] [--no-gc] [--python-fold]
+                                 [--python-harvest] [--json PATH]
 """
 
 from __future__ import annotations
@@ -101,8 +104,12 @@ class Meter:
             self.overhead_ns = cost if not self.overhead_ns else min(self.overhead_ns, cost)
 
 
-def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str) -> dict[str, Any]:
+def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str, python_harvest: bool = False) -> dict[str, Any]:
     meter = Meter()
+    native = collector_mod._NATIVE
+    fast = native.harvest
+    if python_harvest:  # the harvest's loop in Python: each part runs, and is charged, on its own
+        native.harvest = None
     meter.calibrate()
     saved = []
     for part, cls, name in PARTS:
@@ -133,11 +140,13 @@ def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str) -> dict
         prof.close()
     finally:
         gc.enable()
+        native.harvest = fast
         for cls, name, fn in saved:
             setattr(cls, name, fn)
     per_record = {part: meter.ns[part] / steps / 1e3 for part in meter.ns}
     return {
         "steps": steps, "phases": phases, "energy": energy, "gc": not no_gc, "device": device,
+        "harvest_loop": "python" if python_harvest or fast is None else "c",
         "wrapper_ns": meter.overhead_ns,
         "loop_us_per_step": loop_ns / steps / 1e3,
         "us_per_record": per_record,
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--energy-off", action="store_true")
     ap.add_argument("--no-gc", action="store_true")
     ap.add_argument("--python-fold", action="store_true")
+    ap.add_argument("--python-harvest", action="store_true")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
@@ -160,12 +170,13 @@ def main(argv: list[str] | None = None) -> int:
 
     fold_why = _aggregate.use_native(not args.python_fold) or collector.use_native(not args.python_fold)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    res = run(args.steps, args.phases, not args.energy_off, args.no_gc, device)
+    res = run(args.steps, args.phases, not args.energy_off, args.no_gc, device, args.python_harvest)
     info = run_info("record_costs.py", gpu=None if device == "cuda" else "cpu")
     print(f"stepprof's record pipeline on {info['gpu']}, torch {info['torch']}: {args.steps} steps, "
           f"{args.phases} phases, energy {'on' if res['energy'] else 'off'}, gc {'on' if res['gc'] else 'off'} "
           f"(a wrapper: {res['wrapper_ns']:.0f} ns, taken out); records built and folded in "
-          f"{'Python' if args.python_fold else 'C' if fold_why is None else f'Python ({fold_why})'}")
+          f"{'Python' if args.python_fold else 'C' if fold_why is None else f'Python ({fold_why})'}; "
+          f"the harvest's loop in {'C' if res['harvest_loop'] == 'c' else 'Python'}")
     res["fold"] = "python" if args.python_fold or fold_why is not None else "c"
     print(f"  training thread, all of it: {res['loop_us_per_step']:.1f} µs/step")
     seen = []

@@ -777,11 +777,12 @@ static PyObject* configure(PyObject* self, PyObject* args) {
 
 enum { B_INDEX, B_NAME, B_WARMUP, B_BATCH, B_T0, B_T1, B_PEAK, B_RESERVED, B_PHASES, B_OVERHEAD, B_ERROR,
        B_SYNCS, B_SYNCS_REASON, B_COUNTERS, B_PHASE_PEAKS, B_THREAD, B_SHARED, B_SAMPLED, B_WAIT, B_DATA,
-       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, B_RSS, N_STEP };
+       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, B_RSS, B_BACKEND, B_START_MARK, B_END_MARK, B_FLAT, N_STEP };
 static const char* const STEP_SLOTS[N_STEP] = {
     "index", "name", "warmup", "batch_size", "t0", "t1", "peak", "reserved", "phases", "overhead_ns",
     "error", "syncs", "syncs_reason", "counters", "phase_peaks", "thread", "shared", "sampled",
-    "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "rss"};
+    "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "rss", "backend",
+    "start_mark", "end_mark", "flat"};
 enum { P_T0, P_WALL, P_MARKS, P_PEAK, P_COUNT, P_SYNCS, N_PT };
 static const char* const PT_SLOTS[N_PT] = {"t0", "wall_ns", "marks", "peak", "count", "syncs"};
 static Py_ssize_t off_step[N_STEP], off_pt[N_PT];
@@ -808,6 +809,8 @@ static const char* const WHY_NAMES[N_WHY] = {
     "phases.peak_allocated_bytes", "gpu_busy", "gpu_ms", "phases.gpu_ms", "peak_allocated_bytes",
     "reserved_bytes", "allocator", "host_rss_bytes"};
 static int build_ready;
+/* harvest_steps' names */
+static PyObject *s_popleft, *s_late, *s_fill, *s_peak_seen, *s_run_id, *s_overhead_us, *s_unavailable;
 static PyObject* SLASH;
 
 /* why[] from the texts by name (a missing one names itself); the field names are the C's. */
@@ -860,6 +863,10 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     Py_XSETREF(schema_version, Py_NewRef(version));
     Py_XSETREF(kind_step, PyUnicode_InternFromString("step"));
     Py_XSETREF(SLASH, PyUnicode_InternFromString("/"));
+    PyObject** interned[] = {&s_popleft, &s_late, &s_fill, &s_peak_seen, &s_run_id, &s_overhead_us, &s_unavailable};
+    const char* names[] = {"popleft", "late", "fill", "peak_seen", "run_id", "overhead_us", "unavailable"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*interned[i] = *interned[i] ? *interned[i] : PyUnicode_InternFromString(names[i])) == NULL) return NULL;
     T_STEP = (PyTypeObject*)Py_NewRef(step);
     T_PT = (PyTypeObject*)Py_NewRef(pt);
     build_ready = kind_step != NULL && SLASH != NULL;
@@ -1239,6 +1246,245 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
     return out;
 }
 
+/* == harvest_steps: the collector's harvest of common steps (stepprof/_recorder/collector.py) ==
+ *
+ * harvest_steps(plan, pending, limit, batch) -> (written, logged) does what Collector.harvest's
+ * loop does for each step at the head of ``pending`` (a deque), at most ``limit`` of them, while
+ * the step is one the plan covers: read its events, build its record (build_step or
+ * build_host_step), give it the late hook's fields, release its marks, add the collector's share
+ * of ``overhead_us``, then log and fold it, or hold it behind the records that wait.  It stops,
+ * with the step left at the head untouched but for its events' times, at the first step whose
+ * events are still running or that the build leaves to Python; the Python loop then takes that
+ * step.  Collector.harvest_plan makes the plan only where the hooks' per-record work is nil or
+ * constant (Hook.quiet) and no budget runs; its items, by the P_ names below, are Python's. */
+
+enum { P_BACKEND, P_DEVICE, P_HOST, P_PEAKS_WHY, P_UNIX0, P_CLOCK0, P_SHARE, P_LATE_FIELDS, P_LATE_REASONS,
+       P_LATE, P_HELD, P_HOLD, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_BEFORE,
+       N_PLAN };
+
+/* A step's marks as Step.flat_marks gives them (new), or NULL with no error: leave it to Python. */
+static PyObject* flat_marks(PyObject* s) {
+    PyObject *phases = STEP(s, B_PHASES), *start = STEP(s, B_START_MARK), *end = STEP(s, B_END_MARK);
+    if (phases == NULL || !PyDict_CheckExact(phases) || start == NULL || end == NULL) return NULL;
+    if (PyDict_GET_SIZE(phases) == 0) return PyTuple_Pack(2, start, end);
+    PyObject* out = PyList_New(0);
+    if (out == NULL || PyList_Append(out, start) || PyList_Append(out, end)) goto fail;
+    Py_ssize_t pos = 0;
+    PyObject *key, *total;
+    while (PyDict_Next(phases, &pos, &key, &total)) {
+        PyObject* marks = Py_TYPE(total) == T_PT ? PT(total, P_MARKS) : NULL;
+        if (marks == NULL || !PyList_CheckExact(marks)) goto fail;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(marks); i++) {
+            PyObject* pair = PyList_GET_ITEM(marks, i);
+            if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+                PyList_Append(out, PyTuple_GET_ITEM(pair, 0)) || PyList_Append(out, PyTuple_GET_ITEM(pair, 1)))
+                goto fail;
+        }
+    }
+    PyObject* t = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return t;
+fail:
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* The step's events read into ``times`` (and ``flat``): 0 read, 1 leave it (not done, or not
+ * this path's), -1 an error. */
+static int read_times(PyObject* s, PyObject* read) {
+    PyObject* times = STEP(s, B_TIMES);
+    if (times == NULL) return 1;
+    if (times != Py_None) return 0;
+    if (read == Py_None) {  /* the host: no marks, nothing to wait for */
+        PyObject* empty = PyTuple_New(0);
+        if (empty == NULL) return -1;
+        put(s, off_step[B_TIMES], empty);
+        Py_DECREF(empty);
+        return 0;
+    }
+    PyObject* flat = flat_marks(s);
+    if (flat == NULL) return PyErr_Occurred() ? -1 : 1;
+    PyObject* got = PyObject_CallOneArg(read, flat);
+    if (got == NULL || got == Py_None) {
+        Py_DECREF(flat);
+        Py_XDECREF(got);
+        return got == NULL ? -1 : 1;
+    }
+    put(s, off_step[B_TIMES], got);
+    put(s, off_step[B_FLAT], flat);
+    Py_DECREF(got);
+    Py_DECREF(flat);
+    return 0;
+}
+
+/* The late fields: the constant ones, or the hook's token (new; Py_None when it has none). */
+static PyObject* late_fields(PyObject* plan, PyObject* s, PyObject* record) {
+    PyObject *fields = PyTuple_GET_ITEM(plan, P_LATE_FIELDS), *late = PyTuple_GET_ITEM(plan, P_LATE);
+    if (fields != Py_None) {
+        PyObject* u = PyDict_GetItemWithError(record, s_unavailable);
+        if (u == NULL || !PyDict_CheckExact(u)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a step record without its unavailable dict");
+            return NULL;
+        }
+        if (PyDict_Update(record, fields) || PyDict_Update(u, PyTuple_GET_ITEM(plan, P_LATE_REASONS))) return NULL;
+        return Py_NewRef(Py_None);
+    }
+    if (late == Py_None) return Py_NewRef(Py_None);
+    return PyObject_CallMethodObjArgs(late, s_late, s, record, NULL);
+}
+
+/* record["overhead_us"] += share */
+static int add_share(PyObject* record, PyObject* share) {
+    PyObject* x = PyDict_GetItemWithError(record, s_overhead_us);
+    if (x == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "overhead_us");
+        return -1;
+    }
+    PyObject* sum = PyNumber_Add(x, share);
+    if (sum == NULL) return -1;
+    int rc = PyDict_SetItem(record, s_overhead_us, sum);
+    Py_DECREF(sum);
+    return rc;
+}
+
+/* Each owner's peak_seen = max(peak_seen, the step's peak) (MemoryHook.after_record's). */
+static int track_peak(PyObject* owners, PyObject* s) {
+    PyObject* peak = STEP(s, B_PEAK);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(owners); i++) {
+        PyObject* o = PyTuple_GET_ITEM(owners, i);
+        PyObject* seen = PyObject_GetAttr(o, s_peak_seen);
+        if (seen == NULL) return -1;
+        int more = PyObject_RichCompareBool(peak, seen, Py_GT);
+        Py_DECREF(seen);
+        if (more < 0 || (more && PyObject_SetAttr(o, s_peak_seen, peak))) return -1;
+    }
+    return 0;
+}
+
+/* The step's record, logged and folded now, or held: 1 logged, 0 not, -1 an error.  Steals ``token``. */
+static int deliver(PyObject* plan, PyObject* s, PyObject* record, PyObject* token, PyObject* batch) {
+    PyObject* held = PyTuple_GET_ITEM(plan, P_HELD);
+    Py_ssize_t waiting = PyObject_Length(held);
+    int rc = -1;
+    if (waiting < 0) goto done;
+    if (token != Py_None && waiting == 0) {  /* its late fields may be known already */
+        PyObject* filled = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(plan, P_LATE), s_fill, token, Py_False, NULL);
+        if (filled == NULL) goto done;
+        if (filled != Py_None) {
+            PyObject* u = PyDict_GetItemWithError(record, s_unavailable);
+            if (!PyTuple_CheckExact(filled) || PyTuple_GET_SIZE(filled) != 2 || u == NULL ||
+                PyDict_Update(record, PyTuple_GET_ITEM(filled, 0)) || PyDict_Update(u, PyTuple_GET_ITEM(filled, 1))) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a late hook's fill() gave no (fields, reasons)");
+                Py_DECREF(filled);
+                goto done;
+            }
+            Py_SETREF(token, Py_NewRef(Py_None));
+        }
+        Py_DECREF(filled);
+    }
+    if (token == Py_None && waiting == 0) {
+        PyObject* run_id = PyTuple_GET_ITEM(plan, P_RUN_ID);
+        int logged = run_id != Py_None && batch != Py_None;
+        if (logged && (PyDict_SetItem(record, s_run_id, run_id) || PyList_Append(batch, record))) goto done;
+        PyObject* timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record);
+        if (timed == NULL) goto done;
+        Py_DECREF(timed);
+        rc = logged;
+    } else {
+        PyObject* after = PyTuple_New(0);
+        PyObject* res = after ? PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(plan, P_HOLD), s, record, token, after, NULL)
+                              : NULL;
+        Py_XDECREF(after);
+        if (res == NULL) goto done;
+        Py_DECREF(res);
+        rc = 0;
+    }
+done:
+    Py_DECREF(token);
+    return rc;
+}
+
+static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps(plan, pending, limit, batch)");
+        return NULL;
+    }
+    PyObject *plan = args[0], *pending = args[1], *batch = args[3];
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    if (!PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != N_PLAN || (batch != Py_None && !PyList_CheckExact(batch))) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps: a plan of another shape: rebuild stepprof's C module");
+        return NULL;
+    }
+    if (!build_ready) return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    PyObject *b = PyTuple_GET_ITEM(plan, P_BACKEND), *host = PyTuple_GET_ITEM(plan, P_HOST);
+    PyObject *unix0 = PyTuple_GET_ITEM(plan, P_UNIX0), *clock0 = PyTuple_GET_ITEM(plan, P_CLOCK0);
+    PyObject *release = PyTuple_GET_ITEM(plan, P_RELEASE), *owners = PyTuple_GET_ITEM(plan, P_PEAK_OWNERS);
+    long long c0, before = LLONG_MAX;
+    PyObject* until = PyTuple_GET_ITEM(plan, P_BEFORE);
+    if (!PyFloat_CheckExact(unix0) || small_int(clock0, &c0) || !PyTuple_CheckExact(owners) ||
+        (until != Py_None && small_int(until, &before))) {
+        if (PyErr_Occurred()) return NULL;
+        return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
+    }
+    Py_ssize_t written = 0, logged = 0;
+    while (written < limit) {
+        Py_ssize_t n = PyObject_Length(pending);
+        if (n < 0) return NULL;
+        if (n == 0) break;
+        PyObject* s = PySequence_GetItem(pending, 0);
+        if (s == NULL) return NULL;
+        long long t0, index;
+        PyObject* sampled = Py_TYPE(s) == T_STEP ? STEP(s, B_SAMPLED) : NULL;
+        int rc = sampled == NULL || sampled != Py_None || STEP(s, B_BACKEND) != b || small_int(STEP(s, B_T0), &t0) ||
+                 small_int(STEP(s, B_INDEX), &index) || index >= before;
+        if (rc && PyErr_Occurred()) rc = -1;
+        if (!rc) rc = read_times(s, PyTuple_GET_ITEM(plan, P_READ));
+        PyObject* record = NULL;
+        if (!rc) {
+            PyObject* start = PyFloat_FromDouble(PyFloat_AS_DOUBLE(unix0) + (double)(t0 - c0) / 1e9);
+            if (start == NULL) rc = -1;
+            else {
+                PyObject* a[4] = {s, PyTuple_GET_ITEM(plan, P_DEVICE), start,
+                                  host != Py_None ? host : PyTuple_GET_ITEM(plan, P_PEAKS_WHY)};
+                record = host != Py_None ? build_host_step(NULL, a, 4) : build_step(NULL, a, 4);
+                Py_DECREF(start);
+                if (record == NULL) rc = -1;
+                else if (record == Py_NotImplemented) {
+                    rc = 1;
+                    Py_CLEAR(record);
+                }
+            }
+        }
+        if (rc) {
+            Py_DECREF(s);
+            if (rc < 0) return NULL;
+            break;
+        }
+        PyObject* popped = PyObject_CallMethodNoArgs(pending, s_popleft);
+        Py_XDECREF(popped);
+        PyObject* token = popped ? late_fields(plan, s, record) : NULL;
+        int ok = token != NULL;
+        if (ok && release != Py_None) {
+            PyObject* keep = PyTuple_GET_ITEM(plan, P_KEEP_END) == Py_True ? STEP(s, B_END_MARK) : Py_None;
+            PyObject* res = PyObject_CallFunctionObjArgs(release, STEP(s, B_FLAT), keep, NULL);
+            ok = res != NULL;
+            Py_XDECREF(res);
+        }
+        ok = ok && !add_share(record, PyTuple_GET_ITEM(plan, P_SHARE)) && !track_peak(owners, s);
+        int got = -1;
+        if (ok) got = deliver(plan, s, record, token, batch);
+        else Py_XDECREF(token);
+        Py_DECREF(record);
+        Py_DECREF(s);
+        if (got < 0) return NULL;
+        logged += got;
+        written++;
+    }
+    return Py_BuildValue("(nn)", written, logged);
+}
+
 /* -- The sanitiser's fast check (stepprof/_sanitise.py): whether a record read from a log is
  * valid as it is, so that sanitise() may hand it on unchanged.  It says yes only where the
  * Python pass would change nothing and note nothing; anything else (an undeclared key, a value
@@ -1414,6 +1660,9 @@ static PyMethodDef methods[] = {
      "build_step(step, device, start_unix_s, phase_peaks_why): the step record, or NotImplemented."},
     {"build_host_step", (PyCFunction)(void (*)(void))build_host_step, METH_FASTCALL,
      "build_host_step(step, device, start_unix_s, reasons): a host step's record, or NotImplemented."},
+    {"harvest_steps", (PyCFunction)(void (*)(void))harvest_steps, METH_FASTCALL,
+     "harvest_steps(plan, pending, limit, batch) -> (written, logged): Collector.harvest's loop for the steps "
+     "its plan covers."},
     {"configure_build", configure_build, METH_VARARGS,
      "configure_build(Step, PhaseTotals, core keys, optional keys, phase keys, reasons, allocator names, "
      "schema version)"},

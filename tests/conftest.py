@@ -95,12 +95,14 @@ def clean_state(monkeypatch, request):
 
 @pytest.fixture(params=["core", "python"])
 def either_path(request, monkeypatch) -> str:
-    """The test once on the step core (stepprof/_core.c) and once on the Python boundaries,
-    as a profiler without the C module runs (the fault suite runs on both)."""
-    from stepprof._recorder import core
+    """The test once on the step core (stepprof/_core.c) and the C harvest, and once on the
+    Python boundaries and harvest, as a profiler without the C module runs (the fault suite
+    and the energy tests run on both)."""
+    from stepprof._recorder import collector, core
 
     if request.param == "python":
         monkeypatch.setattr(core._STATE, "module", None)
+        monkeypatch.setattr(collector._NATIVE, "harvest", None)
     elif core._STATE.module is None:
         pytest.skip("stepprof's C module is not built here (no C compiler)")
     return request.param

@@ -232,9 +232,10 @@ def test_record_costs_splits_a_record_into_its_parts_and_unwraps_them(monkeypatc
 
     monkeypatch.syspath_prepend(BENCH)
     mod = importlib.import_module("record_costs")
-    before = collector_mod.Collector.harvest, step.Step.read
-    res = mod.run(200, 2, energy=False, no_gc=False, device="cpu")
-    assert (collector_mod.Collector.harvest, step.Step.read) == before
+    before = collector_mod.Collector.harvest, step.Step.read, collector_mod._NATIVE.harvest
+    res = mod.run(200, 2, energy=False, no_gc=False, device="cpu", python_harvest=True)
+    assert (collector_mod.Collector.harvest, step.Step.read, collector_mod._NATIVE.harvest) == before
+    assert res["harvest_loop"] == "python"
     parts = res["us_per_record"]
     assert {"harvest", "read", "build", "summary", "log"} <= parts.keys()
     assert "hold" not in parts  # nothing waits without energy
@@ -242,6 +243,10 @@ def test_record_costs_splits_a_record_into_its_parts_and_unwraps_them(monkeypatc
     inside = parts["read"] + parts["build"] + parts["summary"] + parts["log"]
     assert 0 < inside <= parts["harvest"] * 1.05 + 1.0
     assert res["wrapper_ns"] > 0
+    if collector_mod._NATIVE.harvest is not None:  # the C loop: the summary's fold is still charged apart
+        res = mod.run(200, 2, energy=False, no_gc=False, device="cpu")
+        assert res["harvest_loop"] == "c" and res["calls"]["summary"] == 200
+        assert 0 < res["us_per_record"]["summary"] <= res["us_per_record"]["harvest"] * 1.05 + 1.0
 
 
 @pytest.mark.cuda

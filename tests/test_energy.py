@@ -20,6 +20,8 @@ from stepprof._recorder.profiler import _make_profiler
 
 from .conftest import make, steps
 
+pytestmark = pytest.mark.usefixtures("either_path")  # the C harvest holds the records too
+
 class Gate:
     """An energy counter whose reads wait for the test (``sample``), on the fake device's power."""
 

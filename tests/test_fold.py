@@ -237,6 +237,7 @@ def _as_list(x: Any) -> Any:
 def both(fold: Any, monkeypatch) -> list[int]:
     """Every step record built in C and in Python, compared; counts [built in C, in Python]."""
     assert collector.use_native() is None
+    monkeypatch.setattr(collector._NATIVE, "harvest", None)  # every record through build_step_record
     counts = [0, 0]
     real = collector.build_step_record
 

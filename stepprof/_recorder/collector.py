@@ -54,6 +54,8 @@ HARVEST_CHUNK = 256
 #: whose growth triggers full collections (45 ms each with torch loaded on the 2-core CPU:
 #: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
 HARVEST_AT = 256
+#: The most steps one call of the C harvest takes (between calls the harvest looks at ``until``).
+FAST_STEPS = 32
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
 _INTERRUPTED = "an exception interrupted stepprof's boundary before its CUDA event was recorded"
@@ -222,6 +224,7 @@ class _Native:
 
     build: Callable[[Step, str, float, str], Any] | None = None
     build_host: Callable[[Step, str, float, tuple[str, ...]], Any] | None = None
+    harvest: Callable[[tuple[Any, ...], deque[Step], int, list[Any] | None], tuple[int, int]] | None = None
 
 
 _NATIVE = _Native()
@@ -239,6 +242,7 @@ def use_native(on: bool = True) -> str | None:
                             ALLOCATOR_COUNTERS, SCHEMA_VERSION)
     _NATIVE.build = mod.build_step if mod is not None else None
     _NATIVE.build_host = getattr(mod, "build_host_step", None) if mod is not None else None
+    _NATIVE.harvest = getattr(mod, "harvest_steps", None) if mod is not None else None
     return why
 
 
@@ -630,16 +634,30 @@ class Collector:
         share_us = self.ns_per_record / 1e3
         written = 0
         budget = self.budget
-        log_write, add_step = self.log.write, self.summary.add_step
-        self.log.begin_batch()
+        log = self.log
+        log_write, add_step = log.write, self.summary.add_step
+        plan, covered = self._plan(share_us)
+        log.begin_batch()
         try:
             while pending:
                 if written == limit or (until is not None and until.is_set()):
                     return max_steps is not None or until is not None
-                s = pending[0]
+                if covered > 0:  # the steps the plan covers, in C, a few at a time (to see `until`)
+                    n = min(limit - written, covered, FAST_STEPS, CHUNK_RECORDS - written % CHUNK_RECORDS)
+                    done, logged = _NATIVE.harvest(plan, pending, n, log.batch)  # type: ignore[misc, arg-type]
+                    log.count += logged
+                    written += done
+                    covered -= done
+                    if not written % CHUNK_RECORDS:
+                        log.end_batch()
+                        log.begin_batch()
+                    if done == n or not pending:
+                        continue
+                s = pending[0]  # (one the C harvest left: not done yet, or not its kind)
                 if not s.read():  # its end events, or a phase's on another stream, still running
                     return False
                 pending.popleft()
+                covered -= 1
                 record, token = self._build(s)
                 record["overhead_us"] += share_us
                 if budget is not None and not s.warmup and s.error is None:
@@ -659,16 +677,63 @@ class Collector:
                     self.held.hold(s, record, token, self._after_hooks)
                 written += 1
                 if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
-                    self.log.end_batch()
-                    self.log.begin_batch()
+                    log.end_batch()
+                    log.begin_batch()
+                if plan is not None and plan[-1] is not None and s.index >= plan[-1]:
+                    plan, covered = self._plan(share_us)  # (past the step a memory record was due at)
             return False
         finally:
             self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
-            self.log.end_batch()
+            log.end_batch()
             if written:
                 self.ns_per_record = (clock() - t0) / written
                 if budget is not None:
                     budget.choose()
+
+    def _plan(self, share_us: float) -> tuple[tuple[Any, ...] | None, int]:
+        """The C harvest's plan (``_fold.c``'s ``harvest_steps``) for the steps pending now, and
+        how many of them it covers: (None, 0) where it covers none.
+
+        It covers the steps pending when it is made, and none queued later: the hooks' state it
+        reads (:meth:`Hook.quiet`) then already holds all that happened in those steps.  It
+        needs the C build of their backend's records, no budget, a log stamped with
+        ``run_id`` alone, and hooks whose record methods need no call per step (the late
+        hook's ``late`` may: the C harvest calls it, and holds what it gives a token)."""
+        pending = self.pending
+        n = len(pending)  # (before the hooks are asked)
+        if not n or _NATIVE.harvest is None or self.budget is not None or not self.log.plain:
+            return None, 0
+        b = pending[0].backend
+        host = None
+        if b.has_device_timing:
+            if _NATIVE.build is None or not b.has_device_memory or b.gpu_reason or b.memory_reason:
+                return None, 0
+        else:
+            if b.has_device_memory or _NATIVE.build_host is None:
+                return None, 0
+            if self._host[0] is not b:
+                self._host = (b, host_reasons(b))
+            host = self._host[1]
+            if host is None:
+                return None, 0
+        owners, before = [], None
+        for hook in (*self._record_hooks, *self._after_hooks):
+            q = hook.quiet(b)
+            if q is None or q.fields or q.reasons:
+                return None, 0
+            if q.tracks_peak:
+                owners.append(hook)
+            if q.before is not None:
+                before = q.before if before is None else min(before, q.before)
+        late = self.held.late
+        q = late.quiet(b) if late is not None else None
+        timed = b.has_device_timing
+        return (
+            b, b.device, host, self._phase_peaks_why, self._unix0, self._clock0, share_us,
+            q.fields if q is not None else None, q.reasons if q is not None else None, late if q is None else None,
+            self.held.entries, self.held.hold, b.read_marks if timed else None, b.release_marks if timed else None,
+            self._keep_end_marks, self.log.run_id, self.summary.add_step, tuple(owners), before,
+        ), n
 
     def _not_sampled(self) -> str:
         """Why a light step has no GPU figures (the interval it was chosen under)."""

@@ -34,7 +34,8 @@ from typing import Any
 
 from .._errors import raised_by_user
 from .._registry import register_state
-from .hooks import Closing, Hook
+from .._device.backend import Backend
+from .hooks import SILENT, Closing, Hook, Quiet
 from .sinks import Write
 from .step import Step
 
@@ -304,6 +305,10 @@ class CompileHook(Hook):
             tally.breaks = None
         else:
             tally.breaks += breaks
+
+    def quiet(self, b: Backend) -> Quiet | None:
+        """Nothing to add until a step compiled."""
+        return SILENT if self.from_index is None else None
 
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
         """Add the compile fields to a step record (from the first step that compiled)."""

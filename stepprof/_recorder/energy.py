@@ -33,7 +33,7 @@ from .._errors import raised_by_user
 from .._signals import start_thread
 from .._device import nvml
 from .._device.backend import Backend
-from .hooks import Closing, Hook
+from .hooks import Closing, Hook, Quiet
 from .step import Step
 
 ON_HOST = "energy is read from a CUDA GPU's NVML counter; the CPU's is not measured"
@@ -161,6 +161,11 @@ def _at(ts: list[int], mj: list[int], t: int) -> float:
     return mj[i - 1] + (mj[i] - mj[i - 1]) * (t - t0) / (t1 - t0)
 
 
+def _no_timing(b: Backend) -> str:
+    """Why the steps of a backend without device timing have no energy."""
+    return ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
+
+
 class EnergyHook(Hook):
     """``energy_j`` and ``energy_span_ms`` on the step records (see the module's docstring).
 
@@ -189,7 +194,7 @@ class EnergyHook(Hook):
         b = step.backend
         why = span_ms = None
         if not b.has_device_timing:
-            why = ON_HOST if not b.has_device_memory else (b.gpu_reason or ON_HOST)
+            why = _no_timing(b)
         elif step.thread is not None:
             why = OTHER_THREAD
         else:
@@ -213,6 +218,13 @@ class EnergyHook(Hook):
         if span_ms is None:
             unavailable["energy_span_ms"] = why
         return None
+
+    def quiet(self, b: Backend) -> Quiet | None:
+        """A backend without device timing: the fields null, with the same reason, on every record."""
+        if b.has_device_timing:
+            return None
+        why = _no_timing(b)
+        return Quiet({"energy_j": None, "energy_span_ms": None}, {"energy_j": why, "energy_span_ms": why})
 
     def _span_of(self, s: Step) -> tuple[int, int]:
         """(start, end) of a training-thread CUDA step's span; the next one starts at its end."""

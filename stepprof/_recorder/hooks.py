@@ -51,6 +51,28 @@ class Closing:
     stopped: bool
 
 
+@attrs.frozen
+class Quiet:
+    """What a hook's record methods do for a backend's steps when they need no call per step
+    (:meth:`Hook.quiet`): the collector's C harvest then does it for them.
+
+    Attributes:
+        fields: the fields every record gets (``late``'s, where they are known at once).
+        reasons: the reasons every record's ``unavailable`` gets.
+        tracks_peak: the hook's ``peak_seen`` follows the steps' peaks (``after_record``'s work).
+        before: the first step index this does not hold for (None: every step).
+    """
+
+    fields: dict[str, Any] = attrs.field(factory=dict)
+    reasons: dict[str, str] = attrs.field(factory=dict)
+    tracks_peak: bool = False
+    before: int | None = None
+
+
+#: A hook whose record methods do nothing.
+SILENT = Quiet()
+
+
 class Hook:
     """The points where the recorder calls optional behaviour; each does nothing here.
 
@@ -101,6 +123,15 @@ class Hook:
 
     def after_record(self, step: Step, write: Write) -> None:
         """Write the records that follow a step's record."""
+
+    def quiet(self, b: Backend) -> Quiet | None:
+        """What :meth:`on_record`, :meth:`late` and :meth:`after_record` would do for the steps
+        of ``b`` harvested next, if that needs no call per step; None if it does (the default
+        for a hook that overrides one of them).  Asked once a harvest."""
+        cls = type(self)
+        if cls.on_record is Hook.on_record and cls.late is Hook.late and cls.after_record is Hook.after_record:
+            return SILENT
+        return None
 
     def on_close(self, closing: Closing) -> None:
         """At close, after every pending step's record was written."""

@@ -8,12 +8,13 @@ from .. import _memory
 from .._device.backend import Backend
 from .._memory import Snapshot
 from .._errors import raised_by_user
-from .hooks import Closing, Hook
+from .hooks import Closing, Hook, Quiet
 from .sinks import Write
 from .step import Step
 
 #: ``MemoryHook.due`` when no further memory record is due (no step has index -1).
 _NEVER = -1
+_TRACKS_PEAK = Quiet(tracks_peak=True)
 
 
 class MemoryHook(Hook):
@@ -59,6 +60,11 @@ class MemoryHook(Hook):
                 raise
             snap = f"reading memory failed: {type(e).__name__}: {e}"
         self._snaps[step.index] = (trigger, snap)
+
+    def quiet(self, b: Backend) -> Quiet | None:
+        """Until the first step due a memory record, only ``peak_seen`` follows the steps."""
+        snaps = self._snaps
+        return Quiet(tracks_peak=True, before=min(snaps)) if snaps else _TRACKS_PEAK
 
     def after_record(self, step: Step, write: Write) -> None:
         """The memory record of ``step``, right after its step record."""

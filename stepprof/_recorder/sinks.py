@@ -41,6 +41,21 @@ class LogSink:
         self.count = 0
 
     @property
+    def plain(self) -> bool:
+        """Whether a built step record needs only ``run_id`` to be as the log holds it (no rank fields)."""
+        return self._rank_fields is None
+
+    @property
+    def run_id(self) -> str | None:
+        """The ``run_id`` each record gets; None without a log (nothing is written)."""
+        return self._run_id if self.writer is not None else None
+
+    @property
+    def batch(self) -> list[dict[str, Any] | bytes] | None:
+        """The records of the harvest in progress (None outside one, or without a log)."""
+        return self._batch if self.writer is not None else None
+
+    @property
     def failed(self) -> str | None:
         """Why writing stopped (the disk filled up, say), or None."""
         return self.writer.failed if self.writer is not None else None

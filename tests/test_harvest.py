@@ -1,0 +1,254 @@
+"""The C harvest (``_fold.c``'s ``harvest_steps``) against the Python harvest it stands in for.
+
+The same scripted loops run twice on the fake GPU (or the host, on a fake clock), once with the
+collector's C harvest and once without: the logs must be equal record for record, and the C
+harvest must have taken the ordinary steps itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from stepprof._recorder import collector as collector_mod
+from stepprof._recorder.hooks import Hook
+from stepprof._recorder.profiler import _make_profiler
+
+from .conftest import make
+from .fakes import FakeGpu, FakeNvml
+from .test_core import _loop, _records
+from .test_energy import Gate, run_step
+
+pytestmark = pytest.mark.skipif(collector_mod._NATIVE.harvest is None, reason="stepprof's C module is not built here")
+
+
+def _both(monkeypatch, scenario: Callable[[str], str]) -> tuple[list[dict], list[dict], list[int]]:
+    """``scenario(path)`` -> its log, with the C harvest and without: (C's records, Python's, [steps C took, calls])."""
+    real = collector_mod._NATIVE.harvest
+    taken = [0, 0]
+
+    def counted(plan, pending, n, batch):
+        done, logged = real(plan, pending, n, batch)
+        taken[0] += done
+        taken[1] += 1
+        return done, logged
+
+    monkeypatch.setattr(collector_mod._NATIVE, "harvest", counted)
+    c_log = scenario("c")
+    monkeypatch.setattr(collector_mod._NATIVE, "harvest", None)
+    py_log = scenario("python")
+    return _records(c_log), _records(py_log), taken
+
+
+def _same(c: list[dict], py: list[dict], least: int = 6) -> None:
+    assert len(c) == len(py) >= least
+    for a, b in zip(c, py):
+        assert a == b
+        assert list(a) == list(b)  # the keys' order too
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"warmup": 0}, {"phase_peaks_every": 0}, {"warmup": 2, "memory_every": 3}, {"syncs": "off"},
+])
+def test_the_c_harvest_writes_what_python_writes_on_the_gpu(tmp_path, monkeypatch, settings):
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = make(log, gpu, **settings)
+        _loop(prof, gpu)
+        prof.close()
+        return log
+
+    c, py, (taken, calls) = _both(monkeypatch, scenario)
+    _same(c, py)
+    memory = [r["trigger"] for r in c if r["kind"] == "memory"]
+    assert (memory.count("periodic") > 0) is ("memory_every" in settings) and "close" in memory
+    assert taken >= 10
+
+
+def test_the_c_harvest_writes_what_python_writes_on_the_host(tmp_path, monkeypatch):
+    """The host's records on a fake clock (its RSS is the process's own: not compared)."""
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        ticks = itertools.count(10**9, 12_345)
+        prof = _make_profiler(log, device="cpu", clock=lambda: next(ticks), collect_every_s=None, energy_every_s=0.5)
+        for i in range(12):
+            with prof.step(batch_size=4 if i % 3 else None):
+                for name in ("forward", "backward")[: i % 3]:
+                    with prof.measure(name):
+                        pass
+        try:
+            with prof.step():
+                raise KeyError("the user's")
+        except KeyError:
+            pass
+        prof.close()
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    for r in (*c, *py):
+        if r.get("host_rss_bytes") is not None:
+            r["host_rss_bytes"] = "an int"
+    _same(c, py)
+    assert c[3]["unavailable"]["energy_j"] == c[3]["unavailable"]["energy_span_ms"]  # (the hook's constant fields)
+    assert taken >= 11  # all but the first and the error
+
+
+def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, monkeypatch):
+    """Energy on: the C harvest holds a record until its sample comes, and every later one behind it."""
+    from stepprof._recorder.energy import EnergyHook
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        gate = Gate(FakeNvml(gpu))
+        with monkeypatch.context() as mp:
+            mp.setitem(sys.modules, "pynvml", gate.nvml)
+            mp.setattr("stepprof._recorder.energy.open_counter", gate.opener)
+            mp.setattr(EnergyHook.__init__, "__defaults__", (gate.opener,))
+            prof = make(log, gpu, energy_every_s=0.05)
+            run_step(prof, gpu)
+            run_step(prof, gpu)
+            gate.sample(prof)
+            for i in range(8):
+                run_step(prof, gpu, gpu_ms=1.0 + i % 3)
+                if i in (2, 5):
+                    gate.sample(prof)
+            with prof.step("named", batch_size=2):
+                with prof.measure("forward"):
+                    gpu.launch(0.5)
+            gate.sample(prof)
+            gate.release()
+            prof.close()
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    _same(c, py)
+    energies = [r["energy_j"] for r in c if r["kind"] == "step"]
+    assert energies[:2] == [None, None] and all(e is not None for e in energies[2:])
+    assert taken >= 8
+
+
+class _Amends(Hook):
+    """A hook with work on every record: the C harvest leaves all of them to Python."""
+
+    def on_record(self, step, record):
+        record["thread"] = "amended"
+
+
+def test_a_hook_with_work_per_record_sends_the_steps_to_python(tmp_path, monkeypatch):
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = make(log, gpu)
+        for _ in range(4):
+            with prof.step():
+                gpu.launch(1.0)
+        gpu.wait_idle()
+        prof.flush()
+        prof._hooks.append(_Amends())
+        prof._collector.use(prof._hooks)
+        for _ in range(3):
+            with prof.step():
+                gpu.launch(1.0)
+        prof.close()
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    _same(c, py)
+    steps = [r for r in c if r["kind"] == "step"]
+    assert [s.get("thread") for s in steps] == [None] * 4 + ["amended"] * 3
+    assert taken == 3  # steps 1 to 3 (step 0 chooses the backend, in Python), none after the hook came
+
+
+def test_the_collector_thread_takes_chunks_and_keeps_the_order(tmp_path, monkeypatch):
+    """The collector thread's harvests (a few C calls each, the lock let go between chunks)."""
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = _make_profiler(log, backend=gpu, clock=gpu.clock, collect_every_s=0.001, energy_every_s=None)
+        for i in range(700):
+            with prof.step(batch_size=8):
+                with prof.measure("forward"):
+                    gpu.launch(0.1)
+        prof.close()
+        return log
+
+    c, py, (taken, calls) = _both(monkeypatch, scenario)
+    assert [r["step"] for r in c if r["kind"] == "step"] == list(range(700))
+    c_steps = [{k: v for k, v in r.items() if k != "overhead_us"} for r in c]  # (the collector's share: its own CPU)
+    py_steps = [{k: v for k, v in r.items() if k != "overhead_us"} for r in py]
+    _same(c_steps, py_steps)
+    assert taken == 699 and calls >= 699 // collector_mod.FAST_STEPS
+
+
+def test_an_interrupt_from_a_late_hook_reaches_the_loop_and_the_log_stays_whole(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised inside the C harvest's call to the late hook (a signal landing
+    there) reaches the training loop as the same object, on both paths alike."""
+    boom = KeyboardInterrupt("in the late hook")
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = make(log, gpu, energy_every_s=1.0)
+        late = prof._collector.held.late
+        real = type(late).late
+        calls = {"n": 0}
+
+        def late_once(self, step, record):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise boom
+            return real(self, step, record)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(type(late), "late", late_once)
+            mp.setattr(type(late), "quiet", lambda self, b: None)
+            with pytest.raises(KeyboardInterrupt) as got:
+                for _ in range(5):
+                    with prof.step():
+                        gpu.launch(1.0)
+                        gpu.wait_idle()
+            assert got.value is boom
+        prof.close()
+        return log
+
+    c, py, _ = _both(monkeypatch, scenario)
+    _same(c, py, least=5)
+    assert [r["step"] for r in c if r["kind"] == "step"] == [0, 1]  # (the step whose record it cut short is lost)
+
+
+def test_a_step_of_another_thread_or_backend_is_left_to_python(tmp_path, monkeypatch):
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = make(log, gpu)
+        for _ in range(3):
+            with prof.step():
+                gpu.launch(1.0)
+        done = threading.Event()
+
+        def other():
+            with prof.step("other"):
+                gpu.launch(0.5)
+            done.set()
+
+        t = threading.Thread(target=other, name="worker")
+        t.start()
+        t.join()
+        for _ in range(3):
+            with prof.step():
+                gpu.launch(1.0)
+        prof.close()
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    _same(c, py)
+    assert [r.get("thread") for r in c if r["kind"] == "step"].count("worker") == 1
+    assert taken >= 4
