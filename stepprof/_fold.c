@@ -810,7 +810,8 @@ static const char* const WHY_NAMES[N_WHY] = {
     "reserved_bytes", "allocator", "host_rss_bytes"};
 static int build_ready;
 /* harvest_steps' names */
-static PyObject *s_popleft, *s_late, *s_fill, *s_peak_seen, *s_run_id, *s_overhead_us, *s_unavailable;
+static PyObject *s_popleft, *s_late, *s_fill, *s_peak_seen, *s_run_id, *s_overhead_us, *s_unavailable, *s_append,
+    *s_option, *EMPTY_BYTES;
 static PyObject* SLASH;
 
 /* why[] from the texts by name (a missing one names itself); the field names are the C's. */
@@ -863,8 +864,11 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     Py_XSETREF(schema_version, Py_NewRef(version));
     Py_XSETREF(kind_step, PyUnicode_InternFromString("step"));
     Py_XSETREF(SLASH, PyUnicode_InternFromString("/"));
-    PyObject** interned[] = {&s_popleft, &s_late, &s_fill, &s_peak_seen, &s_run_id, &s_overhead_us, &s_unavailable};
-    const char* names[] = {"popleft", "late", "fill", "peak_seen", "run_id", "overhead_us", "unavailable"};
+    PyObject** interned[] = {&s_popleft, &s_late, &s_fill, &s_peak_seen, &s_run_id, &s_overhead_us, &s_unavailable,
+                             &s_append, &s_option};
+    const char* names[] = {"popleft", "late", "fill", "peak_seen", "run_id", "overhead_us", "unavailable", "append",
+                           "option"};
+    if (EMPTY_BYTES == NULL && (EMPTY_BYTES = PyBytes_FromStringAndSize(NULL, 0)) == NULL) return NULL;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*interned[i] = *interned[i] ? *interned[i] : PyUnicode_InternFromString(names[i])) == NULL) return NULL;
     T_STEP = (PyTypeObject*)Py_NewRef(step);
@@ -1361,6 +1365,46 @@ static int track_peak(PyObject* owners, PyObject* s) {
     return 0;
 }
 
+/* HeldRecords.hold's work for a record with no record after it: folded now, encoded now (its
+ * line as LogSink.encode makes it), and queued as held.py's flat tuple (line, name, batch_size,
+ * timed, b"", 0, *token); 0 or -1.  P_HOLD: (orjson.dumps, its option, _log.encode_line), the
+ * last for a record orjson refuses. */
+static int hold(PyObject* plan, PyObject* s, PyObject* record, PyObject* token, PyObject* held) {
+    PyObject *enc = PyTuple_GET_ITEM(plan, P_HOLD), *run_id = PyTuple_GET_ITEM(plan, P_RUN_ID);
+    PyObject *timed = NULL, *line = NULL, *head = NULL, *entry = NULL, *res = NULL;
+    int rc = -1;
+    if (!PyTuple_CheckExact(enc) || PyTuple_GET_SIZE(enc) != 3 || (token != Py_None && !PyTuple_CheckExact(token))) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps: a hold plan or token of another shape");
+        return -1;
+    }
+    if ((timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record)) == NULL) goto done;
+    if (run_id == Py_None) line = PyBytes_FromStringAndSize(NULL, 0);  /* no log: nothing to write */
+    else if (PyDict_SetItem(record, s_run_id, run_id) == 0) {
+        PyObject* a[2] = {record, PyTuple_GET_ITEM(enc, 1)};
+        PyObject* kw = PyTuple_Pack(1, s_option);
+        line = kw ? PyObject_Vectorcall(PyTuple_GET_ITEM(enc, 0), a, 1, kw) : NULL;
+        Py_XDECREF(kw);
+        if (line == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {  /* (orjson.JSONEncodeError is one) */
+            PyErr_Clear();  /* (orjson's refusal: encode_line repairs the record) */
+            line = PyObject_CallOneArg(PyTuple_GET_ITEM(enc, 2), record);
+        }
+    }
+    if (line == NULL) goto done;
+    head = Py_BuildValue("(OOOOOn)", line, STEP(s, B_NAME), STEP(s, B_BATCH), timed, EMPTY_BYTES, (Py_ssize_t)0);
+    if (head == NULL) goto done;
+    entry = token == Py_None ? Py_NewRef(head) : PySequence_Concat(head, token);
+    if (entry == NULL) goto done;
+    res = PyObject_CallMethodOneArg(held, s_append, entry);
+    rc = res == NULL ? -1 : 0;
+done:
+    Py_XDECREF(timed);
+    Py_XDECREF(line);
+    Py_XDECREF(head);
+    Py_XDECREF(entry);
+    Py_XDECREF(res);
+    return rc;
+}
+
 /* The step's record, logged and folded now, or held: 1 logged, 0 not, -1 an error.  Steals ``token``. */
 static int deliver(PyObject* plan, PyObject* s, PyObject* record, PyObject* token, PyObject* batch) {
     PyObject* held = PyTuple_GET_ITEM(plan, P_HELD);
@@ -1390,13 +1434,7 @@ static int deliver(PyObject* plan, PyObject* s, PyObject* record, PyObject* toke
         if (timed == NULL) goto done;
         Py_DECREF(timed);
         rc = logged;
-    } else {
-        PyObject* after = PyTuple_New(0);
-        PyObject* res = after ? PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(plan, P_HOLD), s, record, token, after, NULL)
-                              : NULL;
-        Py_XDECREF(after);
-        if (res == NULL) goto done;
-        Py_DECREF(res);
+    } else if (hold(plan, s, record, token, held) == 0) {
         rc = 0;
     }
 done:
