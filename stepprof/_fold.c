@@ -811,7 +811,7 @@ static const char* const WHY_NAMES[N_WHY] = {
 static int build_ready;
 /* harvest_steps' names */
 static PyObject *s_popleft, *s_late, *s_fill, *s_peak_seen, *s_run_id, *s_overhead_us, *s_unavailable, *s_append,
-    *s_option, *EMPTY_BYTES;
+    *s_option, *EMPTY_BYTES, *KW_OPTION;
 static PyObject* SLASH;
 
 /* why[] from the texts by name (a missing one names itself); the field names are the C's. */
@@ -868,9 +868,10 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
                              &s_append, &s_option};
     const char* names[] = {"popleft", "late", "fill", "peak_seen", "run_id", "overhead_us", "unavailable", "append",
                            "option"};
-    if (EMPTY_BYTES == NULL && (EMPTY_BYTES = PyBytes_FromStringAndSize(NULL, 0)) == NULL) return NULL;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*interned[i] = *interned[i] ? *interned[i] : PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+    if (EMPTY_BYTES == NULL && (EMPTY_BYTES = PyBytes_FromStringAndSize(NULL, 0)) == NULL) return NULL;
+    if (KW_OPTION == NULL && (KW_OPTION = PyTuple_Pack(1, s_option)) == NULL) return NULL;
     T_STEP = (PyTypeObject*)Py_NewRef(step);
     T_PT = (PyTypeObject*)Py_NewRef(pt);
     build_ready = kind_step != NULL && SLASH != NULL;
@@ -1263,7 +1264,7 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
  * constant (Hook.quiet) and no budget runs; its items, by the P_ names below, are Python's. */
 
 enum { P_BACKEND, P_DEVICE, P_HOST, P_PEAKS_WHY, P_UNIX0, P_CLOCK0, P_SHARE, P_LATE_FIELDS, P_LATE_REASONS,
-       P_LATE, P_HELD, P_HOLD, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_BEFORE,
+       P_LATE, P_HELD, P_ENCODE, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_BEFORE,
        N_PLAN };
 
 /* A step's marks as Step.flat_marks gives them (new), or NULL with no error: leave it to Python. */
@@ -1365,31 +1366,37 @@ static int track_peak(PyObject* owners, PyObject* s) {
     return 0;
 }
 
-/* HeldRecords.hold's work for a record with no record after it: folded now, encoded now (its
- * line as LogSink.encode makes it), and queued as held.py's flat tuple (line, name, batch_size,
- * timed, b"", 0, *token); 0 or -1.  P_HOLD: (orjson.dumps, its option, _log.encode_line), the
- * last for a record orjson refuses. */
+/* HeldRecords.hold's work for a record with no record after it: folded now, encoded now, and
+ * queued as held.py's flat tuple (line, name, batch_size, timed, b"", 0, *token); 0 or -1. */
+/* The record's line as the log holds it (new): stamped with run_id, encoded as LogSink.encode does
+ * (P_ENCODE: orjson.dumps, its option, and _log.encode_line for a record orjson refuses); b""
+ * without a log. */
+static PyObject* encode(PyObject* plan, PyObject* record) {
+    PyObject *enc = PyTuple_GET_ITEM(plan, P_ENCODE), *run_id = PyTuple_GET_ITEM(plan, P_RUN_ID);
+    if (!PyTuple_CheckExact(enc) || PyTuple_GET_SIZE(enc) != 3) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps: an encoder of another shape");
+        return NULL;
+    }
+    if (run_id == Py_None) return Py_NewRef(EMPTY_BYTES);
+    if (PyDict_SetItem(record, s_run_id, run_id)) return NULL;
+    PyObject* a[2] = {record, PyTuple_GET_ITEM(enc, 1)};
+    PyObject* line = PyObject_Vectorcall(PyTuple_GET_ITEM(enc, 0), a, 1, KW_OPTION);
+    if (line == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {  /* (orjson.JSONEncodeError is one) */
+        PyErr_Clear();  /* a value JSON cannot hold: encode_line repairs the record */
+        line = PyObject_CallOneArg(PyTuple_GET_ITEM(enc, 2), record);
+    }
+    return line;
+}
+
 static int hold(PyObject* plan, PyObject* s, PyObject* record, PyObject* token, PyObject* held) {
-    PyObject *enc = PyTuple_GET_ITEM(plan, P_HOLD), *run_id = PyTuple_GET_ITEM(plan, P_RUN_ID);
     PyObject *timed = NULL, *line = NULL, *head = NULL, *entry = NULL, *res = NULL;
     int rc = -1;
-    if (!PyTuple_CheckExact(enc) || PyTuple_GET_SIZE(enc) != 3 || (token != Py_None && !PyTuple_CheckExact(token))) {
-        PyErr_SetString(PyExc_TypeError, "harvest_steps: a hold plan or token of another shape");
+    if (token != Py_None && !PyTuple_CheckExact(token)) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps: a late hook's token must be a tuple");
         return -1;
     }
     if ((timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record)) == NULL) goto done;
-    if (run_id == Py_None) line = PyBytes_FromStringAndSize(NULL, 0);  /* no log: nothing to write */
-    else if (PyDict_SetItem(record, s_run_id, run_id) == 0) {
-        PyObject* a[2] = {record, PyTuple_GET_ITEM(enc, 1)};
-        PyObject* kw = PyTuple_Pack(1, s_option);
-        line = kw ? PyObject_Vectorcall(PyTuple_GET_ITEM(enc, 0), a, 1, kw) : NULL;
-        Py_XDECREF(kw);
-        if (line == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {  /* (orjson.JSONEncodeError is one) */
-            PyErr_Clear();  /* (orjson's refusal: encode_line repairs the record) */
-            line = PyObject_CallOneArg(PyTuple_GET_ITEM(enc, 2), record);
-        }
-    }
-    if (line == NULL) goto done;
+    if ((line = encode(plan, record)) == NULL) goto done;
     head = Py_BuildValue("(OOOOOn)", line, STEP(s, B_NAME), STEP(s, B_BATCH), timed, EMPTY_BYTES, (Py_ssize_t)0);
     if (head == NULL) goto done;
     entry = token == Py_None ? Py_NewRef(head) : PySequence_Concat(head, token);
@@ -1426,13 +1433,20 @@ static int deliver(PyObject* plan, PyObject* s, PyObject* record, PyObject* toke
         }
         Py_DECREF(filled);
     }
-    if (token == Py_None && waiting == 0) {
-        PyObject* run_id = PyTuple_GET_ITEM(plan, P_RUN_ID);
-        int logged = run_id != Py_None && batch != Py_None;
-        if (logged && (PyDict_SetItem(record, s_run_id, run_id) || PyList_Append(batch, record))) goto done;
+    if (token == Py_None && waiting == 0) {  /* its line into the batch, encoded now: the dict dies young */
+        int logged = PyTuple_GET_ITEM(plan, P_RUN_ID) != Py_None && batch != Py_None;
+        if (logged && PyDict_SetItem(record, s_run_id, PyTuple_GET_ITEM(plan, P_RUN_ID))) goto done;
         PyObject* timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record);
         if (timed == NULL) goto done;
         Py_DECREF(timed);
+        if (logged) {
+            PyObject* line = encode(plan, record);
+            if (line == NULL || PyList_Append(batch, line)) {
+                Py_XDECREF(line);
+                goto done;
+            }
+            Py_DECREF(line);
+        }
         rc = logged;
     } else if (hold(plan, s, record, token, held) == 0) {
         rc = 0;

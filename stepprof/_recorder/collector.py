@@ -58,8 +58,8 @@ HARVEST_CHUNK = 256
 HARVEST_AT = 256
 #: The most steps one call of the C harvest takes (between calls the harvest looks at ``until``).
 FAST_STEPS = 32
-#: How the C harvest encodes a record it holds, as ``LogSink.encode`` does (``encode_line``: one orjson refuses).
-_HOLD = (orjson.dumps, orjson.OPT_APPEND_NEWLINE, encode_line)
+#: How the C harvest encodes a record, as ``LogSink.encode`` does (``encode_line``: one orjson refuses).
+_ENCODE = (orjson.dumps, orjson.OPT_APPEND_NEWLINE, encode_line)
 
 _NO_EVENT = "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"
 _INTERRUPTED = "an exception interrupted stepprof's boundary before its CUDA event was recorded"
@@ -735,7 +735,7 @@ class Collector:
         return (
             b, b.device, host, self._phase_peaks_why, self._unix0, self._clock0, share_us,
             q.fields if q is not None else None, q.reasons if q is not None else None, late if q is None else None,
-            self.held.entries, _HOLD, b.read_marks if timed else None, b.release_marks if timed else None,
+            self.held.entries, _ENCODE, b.read_marks if timed else None, b.release_marks if timed else None,
             self._keep_end_marks, self.log.run_id, self.summary.add_step, tuple(owners), before,
         ), n
 
