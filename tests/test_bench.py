@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import time
@@ -222,6 +223,24 @@ def test_long_loop_charges_each_thread_and_gc_generation_and_aggregates_spy_fram
     assert dict(main["self"]) == {"Boundaries.exit (stepprof/_recorder/boundaries.py)": 10}
     assert dict(main["incl"])["timed_loop (bench/long_loop.py)"] == 10
     assert agg["thread (2): stepprof-collector"]["samples"] == 3
+
+
+def test_harvest_bench_times_both_loops_and_puts_the_c_one_back(monkeypatch, tmp_path, capsys):
+    """bench/harvest.py: one harvest each way a round, every record written, the C loop restored."""
+    from stepprof._recorder import collector as collector_mod
+
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("harvest")
+    fast = collector_mod._NATIVE.harvest
+    if fast is None:
+        pytest.skip("stepprof's C module is not built here")
+    out = tmp_path / "harvest.json"
+    assert mod.main(["--pending", "30", "--phases", "0,2", "--rounds", "2", "--device", "cpu", "--json", str(out)]) == 0
+    assert collector_mod._NATIVE.harvest is fast
+    res = json.loads(out.read_text())["results"]
+    assert [r["phases"] for r in res] == [0, 2]
+    assert all(len(r["ratios"]) == 2 and min(r["c_us"] + r["python_us"]) > 0 for r in res)
+    assert "C/Python" in capsys.readouterr().out
 
 
 def test_record_costs_splits_a_record_into_its_parts_and_unwraps_them(monkeypatch):
