@@ -89,13 +89,14 @@ def test_overhead_post_processing_counts_the_profilers_exit(overhead, monkeypatc
 
 
 def test_boundary_costs_times_every_records_write(monkeypatch, tmp_path):
-    """bench/boundary_costs.py's log-write row covers the step records the collector writes
-    (in batches, through ``JsonlWriter.write_many``), not only single ``write()`` calls."""
+    """bench/boundary_costs.py's harvest row covers every step record's encoding and write,
+    the C harvest's (which encodes with the collector's ``_ENCODE``) as well as Python's."""
     import json
     import types
 
     from stepprof import _log
     from stepprof._device.backend import HostBackend
+    from stepprof._recorder import collector
 
     monkeypatch.syspath_prepend(BENCH)
     mod = importlib.import_module("boundary_costs")
@@ -113,12 +114,13 @@ def test_boundary_costs_times_every_records_write(monkeypatch, tmp_path):
         return real.dumps(obj, option=option)
 
     monkeypatch.setattr(_log, "orjson", types.SimpleNamespace(dumps=slow_dumps, OPT_APPEND_NEWLINE=real.OPT_APPEND_NEWLINE))
+    monkeypatch.setattr(collector, "_ENCODE", (slow_dumps,) + collector._ENCODE[1:])
     out = tmp_path / "costs.json"
     monkeypatch.setattr(sys, "argv", ["boundary_costs.py", "--steps", "30", "--log-dir", str(tmp_path),
                                       "--out", str(out)])
     assert mod.main() == 0
     rows = json.loads(out.read_text())["rows"]
-    (write,) = [r for k, r in rows.items() if k.startswith("log write")]
+    (write,) = [r for k, r in rows.items() if k.startswith("collector harvest")]
     assert write["us_per_step"] >= 2000  # every step's record went through the timed write
 
 
