@@ -1537,6 +1537,167 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
     return Py_BuildValue("(nn)", written, logged);
 }
 
+/* == fill_energy: the energy of the records that wait for it (stepprof/_recorder/energy.py) ==
+ *
+ * fill_energy(entries, times, mj, limit, final, dumps, add_late, out)
+ * -> (entries, lines, last start) completes what EnergyHook.fill and HeldRecords._write do for the
+ * records at the head of ``entries`` (held.py's tuples) whose span the samples (``times``, ``mj``:
+ * the Sampler's lists) cover, at most ``limit`` of them: each one's ``energy_j`` interpolated as
+ * energy._at does, to the last bit, its line given the two fields, the summary told
+ * (``add_late``, for a timed step), its lines appended to ``out``.  It stops at the first record
+ * that must still wait, and leaves to Python one it cannot complete so (no sample before its
+ * start, a sampler that stopped, numbers past 2**53); ``last start`` is the last span's start
+ * (None: none), from which the caller trims the samples. */
+
+#define EXACT (1LL << 53)
+
+/* bisect_left(ts, t) over a list of ints (0 found, 1 leave it to Python, -1 an error). */
+static int bisect_ts(PyObject* ts, Py_ssize_t n, long long t, Py_ssize_t* at) {
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        long long v;
+        int rc = small_int(PyList_GET_ITEM(ts, mid), &v);
+        if (rc) return rc;
+        if (v < t) lo = mid + 1;
+        else hi = mid;
+    }
+    *at = lo;
+    return 0;
+}
+
+/* The counter at host time t, within the samples, as energy._at computes it (0, 1, -1). */
+static int counter_at(PyObject* ts, PyObject* mj, Py_ssize_t n, long long t, double* out) {
+    Py_ssize_t i;
+    long long ti, m1;
+    int rc = bisect_ts(ts, n, t, &i);
+    if (rc || i >= n) return rc ? rc : 1;
+    if ((rc = small_int(PyList_GET_ITEM(ts, i), &ti)) || (rc = small_int(PyList_GET_ITEM(mj, i), &m1))) return rc;
+    if (ti == t) {
+        *out = (double)m1;
+        return 0;
+    }
+    if (i == 0) return 1;
+    long long t0, m0;
+    if ((rc = small_int(PyList_GET_ITEM(ts, i - 1), &t0)) || (rc = small_int(PyList_GET_ITEM(mj, i - 1), &m0))) return rc;
+    long long dm = m1 - m0, dt = t - t0, den = ti - t0;
+    /* Python's int product is exact and its int / int correctly rounded: so is this while both stay below 2**53 */
+    if (den <= 0 || dm < 0 || dm >= EXACT || dt < 0 || (dm > 0 && dt > (EXACT - 1) / dm)) return 1;
+    *out = (double)m0 + (double)(dm * dt) / (double)den;
+    return 0;
+}
+
+static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "fill_energy(entries, times, mj, limit, final, dumps, add_late, out)");
+        return NULL;
+    }
+    PyObject *entries = args[0], *ts = args[1], *mj = args[2], *dumps = args[5], *add_late = args[6], *out = args[7];
+    Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    int final = PyObject_IsTrue(args[4]);
+    if (final < 0) return NULL;
+    if (!build_ready || !PyList_CheckExact(ts) || !PyList_CheckExact(mj) || !PyList_CheckExact(out))
+        return Py_BuildValue("(nnO)", (Py_ssize_t)0, (Py_ssize_t)0, Py_None);
+    Py_ssize_t done = 0, lines = 0;
+    long long last = 0;
+    int spans = 0;
+    while (done < limit) {
+        Py_ssize_t left = PyObject_Length(entries);
+        if (left < 0) return NULL;
+        if (left == 0) break;
+        PyObject* e = PySequence_GetItem(entries, 0);
+        if (e == NULL) return NULL;
+        /* (line, name, batch_size, timed, after, count after[, start, end]) */
+        Py_ssize_t size = PyTuple_CheckExact(e) ? PyTuple_GET_SIZE(e) : 0;
+        long long start = 0, end = 0, n_after;
+        int rc = (size != 6 && size != 8) || !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
+                 !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 4)) || small_int(PyTuple_GET_ITEM(e, 5), &n_after);
+        if (!rc && size == 8) rc = small_int(PyTuple_GET_ITEM(e, 6), &start) || small_int(PyTuple_GET_ITEM(e, 7), &end);
+        double energy = 0.0;
+        if (!rc && size == 8) {
+            Py_ssize_t n = Py_MIN(PyList_GET_SIZE(ts), PyList_GET_SIZE(mj));  /* (the sampler appends mj first) */
+            long long first = 0, latest = 0;
+            rc = n == 0 || small_int(PyList_GET_ITEM(ts, 0), &first) || small_int(PyList_GET_ITEM(ts, n - 1), &latest);
+            if (!rc && !final && latest < end) {  /* its sample is still to come (or, past the patience, */
+                Py_DECREF(e);                       /* will not: EnergyHook.fill says why) */
+                break;
+            }
+            double a = 0.0, z = 0.0;
+            if (!rc) rc = start < first || end > latest;
+            if (!rc) rc = counter_at(ts, mj, n, end, &z);
+            if (!rc) rc = counter_at(ts, mj, n, start, &a);
+            energy = (z - a) / 1e3;
+        }
+        if (rc) {
+            Py_DECREF(e);
+            if (rc < 0 || PyErr_Occurred()) return NULL;
+            break;
+        }
+        PyObject* popped = PyObject_CallMethodNoArgs(entries, s_popleft);  /* (first, as HeldRecords._write) */
+        if (popped == NULL) {
+            Py_DECREF(e);
+            return NULL;
+        }
+        Py_DECREF(popped);
+        PyObject *line = PyTuple_GET_ITEM(e, 0), *after = PyTuple_GET_ITEM(e, 4), *filled = NULL, *full = NULL;
+        int ok = 1;
+        if (size == 8) {
+            PyObject* fields = Py_BuildValue("{sdsd}", "energy_j", energy, "energy_span_ms", (double)(end - start) / 1e6);
+            ok = fields != NULL;
+            if (ok && PyBytes_GET_SIZE(line) >= 2) {  /* '{...}\n' -> '{..., "energy_j": ...}\n' */
+                PyObject* js = PyObject_CallOneArg(dumps, fields);
+                ok = js != NULL && PyBytes_CheckExact(js) && PyBytes_GET_SIZE(js) >= 2;
+                if (ok) {
+                    Py_ssize_t a = PyBytes_GET_SIZE(line) - 2, b = PyBytes_GET_SIZE(js) - 1;
+                    filled = PyBytes_FromStringAndSize(NULL, a + 1 + b + 1);
+                    if ((ok = filled != NULL)) {
+                        char* p = PyBytes_AS_STRING(filled);
+                        memcpy(p, PyBytes_AS_STRING(line), a);
+                        p[a] = ',';
+                        memcpy(p + a + 1, PyBytes_AS_STRING(js) + 1, b);
+                        p[a + 1 + b] = '\n';
+                    }
+                } else if (js != NULL) {
+                    PyErr_SetString(PyExc_TypeError, "fill_energy: dumps gave no JSON object");
+                }
+                Py_XDECREF(js);
+            }
+            int timed = ok ? PyObject_IsTrue(PyTuple_GET_ITEM(e, 3)) : 0;
+            if (timed < 0) ok = 0;
+            if (ok && timed) {
+                PyObject* u = PyDict_New();
+                PyObject* r = u ? PyDict_Copy(fields) : NULL;
+                PyObject* res = r && !PyDict_SetItem(r, s_unavailable, u)
+                    ? PyObject_CallFunctionObjArgs(add_late, r, PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2),
+                                                   PyTuple_GET_ITEM(e, 3), NULL)
+                    : NULL;
+                ok = res != NULL;
+                Py_XDECREF(res);
+                Py_XDECREF(r);
+                Py_XDECREF(u);
+            }
+            Py_XDECREF(fields);
+        }
+        if (ok) {
+            PyObject* base = filled ? filled : line;
+            full = PyBytes_GET_SIZE(after) ? PySequence_Concat(base, after) : Py_NewRef(base);
+            ok = full != NULL && !PyList_Append(out, full);
+        }
+        Py_XDECREF(filled);
+        Py_XDECREF(full);
+        Py_DECREF(e);
+        if (!ok) return NULL;
+        done++;
+        lines += 1 + (Py_ssize_t)n_after;
+        if (size == 8) last = start, spans = 1;
+    }
+    PyObject* last_obj = spans ? PyLong_FromLongLong(last) : Py_NewRef(Py_None);
+    if (last_obj == NULL) return NULL;
+    return Py_BuildValue("(nnN)", done, lines, last_obj);
+}
+
 /* -- The sanitiser's fast check (stepprof/_sanitise.py): whether a record read from a log is
  * valid as it is, so that sanitise() may hand it on unchanged.  It says yes only where the
  * Python pass would change nothing and note nothing; anything else (an undeclared key, a value
@@ -1715,6 +1876,9 @@ static PyMethodDef methods[] = {
     {"harvest_steps", (PyCFunction)(void (*)(void))harvest_steps, METH_FASTCALL,
      "harvest_steps(plan, pending, limit, batch) -> (written, logged): Collector.harvest's loop for the steps "
      "its plan covers."},
+    {"fill_energy", (PyCFunction)(void (*)(void))fill_energy, METH_FASTCALL,
+     "fill_energy(entries, times, mj, limit, final, dumps, add_late, out) -> (entries, lines, last start): the "
+     "energy of the held records whose span the samples cover."},
     {"configure_build", configure_build, METH_VARARGS,
      "configure_build(Step, PhaseTotals, core keys, optional keys, phase keys, reasons, allocator names, "
      "schema version)"},

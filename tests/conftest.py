@@ -98,11 +98,12 @@ def either_path(request, monkeypatch) -> str:
     """The test once on the step core (stepprof/_core.c) and the C harvest, and once on the
     Python boundaries and harvest, as a profiler without the C module runs (the fault suite
     and the energy tests run on both)."""
-    from stepprof._recorder import collector, core
+    from stepprof._recorder import collector, core, energy
 
     if request.param == "python":
         monkeypatch.setattr(core._STATE, "module", None)
         monkeypatch.setattr(collector._NATIVE, "harvest", None)
+        monkeypatch.setattr(energy._NATIVE, "fill", None)
     elif core._STATE.module is None:
         pytest.skip("stepprof's C module is not built here (no C compiler)")
     return request.param

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from stepprof._recorder import collector as collector_mod
+from stepprof._recorder import energy as energy_mod
 from stepprof._recorder.hooks import Hook
 from stepprof._recorder.profiler import _make_profiler
 
@@ -40,6 +41,7 @@ def _both(monkeypatch, scenario: Callable[[str], str]) -> tuple[list[dict], list
     monkeypatch.setattr(collector_mod._NATIVE, "harvest", counted)
     c_log = scenario("c")
     monkeypatch.setattr(collector_mod._NATIVE, "harvest", None)
+    monkeypatch.setattr(energy_mod._NATIVE, "fill", None)
     py_log = scenario("python")
     return _records(c_log), _records(py_log), taken
 
@@ -256,3 +258,78 @@ def test_a_step_of_another_thread_or_backend_is_left_to_python(tmp_path, monkeyp
     _same(c, py)
     assert [r.get("thread") for r in c if r["kind"] == "step"].count("worker") == 1
     assert taken >= 4
+
+
+class _Samples:
+    """A sampler's lists, as EnergyHook reads them (no thread)."""
+
+    def __init__(self, times, mj):
+        self.times, self.mj, self.reason, self.running = times, mj, None, True
+
+    energy_j = energy_mod.Sampler.energy_j
+    trim = energy_mod.Sampler.trim
+
+
+def _held_write(monkeypatch, tmp_path, c: bool, entries, times, mj, final: bool):
+    """HeldRecords.write over ``entries`` with the C fill or without: (the log's lines, the entries left, the summary)."""
+    from stepprof._recorder.held import HeldRecords
+    from stepprof._recorder.sinks import LogSink, SummarySink
+
+    done = [0]
+    with monkeypatch.context() as mp:
+        real = energy_mod._NATIVE.fill
+        if not c:
+            mp.setattr(energy_mod._NATIVE, "fill", None)
+        else:
+            assert real is not None
+
+            def counted(*args):
+                got = real(*args)
+                done[0] += got[0]
+                return got
+
+            mp.setattr(energy_mod._NATIVE, "fill", counted)
+        path = str(tmp_path / f"held-{c}-{final}.jsonl")
+        log, summary = LogSink(path, None, "r"), SummarySink("r")
+        held = HeldRecords(log, summary)
+        hook = energy_mod.EnergyHook(0.5, lambda: times[-1] if times else 0)
+        hook.sampler = _Samples(list(times), list(mj))
+        held.late = hook
+        held.entries.extend(entries)
+        held.write(final)
+        log.close()
+        with open(path, "rb") as f:
+            lines = f.read()
+        return lines, list(held.entries), summary.aggregate.summary_fields(), done[0]
+
+
+def test_the_c_fill_gives_pythons_energy_to_the_last_bit(monkeypatch, tmp_path):
+    """Held records filled in C (fill_energy) and in Python (EnergyHook.fill): the same lines, the
+    same summary, the same records left waiting; spans on and between samples, records without a
+    span, records after them, a span before the first sample (Python's), and ones still waiting."""
+    import random
+
+    import orjson
+
+    rng = random.Random(7)
+    times = [10**9 + 100_000_000 * k + rng.randrange(5_000_000) for k in range(40)]
+    mj = [0]
+    for _ in times[1:]:
+        mj.append(mj[-1] + rng.randrange(1, 90_000))
+    entries = []
+    t = times[0] - 20_000_000  # the first span starts before the first sample: Python fills it, with its reason
+    for i in range(300):
+        end = t + rng.choice([1, 3_000_000, 17_333_333, times[min(39, i // 7)] - t if i % 11 == 0 else 2_500_001])
+        end = max(end, t + 1)
+        line = orjson.dumps({"kind": "step", "step": i, "name": "s", "unavailable": {}, "run_id": "r"}, option=orjson.OPT_APPEND_NEWLINE)
+        after = b'{"kind":"memory"}\n' if i % 50 == 7 else b""
+        head = (line, "s", 8 if i % 3 else None, i % 4 != 0, after, 1 if after else 0)
+        entries.append(head if i % 9 == 5 else head + (t, end))
+        t = end
+    for final in (False, True):
+        c = _held_write(monkeypatch, tmp_path, True, entries, times[:25], mj[:25], final)
+        py = _held_write(monkeypatch, tmp_path, False, entries, times[:25], mj[:25], final)
+        assert c[0] == py[0] and c[1] == py[1] and c[2] == py[2]
+        assert c[3] > 150 and py[3] == 0  # (the C fill took most of them)
+        assert len(c[1]) > 0 if not final else not c[1]  # (past the last sample: waiting, until final)
+    assert b'"energy_j":null' in c[0] and c[0].count(b'"energy_j":') > 200

@@ -77,10 +77,22 @@ class HeldRecords:
     def _write(self, final: bool, until: Any, why: str | None) -> bool:
         entries = self.entries
         log = self._log
+        late = self.late
         n = 0
         while entries:
             if until is not None and until.is_set():
                 return True
+            if late is not None and why is None:  # the common records, as many as it can in one go
+                out: list[bytes] = []
+                done, lines = late.fill_many(entries, final, CHUNK_RECORDS - n % CHUNK_RECORDS,
+                                             self._summary.add_late, out)
+                if done:
+                    log.write_lines(b"".join(out), lines)
+                    n += done
+                    if not n % CHUNK_RECORDS:
+                        log.end_batch()
+                        log.begin_batch()
+                    continue
             n += 1
             if not n % CHUNK_RECORDS:  # a long run of lines goes out as it goes
                 log.end_batch()
@@ -88,7 +100,7 @@ class HeldRecords:
             entry = entries[0]
             line, name, batch, timed, after, n_after = entry[:6]
             token = entry[6:]
-            filled = self.late.fill(token, final, why) if token else ({}, {})  # type: ignore[union-attr]
+            filled = late.fill(token, final, why) if token else ({}, {})  # type: ignore[union-attr]
             if filled is None:
                 return False
             entries.popleft()
