@@ -62,23 +62,20 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     col = prof._collector
     hot: list[tuple[int, bool]] = []
     harvests: list[tuple[int, int, int]] = []  # (cpu ns, wall ns, records)
-    build = col._build
-
-    def spy_build(s):
-        hot.append((s.overhead_ns, s.sampled != 0))
-        return build(s)
-
-    col._build = spy_build
     harvest = collector_mod.Collector.harvest
 
-    def spy_harvest(*args):
-        n0 = len(hot)
+    def spy_harvest(*args):  # the steps a harvest wrote: those it took from pending (C or Python)
+        before = list(col.pending)
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
         try:
             return harvest(col, *args)
         finally:
-            if len(hot) > n0:
-                harvests.append((time.thread_time_ns() - c0, time.perf_counter_ns() - w0, len(hot) - n0))
+            c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            left = {id(s) for s in list(col.pending)}  # (a copy: the training thread appends)
+            taken = [(s.overhead_ns, s.sampled != 0) for s in before if id(s) not in left]
+            if taken:
+                hot.extend(taken)
+                harvests.append((c1 - c0, w1 - w0, len(taken)))
 
     col.harvest = spy_harvest
     parts: dict[str, list[int]] = collections.defaultdict(list)

@@ -9,7 +9,7 @@ whichever part allocates when one is due: ``--no-gc`` turns it off for the loop.
 harvest writes one step (a ``write()`` a step), which the collector thread would batch.
 
 Parts: ``read`` (the step's events read back: ``Step.read``), ``build`` (the record and the
-hooks: ``Collector._build``), ``summary`` (``RunAggregate.add_step``), ``hold`` and
+hooks: ``Builder.build``), ``summary`` (``RunAggregate.add_step``), ``hold`` and
 ``write held`` (a record waiting for its energy sample: encoded, then completed and written:
 ``HeldRecords``),
 ``log`` (``LogSink.write`` and ``end_batch``), ``harvest`` (all of a harvest, these included).
@@ -49,7 +49,7 @@ from floor import near_empty_step  # noqa: E402
 PARTS = (
     ("harvest", collector_mod.Collector, "harvest"),
     ("read", step.Step, "read"),
-    ("build", collector_mod.Collector, "_build"),
+    ("build", collector_mod.Builder, "build"),
     ("summary", None, "add_step"),
     ("hold", held.HeldRecords, "hold"),
     ("write held", held.HeldRecords, "write"),

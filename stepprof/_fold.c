@@ -1260,7 +1260,7 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
  * of ``overhead_us``, then log and fold it, or hold it behind the records that wait.  It stops,
  * with the step left at the head untouched but for its events' times, at the first step whose
  * events are still running or that the build leaves to Python; the Python loop then takes that
- * step.  Collector._plan makes the plan only where the hooks' per-record work is nil or
+ * step.  Builder.plan (collector.py) makes the plan only where the hooks' per-record work is nil or
  * constant (Hook.quiet) and no budget runs; its items, by the P_ names below, are Python's. */
 
 enum { P_BACKEND, P_DEVICE, P_HOST, P_PEAKS_WHY, P_UNIX0, P_CLOCK0, P_SHARE, P_LATE_FIELDS, P_LATE_REASONS,

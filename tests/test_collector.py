@@ -171,14 +171,15 @@ def test_a_starved_collector_thread_leaves_the_writing_to_the_training_thread(tm
     if starved == "never runs":
         monkeypatch.setattr(collector_module.Collector, "_loop", lambda self: self._stop.wait())
     else:
-        build = collector_module.Collector._build
+        build = collector_module.Builder.build
 
         def slow_build(self, s):
             if threading.current_thread().name == "stepprof-collector":
                 time.sleep(0.002)  # 2 ms a record, the lock held: 256 records would be 0.5 s
             return build(self, s)
 
-        monkeypatch.setattr(collector_module.Collector, "_build", slow_build)
+        monkeypatch.setattr(collector_module.Builder, "build", slow_build)
+        monkeypatch.setattr(collector_module._NATIVE, "harvest", None)  # (each record through build)
     log = str(tmp_path / "starved.jsonl")
     prof = _make_profiler(log, device="cpu", energy_every_s=None, flush_every_s=0.05)
     most_pending = 0

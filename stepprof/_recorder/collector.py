@@ -407,7 +407,8 @@ def phase_peaks_reason(phase_peaks_every: int) -> str:
 
 
 class Collector:
-    """Pending steps, the thread that harvests them, and what a harvest does with a step.
+    """Pending steps, the thread that harvests them, and the harvest (its :class:`Builder`
+    builds each step's record).
 
     Args:
         log: where records are written.
@@ -454,32 +455,20 @@ class Collector:
         self.every_s = collect_every_s
         self.error: str | None = None  # why the thread stopped writing records
         self.lock = threading.Lock()  # one harvest at a time
-        self._clock0 = clock0_ns
         self._clock = cost_clock
         #: The last harvest's time per record written (building, the hooks, writing, the
         #: summary): each record of the next harvest adds it to its ``overhead_us``.
         self.ns_per_record = 0.0
-        self._unix0 = unix0_s
-        self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
-        self._not_sampled_why: tuple[int, str] | None = None
-        self._host: tuple[Any, tuple[str, ...] | None] = (None, None)  # a backend and its host_reasons
+        #: What a harvest does with a completed step: its record, the hooks, the C harvest's plan.
+        self.builder = Builder(self.held, self.budget, clock0_ns=clock0_ns, unix0_s=unix0_s,
+                               phase_peaks_every=phase_peaks_every)
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
         self._wanted = Flag()  # a training thread waits for the lock
-        self.use(())
 
     def use(self, hooks: Sequence[Hook]) -> None:
         """Call these hooks, in this order, from now on (each only for what it overrides)."""
-        # A hook that keeps each step's end mark (the exchange, for the gap to the next
-        # step) releases it itself.
-        self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
-        self._harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
-        self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
-        late = [h for h in hooks if type(h).late is not Hook.late]
-        if len(late) > 1:
-            raise ValueError(f"at most one hook may have late fields, not {late!r}")
-        self.held.late = late[0] if late else None
-        self._after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
+        self.builder.use(hooks)
 
     # -- the thread ---------------------------------------------------------------
 
@@ -624,7 +613,8 @@ class Collector:
         ``overhead_us`` includes the collector's time per record, as the previous harvest
         measured it (:attr:`ns_per_record`).
         """
-        for hook in self._harvest_hooks:
+        builder = self.builder
+        for hook in builder.harvest_hooks:
             hook.on_harvest(self.write)
         if self.held and self.held.write(False, until):
             return True
@@ -640,7 +630,7 @@ class Collector:
         budget = self.budget
         log = self.log
         log_write, add_step = log.write, self.summary.add_step
-        plan, covered = self._plan(share_us)
+        plan, covered = builder.plan(pending, log, self.summary, share_us)
         log.begin_batch()
         try:
             while pending:
@@ -662,7 +652,7 @@ class Collector:
                     return False
                 pending.popleft()
                 covered -= 1
-                record, token = self._build(s)
+                record, token = builder.build(s)
                 record["overhead_us"] += share_us
                 if budget is not None and not s.warmup and s.error is None:
                     budget.add(s.sampled != 0, record["overhead_us"], record["wall_ms"])
@@ -675,16 +665,16 @@ class Collector:
                 if token is None and not self.held:
                     log_write(record)
                     add_step(record)
-                    for hook in self._after_hooks:
+                    for hook in builder.after_hooks:
                         hook.after_record(s, self.write)
                 else:
-                    self.held.hold(s, record, token, self._after_hooks)
+                    self.held.hold(s, record, token, builder.after_hooks)
                 written += 1
                 if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
                     log.end_batch()
                     log.begin_batch()
                 if plan is not None and plan[-1] is not None and s.index >= plan[-1]:
-                    plan, covered = self._plan(share_us)  # (past the step a memory record was due at)
+                    plan, covered = builder.plan(pending, log, self.summary, share_us)  # (past the step a memory record was due at)
             return False
         finally:
             self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
@@ -694,7 +684,37 @@ class Collector:
                 if budget is not None:
                     budget.choose()
 
-    def _plan(self, share_us: float) -> tuple[tuple[Any, ...] | None, int]:
+
+class Builder:
+    """What a harvest does with a completed step: builds its record (dated, with its reasons),
+    hands it to the hooks, releases its marks; and plans the C harvest of the common steps."""
+
+    def __init__(self, held: HeldRecords, budget: Budget | None, *, clock0_ns: int, unix0_s: float,
+                 phase_peaks_every: int) -> None:
+        self.held = held
+        self.budget = budget
+        self._clock0 = clock0_ns
+        self._unix0 = unix0_s
+        self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
+        self._not_sampled_why: tuple[int, str] | None = None
+        self._host: tuple[Any, tuple[str, ...] | None] = (None, None)  # a backend and its host_reasons
+        self.use(())
+
+    def use(self, hooks: Sequence[Hook]) -> None:
+        """Call these hooks, in this order, from now on (each only for what it overrides)."""
+        # A hook that keeps each step's end mark (the exchange, for the gap to the next
+        # step) releases it itself.
+        self._keep_end_marks = any(h.keeps_end_marks for h in hooks)
+        self.harvest_hooks = tuple(h for h in hooks if type(h).on_harvest is not Hook.on_harvest)
+        self._record_hooks = tuple(h for h in hooks if type(h).on_record is not Hook.on_record)
+        late = [h for h in hooks if type(h).late is not Hook.late]
+        if len(late) > 1:
+            raise ValueError(f"at most one hook may have late fields, not {late!r}")
+        self.held.late = late[0] if late else None
+        self.after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
+
+    def plan(self, pending: deque[Step], log: LogSink, summary: SummarySink,
+             share_us: float) -> tuple[tuple[Any, ...] | None, int]:
         """The C harvest's plan (``_fold.c``'s ``harvest_steps``) for the steps pending now, and
         how many of them it covers: (None, 0) where it covers none.
 
@@ -703,9 +723,8 @@ class Collector:
         needs the C build of their backend's records, no budget, a log stamped with
         ``run_id`` alone, and hooks whose record methods need no call per step (the late
         hook's ``late`` may: the C harvest calls it, and holds what it gives a token)."""
-        pending = self.pending
         n = len(pending)  # (before the hooks are asked)
-        if not n or _NATIVE.harvest is None or self.budget is not None or not self.log.plain:
+        if not n or _NATIVE.harvest is None or self.budget is not None or not log.plain:
             return None, 0
         b = pending[0].backend
         host = None
@@ -721,7 +740,7 @@ class Collector:
             if host is None:
                 return None, 0
         owners, before = [], None
-        for hook in (*self._record_hooks, *self._after_hooks):
+        for hook in (*self._record_hooks, *self.after_hooks):
             q = hook.quiet(b)
             if q is None or q.fields or q.reasons:
                 return None, 0
@@ -736,7 +755,7 @@ class Collector:
             b, b.device, host, self._phase_peaks_why, self._unix0, self._clock0, share_us,
             q.fields if q is not None else None, q.reasons if q is not None else None, late if q is None else None,
             self.held.entries, _ENCODE, b.read_marks if timed else None, b.release_marks if timed else None,
-            self._keep_end_marks, self.log.run_id, self.summary.add_step, tuple(owners), before,
+            self._keep_end_marks, log.run_id, summary.add_step, tuple(owners), before,
         ), n
 
     def _not_sampled(self) -> str:
@@ -748,7 +767,7 @@ class Collector:
             why = self._not_sampled_why = (budget.interval, budget.reason(budget.interval))
         return why[1]
 
-    def _build(self, s: Step) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
+    def build(self, s: Step) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
         """Build a completed step's record, hand it to the hooks, release its marks; with the
         late hook's token (None: it has no late field)."""
         b = s.backend
