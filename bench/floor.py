@@ -34,7 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -65,6 +66,21 @@ def near_empty_step(cuda: bool) -> tuple[Callable[[], None], Callable[[], None]]
     return (lambda: None), (lambda: None)
 
 
+def run_steps(prof: Any, steps: int, phases: Sequence[str], work: Callable[[], None]) -> None:
+    """``steps`` steps of ``work``, each in ``phases`` (one run of ``work`` a phase) or bare."""
+    step, measure = prof.step, prof.measure
+    if phases:
+        for _ in range(steps):
+            with step(batch_size=8):
+                for name in phases:
+                    with measure(name):
+                        work()
+    else:
+        for _ in range(steps):
+            with step(batch_size=8):
+                work()
+
+
 def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], settings: dict | None,
              phases: tuple[str, ...], log: str | None, device: str) -> tuple[float, float, float]:
     """Process CPU seconds of one whole run (``settings`` None: the bare loop), of its
@@ -81,17 +97,7 @@ def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], set
         t_loop = time.thread_time() - t0
     else:
         prof = stepprof.Profiler(log, device=device, **settings)
-        step, measure = prof.step, prof.measure
-        if phases:
-            for _ in range(steps):
-                with step(batch_size=8):
-                    for name in phases:
-                        with measure(name):
-                            work()
-        else:
-            for _ in range(steps):
-                with step(batch_size=8):
-                    work()
+        run_steps(prof, steps, phases, work)
         sync()
         t_loop = time.thread_time() - t0
         c1 = time.process_time()

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from stepprof._recorder import collector as collector_mod  # noqa: E402
 from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
-from floor import PHASES, near_empty_step  # noqa: E402
+from floor import PHASES, near_empty_step, run_steps  # noqa: E402
 
 
 def harvest_us(pending: int, phases: int, device: str, c_loop: bool, tmp: str) -> float:
@@ -45,13 +45,7 @@ def harvest_us(pending: int, phases: int, device: str, c_loop: bool, tmp: str) -
         col.harvest_at = 2**62  # (the training thread never takes a harvest over)
         with prof.step():  # the first step chooses the backend
             work()
-        for _ in range(pending):
-            with prof.step(batch_size=8):
-                for name in names:
-                    with prof.measure(name):
-                        work()
-                if not names:
-                    work()
+        run_steps(prof, pending, names, work)
         sync()
         with col.lock:
             n = len(col.pending)

@@ -43,7 +43,7 @@ from stepprof._recorder import collector as collector_mod  # noqa: E402
 from stepprof._recorder import held, sinks, step  # noqa: E402
 from stepprof._recorder.profiler import _make_profiler  # noqa: E402
 from _common import run_info  # noqa: E402
-from floor import near_empty_step  # noqa: E402
+from floor import near_empty_step, run_steps  # noqa: E402
 
 #: (part, class, method): the wrapped parts, in the table's order.
 PARTS = (
@@ -128,13 +128,7 @@ def run(steps: int, phases: int, energy: bool, no_gc: bool, device: str, python_
             gc.disable()
         sync()
         t0 = time.thread_time_ns()
-        for _ in range(steps):
-            with prof.step(batch_size=8):
-                for name in names:
-                    with prof.measure(name):
-                        work()
-                if not names:
-                    work()
+        run_steps(prof, steps, names, work)
         loop_ns = time.thread_time_ns() - t0
         gc.enable()
         prof.close()

@@ -140,6 +140,21 @@ def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, m
     assert taken >= 9
 
 
+def _steps(prof, gpu: FakeGpu, n: int) -> None:
+    for _ in range(n):
+        with prof.step():
+            gpu.launch(1.0)
+
+
+def _stepped(tmp_path, path: str, n: int):
+    """(log, gpu, profiler) after ``n`` steps of 1 ms on a fake GPU."""
+    log = str(tmp_path / f"{path}.jsonl")
+    gpu = FakeGpu()
+    prof = make(log, gpu)
+    _steps(prof, gpu, n)
+    return log, gpu, prof
+
+
 class _Amends(Hook):
     """A hook with work on every record: the C harvest leaves all of them to Python."""
 
@@ -149,19 +164,12 @@ class _Amends(Hook):
 
 def test_a_hook_with_work_per_record_sends_the_steps_to_python(tmp_path, monkeypatch):
     def scenario(path: str) -> str:
-        log = str(tmp_path / f"{path}.jsonl")
-        gpu = FakeGpu()
-        prof = make(log, gpu)
-        for _ in range(4):
-            with prof.step():
-                gpu.launch(1.0)
+        log, gpu, prof = _stepped(tmp_path, path, 4)
         gpu.wait_idle()
         prof.flush()
         prof._hooks.append(_Amends())
         prof._collector.use(prof._hooks)
-        for _ in range(3):
-            with prof.step():
-                gpu.launch(1.0)
+        _steps(prof, gpu, 3)
         prof.close()
         return log
 
@@ -232,12 +240,7 @@ def test_an_interrupt_from_a_late_hook_reaches_the_loop_and_the_log_stays_whole(
 
 def test_a_step_of_another_thread_or_backend_is_left_to_python(tmp_path, monkeypatch):
     def scenario(path: str) -> str:
-        log = str(tmp_path / f"{path}.jsonl")
-        gpu = FakeGpu()
-        prof = make(log, gpu)
-        for _ in range(3):
-            with prof.step():
-                gpu.launch(1.0)
+        log, gpu, prof = _stepped(tmp_path, path, 3)
         done = threading.Event()
 
         def other():
@@ -248,9 +251,7 @@ def test_a_step_of_another_thread_or_backend_is_left_to_python(tmp_path, monkeyp
         t = threading.Thread(target=other, name="worker")
         t.start()
         t.join()
-        for _ in range(3):
-            with prof.step():
-                gpu.launch(1.0)
+        _steps(prof, gpu, 3)
         prof.close()
         return log
 
