@@ -1066,6 +1066,7 @@ class RunAggregate:
             "ended_by": self._ended_by(),
             "run_id": self.run_id,
             "compile_steps": self.compile_steps if self.compile_seen else None,
+            "timed_steps": self.timed_steps,
         }
 
     def boundary(self) -> str | None:

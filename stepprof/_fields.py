@@ -309,7 +309,7 @@ _SUMMARY = (
     _f("steps", INT, None, "steps whose record was written"),
     _f("warmup_steps", INT, None, "of those, warm-up steps"),
     _f("error_steps", INT, None, "steps past warm-up whose error is set"),
-    _f("measured_steps", INT, None, "the steps the figures are taken over"),
+    _f("measured_steps", INT, None, "steps past warm-up without an error"),
     _f("device", STR, None, "the backend's device at close, or none"),
     _f("wall_ms_percentiles", _PERCENTILES_MS, None, "median, p10 and p90 of the steps' wall_ms", **_NULL),
     _f("gpu_ms_percentiles", _PERCENTILES_MS, None, "median, p10 and p90 of the steps' gpu_ms", **_NULL),
@@ -326,7 +326,7 @@ _SUMMARY = (
     _f("phases", MapOf(_PHASE_FIGURES, "phase name", 4096), None, "each phase's figures over the measured steps"),
     _f("ended_by", STR, None, "how the run ended: close, exception, exit, SIGTERM or SIGINT", **_NULL),
     _f("overhead_us_mean", FLOAT, "us", "mean of the steps' overhead_us", **_NULL),
-    _f("gpu_steps", INT, None, "measured steps with GPU figures"),
+    _f("gpu_steps", INT, None, "timed steps with GPU figures"),
     _f("boundary", STR, None, "which boundary did the device work: compiled or python", **_NULL),
     _f("data_wait_ms_median", FLOAT, "ms", "median of the steps' data_wait_ms", **_NULL),
     _f("input_wait_fraction", FLOAT, "ratio", "the share of the loop's time spent before steps", **_NULL),
@@ -335,6 +335,8 @@ _SUMMARY = (
     _f("samples_per_j", FLOAT, "samples/J", "their batch_size over their energy_j", **_NULL),
     _f("unavailable", REASONS, None, "summary field -> why it is null"),
     _f("compile_steps", INT, None, "measured steps that compiled (left out of the figures)", **_OPT),
+    _f("timed_steps", INT, None, "the measured steps the figures are taken over: all but those FLOP-counted, "
+       "explained or compiled", **_OPT),
 )
 
 # -- flops, peak, ranks -----------------------------------------------------------------------

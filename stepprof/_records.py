@@ -106,9 +106,9 @@ class PhaseFigures:
 class Summary:
     """What :meth:`stepprof.Profiler.close` returns and logs as ``kind: "summary"``.
 
-    Figures are over the *measured* steps: past warm-up and without an error, all but
-    the one step whose FLOPs were counted (it ran under ``FlopCounterMode``) and the
-    steps that compiled (``compile_steps``).  A
+    Figures are over the *timed* steps (``timed_steps``): the measured steps (past warm-up and
+    without an error) but the one whose FLOPs were counted (it ran under ``FlopCounterMode``),
+    the one ``explain_peak`` explained and those that compiled (``compile_steps``).  A
     figure that could not be measured is None, and ``unavailable`` says why.
     ``phases`` holds each phase's figures, by name, in the order they first finished.
     ``run_id`` is the profiler's id, which every record of its log carries.
@@ -153,8 +153,8 @@ class Summary:
     #: stepprof's cost per measured step, the mean of ``overhead_us`` (under
     #: ``overhead_budget`` the median is a light step's; the mean covers the full ones).
     overhead_us_mean: float | None = None
-    #: Measured steps with GPU figures: all of them without ``overhead_budget`` (on CUDA),
-    #: the sampled ones under it.
+    #: Timed steps with GPU figures: all of them without ``overhead_budget`` (on CUDA; but a
+    #: step the CUDA events missed), the sampled ones under it.
     gpu_steps: int | None = None
     #: Which boundary did the device work on CUDA: ``"compiled"`` or ``"python"`` (None: no CUDA).
     boundary: str | None = None
@@ -170,6 +170,9 @@ class Summary:
     #: Measured steps in which torch.compile compiled (left out of the figures, like warm-up
     #: steps); None when no step of the run saw compilation.
     compile_steps: int | None = None
+    #: The measured steps the figures are taken over: all but the FLOP-counted step and those
+    #: explained or compiled (None in a summary read from a log that predates the field).
+    timed_steps: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The JSON-lines form (without ``schema_version``, which the writer adds).
@@ -208,8 +211,9 @@ class Summary:
             parts.append(f"{self.energy_j_per_step:.3g} J/step ({self.power_w_mean:.0f} W)")
         if self.compile_steps:
             parts.append(f"{self.compile_steps} steps that compiled left out")
-        if self.gpu_steps is not None and 0 < self.gpu_steps < self.measured_steps:
-            parts.append(f"GPU figures on {self.gpu_steps} of {self.measured_steps} steps")
+        timed = self.timed_steps
+        if self.gpu_steps and timed is not None and self.gpu_steps < timed:
+            parts.append(f"GPU figures on {self.gpu_steps} of {timed} timed steps")
         if self.overhead_us_mean is not None:
             parts.append(f"stepprof {self.overhead_us_mean:.0f} µs/step ({boundary_name(self.boundary)} boundary)")
         text = "stepprof: " + ", ".join(parts)

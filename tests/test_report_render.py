@@ -134,3 +134,35 @@ def test_import_and_report_do_not_import_torch(tmp_path):
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_gpu_coverage_counts_the_timed_steps_and_names_the_missing_ones_reason(tmp_path):
+    """A FLOP-counted step (left out of the figures) is no step without GPU figures, and a
+    timed step the CUDA events missed is named with its own reason, not ``overhead_budget``."""
+    counted = [fx.step_record(i, warmup=i < 2, wall=7.0, gpu=7.0, flops=True, counted=i == 2) for i in range(8)]
+    missed = fx.step_record(8, warmup=False, wall=7.0, gpu=None)
+    missed["unavailable"] = {"gpu_ms": "no CUDA event was recorded at a boundary: the stream was capturing a CUDA graph"}
+    full = render(build_report([fx.write(str(tmp_path / "full.jsonl"), counted)]))
+    assert "6 measured, 5 timed" in full and "GPU figures on" not in full
+    report = build_report([fx.write(str(tmp_path / "missed.jsonl"), [*counted, missed])])
+    run = report.logs[0].runs[0]
+    assert (run.measured_steps, run.timed_steps, run.gpu_steps) == (7, 6, 5)
+    line = next(x for x in render(report).splitlines() if "GPU figures on" in x)
+    assert line.split("GPU figures on")[1].strip() == f"5 of 6 timed steps ({missed['unavailable']['gpu_ms']})"
+
+
+def test_the_summary_counts_its_timed_steps_and_states_gpu_coverage_against_them():
+    """The summary carries ``timed_steps``; its text compares GPU coverage with them."""
+    from stepprof._aggregate import RunAggregate
+    from stepprof._records import Summary
+
+    agg = RunAggregate(0)
+    for i in range(8):
+        agg.add_step(fx.step_record(i, warmup=i < 2, wall=7.0, gpu=7.0, flops=True, counted=i == 2))
+    fields = agg.summary_fields()
+    assert (fields["measured_steps"], fields["timed_steps"], fields["gpu_steps"]) == (6, 5, 5)
+    assert "GPU figures on" not in str(Summary(log=None, **fields))
+    agg.add_step(fx.step_record(8, warmup=False, wall=7.0, gpu=None))
+    text = str(Summary(log=None, **agg.summary_fields()))
+    assert "GPU figures on 5 of 6 timed steps" in text
+    assert Summary(log=None, **agg.summary_fields()).to_record()["timed_steps"] == 6

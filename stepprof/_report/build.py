@@ -150,6 +150,7 @@ def run_report(agg: RunAggregate, sweep: dict[str, Any] | None) -> RunReport:
         summary_found=agg.summary is not None,
         boundary=agg.boundary(),
         gpu_steps=agg.gpu.count,
+        gpu_missing_reason=agg.step_reasons.get("gpu_ms") if 0 < agg.gpu.count < agg.timed_steps else None,
         unavailable=unavailable,
         rank=identity.get("rank"),
         local_rank=identity.get("local_rank"),

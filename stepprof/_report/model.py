@@ -211,7 +211,8 @@ class RunReport:
     summary_found: bool
     #: Which boundary did the device work: "compiled" or "python" (from the summary record).
     boundary: str | None
-    #: Measured steps with GPU figures (fewer than measured under ``overhead_budget``).
+    #: Timed steps with GPU figures (fewer than timed under ``overhead_budget``, or where the
+    #: CUDA events missed a step: ``gpu_missing_reason``).
     gpu_steps: int
     unavailable: dict[str, str]
     rank: int | None
@@ -230,6 +231,8 @@ class RunReport:
     #: ``run`` and ``run_id``) with only its steps' figures: this is its name.  None when
     #: the run has one name.
     step_name: str | None = None
+    #: Why a timed step has no GPU figures (the first such step's reason), when some have them.
+    gpu_missing_reason: str | None = None
 
 
 @attrs.frozen

@@ -220,8 +220,9 @@ def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
     if c is not None:
         rows.append(("compiled steps", f"{c.steps:,} of the measured, left out of the figures ({c.compiles:,} "
                      f"compiles, {c.compile_ms:,.0f} ms, {c.graph_breaks:,} graph breaks over all steps)"))
-    if run.gpu_steps < run.measured_steps and run.gpu_steps:
-        rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.measured_steps:,} measured steps (overhead_budget)"))
+    if 0 < run.gpu_steps < run.timed_steps:
+        why = f" ({run.gpu_missing_reason})" if run.gpu_missing_reason else ""
+        rows.append(("GPU figures on", f"{run.gpu_steps:,} of {run.timed_steps:,} timed steps{why}"))
     m = run.memory
     rows += [
         ("peak allocated", format_bytes(m.peak_allocated_bytes_max)),
