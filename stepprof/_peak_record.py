@@ -179,15 +179,24 @@ def int_field(x: Any) -> int | None:
     return x if type(x) is int else None
 
 
+#: A module is named among a category's top ones when it holds at least this share of the
+#: category's live bytes (the model's root with a few KiB of 5 GiB read "(root) 0.0 MiB").
+TOP_MODULE_SHARE = 0.01
+
+
 def top_modules(record: dict[str, Any], category: str, n: int) -> list[tuple[str, int]]:
-    """The ``n`` modules with the most live bytes of ``category``."""
+    """The ``n`` modules with the most live bytes of ``category``, each holding at least
+    :data:`TOP_MODULE_SHARE` of the category's bytes (all of them when the record lacks that total)."""
+    cats = record.get("bytes_by_category")
+    total = int_field(cats.get(category)) if isinstance(cats, dict) else None
+    least = TOP_MODULE_SHARE * total if total else 0
     out = []
     for m in record.get("modules") or ():
         if not isinstance(m, dict) or not isinstance(m.get("module"), str):
             continue
         by = m.get("bytes_by_category")
         size = int_field(by.get(category)) if isinstance(by, dict) else None
-        if size:
+        if size and size >= least:
             out.append((m["module"], size))
     out.sort(key=lambda x: -x[1])
     return out[:n]

@@ -451,3 +451,28 @@ def test_an_annotation_of_another_device_is_not_the_op() -> None:
     exp = explain(start, end, device=0, module_events=mods, annotations=end["external_annotations"],
                   in_clock=True)
     assert exp.op.startswith("forward (")
+
+
+def test_a_module_with_a_sliver_of_a_category_is_not_among_its_top_modules() -> None:
+    """The report's top modules leave out one under 1 % of the category's bytes (the model's
+    root with a few KiB of GiBs printed as "(root) 0.0 MiB")."""
+    from stepprof._peak_record import peak_line, top_modules
+    from stepprof._report.peak import peak_lines
+
+    gib = 2**30
+
+    def module(name: str, activations: int) -> dict:
+        by = dict.fromkeys(("parameters", "gradients", "optimizer_state", "temporaries", "other"), 0)
+        return {"module": name, "total_bytes": activations, "bytes_by_category": {**by, "activations": activations}}
+
+    record = {
+        "kind": "peak", "step": 3, "peak_allocated_bytes": 5 * gib, "live_bytes": 5 * gib,
+        "bytes_by_category": {"parameters": 0, "gradients": 0, "optimizer_state": 0, "activations": 5 * gib,
+                              "temporaries": 0, "other": 0},
+        "modules": [module("(root)", 12 * 1024), module("h.0", 3 * gib), module("h.1", gib // 2)],
+    }
+    assert top_modules(record, "activations", 3) == [("h.0", 3 * gib), ("h.1", gib // 2)]
+    text = "\n".join(peak_lines(record))
+    assert "h.0 3.00 GiB" in text and "(root)" not in text and "(root)" not in peak_line(record)
+    del record["bytes_by_category"]  # (no total to weigh against: every module with bytes)
+    assert [n for n, _ in top_modules(record, "activations", 3)] == ["h.0", "h.1", "(root)"]
