@@ -551,3 +551,30 @@ def test_a_forked_child_closing_mid_step_leaves_the_allocator_alone(log, gpu, hi
     prof.close()
     assert gpu.history_calls == ["begin 500000"]  # CUDA is not touched in a forked child
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # its own hooks are off
+
+
+def test_the_explaining_work_is_stated_apart_not_spread_over_the_next_steps_cost(log, gpu, history, monkeypatch):
+    """The replay of the explained step's history (on the collector) is the peak record's
+    ``cost_ms``: the steps written after it do not carry it in their ``overhead_us``."""
+    import time
+
+    real = peak_module._peak.explain
+
+    def slow_explain(*a, **k):  # 30 ms of the collector thread's CPU, as a long history's replay
+        t0 = time.thread_time_ns()
+        while time.thread_time_ns() - t0 < 30_000_000:
+            pass
+        return real(*a, **k)
+
+    monkeypatch.setattr(peak_module._peak, "explain", slow_explain)
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=1, model=model, optimizer=opt, memory_every=0)
+    prof._collector.builder.cost_clock = time.thread_time_ns  # (the fake device's clock times the steps, not the collector)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=6)
+    summary = prof.close()
+    peak = next(stepprof.read(log, kind="peak"))
+    assert peak["cost_ms"] >= 30
+    later = [r["overhead_us"] for r in stepprof.read(log, kind="step") if r["step"] > 1]
+    assert later and max(later) < 10_000, later  # (30,000 µs, were the replay charged to them)
+    assert summary.overhead_us_mean < 10_000

@@ -35,7 +35,7 @@ from .._units import per_s
 from .budget import Budget
 from .held import HeldRecords
 from .hooks import Hook
-from .sinks import LogSink, SummarySink
+from .sinks import LogSink, SummarySink, Write
 from .step import PhaseTotals, Step
 
 #: How often the collector thread looks for completed steps to write.  A harvest has a fixed
@@ -455,13 +455,12 @@ class Collector:
         self.every_s = collect_every_s
         self.error: str | None = None  # why the thread stopped writing records
         self.lock = threading.Lock()  # one harvest at a time
-        self._clock = cost_clock
         #: The last harvest's time per record written (building, the hooks, writing, the
         #: summary): each record of the next harvest adds it to its ``overhead_us``.
         self.ns_per_record = 0.0
         #: What a harvest does with a completed step: its record, the hooks, the C harvest's plan.
         self.builder = Builder(self.held, self.budget, clock0_ns=clock0_ns, unix0_s=unix0_s,
-                               phase_peaks_every=phase_peaks_every)
+                               phase_peaks_every=phase_peaks_every, cost_clock=cost_clock)
         self.thread: threading.Thread | None = None  # started at the first step's exit
         self._stop = threading.Event()
         self._wanted = Flag()  # a training thread waits for the lock
@@ -623,7 +622,7 @@ class Collector:
             self.harvest_at = HARVEST_AT
             return False
         limit = len(pending) if max_steps is None else max_steps
-        clock = self._clock
+        clock = builder.cost_clock
         t0 = clock()
         share_us = self.ns_per_record / 1e3
         written = 0
@@ -665,10 +664,10 @@ class Collector:
                 if token is None and not self.held:
                     log_write(record)
                     add_step(record)
-                    for hook in builder.after_hooks:
-                        hook.after_record(s, self.write)
+                    if builder.after_hooks:
+                        builder.after(s, self.write)
                 else:
-                    self.held.hold(s, record, token, builder.after_hooks)
+                    self.held.hold(s, record, token, builder.after if builder.after_hooks else None)
                 written += 1
                 if not written % CHUNK_RECORDS:  # a long harvest's lines go out as it goes
                     log.end_batch()
@@ -679,8 +678,8 @@ class Collector:
         finally:
             self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
             log.end_batch()
-            if written:
-                self.ns_per_record = (clock() - t0) / written
+            if written:  # (less the work a hook states in its own record: explain_peak's replay)
+                self.ns_per_record = max(0, clock() - t0 - builder.take_apart_ns()) / written
                 if budget is not None:
                     budget.choose()
 
@@ -690,9 +689,12 @@ class Builder:
     hands it to the hooks, releases its marks; and plans the C harvest of the common steps."""
 
     def __init__(self, held: HeldRecords, budget: Budget | None, *, clock0_ns: int, unix0_s: float,
-                 phase_peaks_every: int) -> None:
+                 phase_peaks_every: int, cost_clock: Callable[[], int]) -> None:
         self.held = held
         self.budget = budget
+        #: Times the collector's own work (see :class:`Collector`'s ``cost_clock``).
+        self.cost_clock = cost_clock
+        self._apart_ns = 0  # the stating hooks' time since the last take_apart_ns()
         self._clock0 = clock0_ns
         self._unix0 = unix0_s
         self._phase_peaks_why = phase_peaks_reason(phase_peaks_every)
@@ -712,6 +714,22 @@ class Builder:
             raise ValueError(f"at most one hook may have late fields, not {late!r}")
         self.held.late = late[0] if late else None
         self.after_hooks = tuple(h for h in hooks if type(h).after_record is not Hook.after_record)
+
+    def after(self, s: Step, write: Write) -> None:
+        """The after hooks' records for step ``s``; the time of a hook that states its own
+        (:attr:`Hook.states_its_cost`) is kept apart from the harvest's (:meth:`take_apart_ns`)."""
+        for hook in self.after_hooks:
+            if hook.states_its_cost:
+                t0 = self.cost_clock()
+                hook.after_record(s, write)
+                self._apart_ns += self.cost_clock() - t0
+            else:
+                hook.after_record(s, write)
+
+    def take_apart_ns(self) -> int:
+        """The stating hooks' time since the last call (which a harvest leaves out of its cost)."""
+        ns, self._apart_ns = self._apart_ns, 0
+        return ns
 
     def plan(self, pending: deque[Step], log: LogSink, summary: SummarySink,
              share_us: float) -> tuple[tuple[Any, ...] | None, int]:

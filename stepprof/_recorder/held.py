@@ -11,14 +11,14 @@ behind the oldest, to keep the log's order.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from .._log import CHUNK_RECORDS, encode_line
 from .hooks import Hook
-from .sinks import LogSink, SummarySink
+from .sinks import LogSink, SummarySink, Write
 from .step import Step
 
 
@@ -42,19 +42,18 @@ class HeldRecords:
         return bool(self.entries)
 
     def hold(self, s: Step, record: dict[str, Any], token: tuple[Any, ...] | None,
-             after_hooks: Sequence[Hook]) -> None:
+             after: Callable[[Step, Write], None] | None) -> None:
         """Keep a built record until its late fields are known: folded into the summary now,
-        its line and those of the records after it encoded now."""
+        its line and those of the records after it (``after``: the after hooks') encoded now."""
         timed = self._summary.add_step(record)
         encode = self._log.encode
         entry: tuple[Any, ...] = (encode(record), s.name, s.batch_size, timed)
-        if after_hooks:
-            after: list[dict[str, Any]] = []
-            for hook in after_hooks:
-                hook.after_record(s, after.append)
-            for r in after:
+        if after is not None:
+            records: list[dict[str, Any]] = []
+            after(s, records.append)
+            for r in records:
                 self._summary.add(r)
-            entry += (b"".join([encode(r) for r in after]), len(after))
+            entry += (b"".join([encode(r) for r in records]), len(records))
         else:
             entry += (b"", 0)
         self.entries.append(entry + token if token is not None else entry)

@@ -86,6 +86,9 @@ class Hook:
     retired = False
     #: Keeps each step's end mark past its record, and releases it itself.
     keeps_end_marks = False
+    #: Its :meth:`after_record`'s work is stated in its own record (explain_peak's replay: the
+    #: peak record's ``cost_ms``): the collector leaves it out of the steps' ``overhead_us``.
+    states_its_cost = False
 
     def on_step_begin(self, index: int) -> None:
         """Before the entry boundary of step ``index`` (outside its times)."""

@@ -330,6 +330,8 @@ class PeakHook(Hook):
         max_entries: the bound of the allocator's history.
     """
 
+    states_its_cost = True  # the replay is the peak record's cost_ms, no step's overhead_us
+
     def __init__(self, target: int, *, model: Any, optimizer: Any, ensure_backend: Callable[[], Backend],
                  watch_phases: Callable[[Any], None], retire: Callable[[Hook], None],
                  max_entries: int = MAX_ENTRIES) -> None:
