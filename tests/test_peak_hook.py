@@ -578,3 +578,21 @@ def test_the_explaining_work_is_stated_apart_not_spread_over_the_next_steps_cost
     later = [r["overhead_us"] for r in stepprof.read(log, kind="step") if r["step"] > 1]
     assert later and max(later) < 10_000, later  # (30,000 µs, were the replay charged to them)
     assert summary.overhead_us_mean < 10_000
+
+
+def test_without_a_model_or_optimizer_the_record_says_activations_include_the_saved_weights(log, gpu, history):
+    """With neither ``model=`` nor ``optimizer=``, a weight autograd saved for backward counts as an
+    activation: the record's notes say so, and so does the reason for the unknown parameters."""
+    model = Net(history)
+    for p in model.parameters():
+        history.alloc_tensor(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    weights = model.fc2.weight.untyped_storage().nbytes()  # (saved by fc2 for the gradient of its input)
+    # (the batch needs no gradient, so fc1 saved no weight; fc2's is all the fake saw saved)
+    assert rec["bytes_by_category"]["parameters"] == 0 and rec["bytes_by_category"]["activations"] == weights
+    assert peak_module.NO_MODEL_NOTE in rec["notes"]
+    assert "count as activations where autograd saved them" in rec["unavailable"]["bytes_by_category.parameters"]

@@ -484,13 +484,13 @@ class PeakHook(Hook):
                 mods = None if ex.module_events is None else [Event(t(u), a, n) for u, a, n in ex.module_events]
                 phases = [Event(t(u), a, n) for u, a, n in ex.phase_events]
             obs = [Observation(c, p, n, w if isinstance(w, str) else t(w)) for c, p, n, w in ex.observations]
+            blind = ex.model is None and ex.optimizer is None  # (no parameter known)
             result = _peak.explain(
                 start.snapshot, end, device=ex.index, step=step.index, observations=obs,
                 module_events=mods, phase_events=phases, annotations=annotations, in_clock=in_clock,
                 peak_allocated_bytes=pending["peak"], max_entries=self._max_entries,
-                activations_from=ex.activations_from, notes=ex.notes,
-                unavailable={**(_NO_MODEL if ex.model is None and ex.optimizer is None else {}),
-                             **(_LIGHT if pending["light"] else {})},
+                activations_from=ex.activations_from, notes=[*ex.notes, NO_MODEL_NOTE] if blind else ex.notes,
+                unavailable={**(_NO_MODEL if blind else {}), **(_LIGHT if pending["light"] else {})},
             )
         except Exception as e:  # noqa: BLE001 - a null record, never a stopped collector
             if raised_by_user(e):
@@ -534,8 +534,12 @@ _LIGHT = dict.fromkeys(
 
 _NO_MODEL = {
     "bytes_by_category.parameters": "no model or optimizer was given (pass model= and optimizer=): "
-    "parameters, gradients and optimizer state count as other or temporaries",
+    "parameters, gradients and optimizer state count as activations where autograd saved them for "
+    "backward (a layer's weight), else as other or temporaries",
 }
+#: The note of a record explained without a model or an optimizer.
+NO_MODEL_NOTE = ("activations include the weights autograd saved for backward: without model= or optimizer= "
+                 "they cannot be told from activations")
 
 
 def _in_clock(start: HistoryStart, end: dict[str, Any], ex: Explaining, max_entries: int) -> tuple[
