@@ -22,6 +22,7 @@ from ._validate import (
     check_model,
     check_optimizer,
     check_option_names,
+    check_path,
     check_report_device,
     check_warmup,
     check_warmup_variable,
@@ -147,6 +148,7 @@ def explain_peak(
     optimizer: torch.optim.Optimizer | None = None,
     warmup: int = 0,
     device: str | int | torch.device | None = None,
+    snapshot: str | os.PathLike[str] | None = None,
 ) -> PeakExplanation:
     """Run ``train_step(batch)`` once and say where its peak memory comes from.
 
@@ -164,6 +166,9 @@ def explain_peak(
         warmup: calls to run first, unexplained (the first call of a run often allocates
             what later ones reuse: the optimizer's state, cuBLAS workspaces).
         device: as for :class:`stepprof.Profiler`.
+        snapshot: also write the explained call's allocator snapshot there, a pickle that
+            pytorch.org/memory_viz opens (its path is the explanation's ``snapshot_path``; a
+            failed write is a reason in ``unavailable``, never an exception).
 
     Example:
         >>> exp = stepprof.explain_peak(trainer.train_step, batch)  # doctest: +SKIP
@@ -172,10 +177,12 @@ def explain_peak(
     """
     check_callable(train_step, "train_step", "stepprof.explain_peak(trainer.train_step, batch)")
     warmup = check_warmup(warmup)
+    snapshot_path = check_path(snapshot, "snapshot", "snapshot='peak.pickle'", "to write none")
     model = check_model(model if model is not None else _owned(train_step, torch.nn.Module))
     optimizer = check_optimizer(optimizer if optimizer is not None else _owned(train_step, torch.optim.Optimizer))
     with Profiler(None, warmup=warmup, device=device, explain_peak=True, model=model, optimizer=optimizer,
                   syncs="off", nvtx=False, memory_every=0, energy_every_s=None) as prof:
+        prof._peak.snapshot_path = snapshot_path
         for _ in range(warmup + 1):
             with prof.step():
                 train_step(batch)

@@ -390,6 +390,8 @@ _PEAK = (
     _f("activations_from", STR, None, "saved_tensors_hooks (exact) or stacks", **_NULL),
     _f("notes", _NOTES, None, "what may mislead here"),
     _f("unavailable", REASONS, None, "field -> why it is null"),
+    _f("snapshot_path", STR, None, "the step's allocator snapshot, a pickle for pytorch.org/memory_viz "
+       "(explain_peak(snapshot=))", **_OPT_NULL),
 )
 
 _STATS = Obj((

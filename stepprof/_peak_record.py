@@ -112,6 +112,9 @@ class PeakExplanation:
             activations were told from temporaries.
         notes: sentences on what may mislead in this step's figures.
         unavailable: field name to the reason it is None.
+        snapshot_path: where the step's allocator snapshot was written for pytorch.org/memory_viz
+            (``explain_peak(snapshot=)``); None when none was asked (then the record lacks it) or
+            the write failed (``unavailable`` says why).
     """
 
     step: int | None = None
@@ -136,12 +139,15 @@ class PeakExplanation:
     activations_from: str | None = None
     notes: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     unavailable: Mapping[str, str] = attrs.field(factory=dict)
+    snapshot_path: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The ``kind: "peak"`` record (docs/reference/schema.md)."""
         out: dict[str, Any] = {"kind": "peak"}
         for field in attrs.fields(PeakExplanation):
             value = getattr(self, field.name)
+            if field.name == "snapshot_path" and value is None and "snapshot_path" not in self.unavailable:
+                continue  # (none was asked)
             if field.name == "modules":
                 value = None if value is None else [m.to_dict() for m in value]
             elif isinstance(value, tuple):
@@ -166,7 +172,7 @@ def unavailable_explanation(reason: str, *, step: int | None, device: str,
                             cost_ms: float | None = None) -> PeakExplanation:
     """An explanation whose figures are all None, for ``reason``."""
     fields = [f.name for f in attrs.fields(PeakExplanation)
-              if f.name not in ("step", "device", "notes", "unavailable", "cost_ms")]
+              if f.name not in ("step", "device", "notes", "unavailable", "cost_ms", "snapshot_path")]
     missing = {name: reason for name in fields}
     if peak_allocated_bytes is not None:
         missing.pop("peak_allocated_bytes")

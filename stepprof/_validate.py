@@ -136,7 +136,13 @@ def check_option_names(options: dict[str, Any], names: Sequence[str], caller: st
 
 
 def check_log(path: Any, argument: str = "log") -> str | None:
-    """``path`` as a str the OS can open (None stays None), or a ConfigError naming ``argument``.
+    """``log=``: a path (:func:`check_path`) or None to keep no log."""
+    return check_path(path, argument, f"{argument}='run.jsonl'", "to keep no log")
+
+
+def check_path(path: Any, argument: str, example: str, none_means: str) -> str | None:
+    """``path`` as a str the OS can open (None stays None), or a ConfigError naming ``argument``
+    (``example``: a good value; ``none_means``: what None does).
 
     A bytes path would be opened, then fail at the first record (which holds it as ``log``).
     A str that is not UTF-8 but that the OS takes (``os.fsdecode(b"run_\\xff.jsonl")``, a
@@ -153,7 +159,7 @@ def check_log(path: Any, argument: str = "log") -> str | None:
     if not isinstance(text, str):
         raise ConfigError(
             f"{argument!r} must be a path (a str or an os.PathLike) or None (got {path!r}); "
-            f"pass e.g. {argument}='run.jsonl', or None to keep no log"
+            f"pass e.g. {example}, or None {none_means}"
         )
     if "\x00" in text:
         raise ConfigError(

@@ -596,3 +596,54 @@ def test_without_a_model_or_optimizer_the_record_says_activations_include_the_sa
     assert rec["bytes_by_category"]["parameters"] == 0 and rec["bytes_by_category"]["activations"] == weights
     assert peak_module.NO_MODEL_NOTE in rec["notes"]
     assert "count as activations where autograd saved them" in rec["unavailable"]["bytes_by_category.parameters"]
+
+
+def test_the_explained_steps_snapshot_is_written_for_memory_viz(log, gpu, history, tmp_path):
+    """``snapshot_path`` set: the step's end snapshot (``torch.cuda.memory._snapshot()``'s dict,
+    which memory_viz opens) is pickled there whole, and the peak record names it; a write that
+    fails is a reason, and the run goes on."""
+    import pickle
+
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    path = str(tmp_path / "peak.pickle")
+    prof._peak.snapshot_path = path
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=2)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert rec["snapshot_path"] == path and "snapshot_path" not in rec["unavailable"]
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert set(snap) >= {"segments", "device_traces"}
+    assert any(e.get("action") == "alloc" for e in snap["device_traces"][0])  # (the step's history)
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+    log2 = str(tmp_path / "two.jsonl")
+    prof = make(log2, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    prof._peak.snapshot_path = str(tmp_path / "no-such-dir" / "peak.pickle")
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=2)
+    assert prof.close().steps == 2
+    rec = next(stepprof.read(log2, kind="peak"))
+    assert rec["snapshot_path"] is None and rec["bytes_by_category"] is not None
+    assert "writing the snapshot to" in rec["unavailable"]["snapshot_path"] and "FileNotFoundError" in \
+        rec["unavailable"]["snapshot_path"]
+
+
+def test_a_peak_record_without_a_snapshot_asked_has_no_snapshot_field(log, gpu, history):
+    model = Net(history)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
+    _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
+    prof.close()
+    rec = next(stepprof.read(log, kind="peak"))
+    assert "snapshot_path" not in rec and "snapshot_path" not in rec["unavailable"]
+
+
+def test_explain_peak_snapshot_on_the_cpu_says_why_none_was_written(tmp_path):
+    path = tmp_path / "peak.pickle"
+    exp = stepprof.explain_peak(Trainer().train_step, torch.ones(4, 3), snapshot=path)
+    assert exp.snapshot_path is None and not path.exists()
+    assert "no CUDA allocator to explain" in exp.unavailable["snapshot_path"]
+    with pytest.raises(stepprof.ConfigError, match=r"'snapshot' must be a path .* snapshot='peak.pickle'"):
+        stepprof.explain_peak(Trainer().train_step, torch.ones(4, 3), snapshot=3)

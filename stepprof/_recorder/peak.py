@@ -25,12 +25,15 @@ step boundaries, so other steps pay nothing.  The collector replays the history
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import torch
 
 from .. import _peak
@@ -351,6 +354,8 @@ class PeakHook(Hook):
         self._reason: str | None = None
         self._pid = os.getpid()  # a forked child leaves the parent's allocator alone
         self._ran = False  # the target step ran under the history and the hooks
+        #: Where to write the explained step's allocator snapshot (explain_peak(snapshot=)), or None.
+        self.snapshot_path: str | None = None
 
     # -- training thread --------------------------------------------------------------
 
@@ -455,8 +460,20 @@ class PeakHook(Hook):
         """The peak record, right after the explained step's record."""
         if step.index != self.target or self.explanation is not None:
             return
-        self.explanation = self._explain(step)
+        end = self._pending["end"] if self._pending is not None else None
+        self.explanation = self._with_snapshot(self._explain(step), end)
         write(self.explanation.to_record())
+
+    def _with_snapshot(self, exp: PeakExplanation, end: dict[str, Any] | None) -> PeakExplanation:
+        """``exp`` with the snapshot asked for written (``snapshot_path``), or the reason it is not."""
+        path = self.snapshot_path
+        if path is None:
+            return exp
+        why = (_write_snapshot(path, end) if end is not None else
+               exp.unavailable.get("bytes_by_category") or "the step's allocator history was not recorded")
+        if why is None:
+            return attrs.evolve(exp, snapshot_path=path)
+        return attrs.evolve(exp, unavailable={**exp.unavailable, "snapshot_path": why})
 
     def _explain(self, step: Step) -> PeakExplanation:
         device = step.backend.device if step.backend is not None else "cpu"
@@ -523,7 +540,8 @@ class PeakHook(Hook):
             why = f"the run ended before step {self.target}, the one to explain ({ran})"
         else:
             why = self._reason or f"step {self.target} was not recorded (recording stopped)"
-        self.explanation = _peak.unavailable_explanation(why, step=self.target, device=device)
+        self.explanation = self._with_snapshot(_peak.unavailable_explanation(why, step=self.target, device=device),
+                                               None)
         closing.write(self.explanation.to_record())
 
 
@@ -591,6 +609,21 @@ def _to_trace(offset: float) -> Callable[[float], float]:
 
 
 def _with_cost(result: PeakExplanation, cost_ms: float) -> PeakExplanation:
-    import attrs
-
     return attrs.evolve(result, cost_ms=round(cost_ms, 3))
+
+
+def _write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
+    """Pickle ``snapshot`` (``torch.cuda.memory._snapshot()``'s dict, which pytorch.org/memory_viz
+    opens) to ``path``, whole or not at all; returns why it could not, or None."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - a reason in the record, never a stopped collector
+        if raised_by_user(e):
+            raise
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return f"writing the snapshot to {path!r} failed: {type(e).__name__}: {e}"
+    return None
