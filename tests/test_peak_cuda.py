@@ -241,3 +241,22 @@ def test_after_the_explained_step_the_history_is_off():
     # Printed, not asserted: two stretches of host time on the shared H200 differ by -21% to +7%
     # with nothing left on, more than a leftover callback would add. What the later steps pay
     # is measured interleaved by bench/overhead.py's full-explained variant.
+
+
+def test_explain_peak_snapshot_opens_with_torchs_memory_viz_tools(tmp_path):
+    """The pickle holds ``torch.cuda.memory._snapshot()``'s dict for the explained call: torch's
+    own memory_viz helpers (what pytorch.org/memory_viz runs) read it, and its trace is the step's."""
+    import pickle
+
+    from torch.cuda import _memory_viz
+
+    path = tmp_path / "peak.pickle"
+    exp = stepprof.explain_peak(Trainer().train_step, torch.randn(256, 2048, device="cuda"), warmup=1,
+                                snapshot=path)
+    assert exp.snapshot_path == str(path), exp.unavailable
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    assert snap["segments"] and snap["device_traces"][torch.cuda.current_device()]
+    assert "alloc" in {e["action"] for e in snap["device_traces"][torch.cuda.current_device()]}
+    assert _memory_viz.segsum(snap)  # (the segment summary memory_viz prints)
+    assert not torch._C._cuda_isHistoryEnabled()
