@@ -673,7 +673,8 @@ class Collector:
                     log.end_batch()
                     log.begin_batch()
                 if plan is not None and plan[-1] is not None and s.index >= plan[-1]:
-                    plan, covered = builder.plan(pending, log, self.summary, share_us)  # (past the step a memory record was due at)
+                    # (past the step a memory record was due at)
+                    plan, covered = builder.plan(pending, log, self.summary, share_us)
             return False
         finally:
             self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
