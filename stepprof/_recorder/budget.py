@@ -58,19 +58,33 @@ class Budget:
         self._full: deque[float] = deque(maxlen=WINDOW)
         self._light: deque[float] = deque(maxlen=WINDOW)
         self._wall: deque[float] = deque(maxlen=WINDOW)
+        self.counts = [0, 0]  # the measured steps' records added: [light, full]
+        self._spent_us = 0.0  # their overhead_us, summed
+        #: The first choice is made (until then every step is full, and the collector harvests
+        #: early to make it soon: ``Collector.harvest_at``).
+        self.chosen = False
 
     def add(self, full: bool, overhead_us: float, wall_ms: float) -> None:
         """A measured step's record (not warm-up, no error): its cost and its time."""
         (self._full if full else self._light).append(overhead_us)
         self._wall.append(wall_ms)
+        self.counts[full] += 1
+        self._spent_us += overhead_us
 
     def choose(self) -> int:
-        """Choose the interval again from the recent records; return it."""
+        """Choose the interval again from the recent records; return it.
+
+        The budget is kept over the run, not only from here on: the cost already spent over it
+        (the full steps before the first choice, a costlier stretch) is repaid over as many
+        steps as have run, by a longer interval meanwhile."""
         if len(self._full) < FIRST_CHOICE_AFTER:
             return self.interval
+        self.chosen = True
         full = statistics.median(self._full)
         light = statistics.median(self._light) if self._light else 0.0
         allowed = self.fraction * statistics.median(self._wall) * 1e3  # µs per step
+        n = self.counts[0] + self.counts[1]
+        room = allowed - max(0.0, self._spent_us - allowed * n) / n  # less the debt, repaid over n steps
         if allowed <= light:
             k = MAX_INTERVAL
             self.unmet = (
@@ -78,8 +92,9 @@ class Budget:
                 f"overhead_budget={self.fraction:g} of the median step ({allowed:.1f} µs)"
             )
         else:
-            need = max(1.0, (full - light) / (allowed - light))
-            k = min(MAX_INTERVAL, 1 << max(0, math.ceil(math.log2(need))))
+            need = (full - light) / (room - light) if room > light else math.inf
+            k = min(MAX_INTERVAL, 1 << max(0, math.ceil(math.log2(max(1.0, need))))) if need < math.inf \
+                else MAX_INTERVAL
             self.unmet = None
         self.desired = k
         if not self.shared:
@@ -104,6 +119,22 @@ class Budget:
     def agreed(self, start: int, interval: int) -> None:
         """The ranks' answer: ``interval`` from step ``start`` on (collector thread)."""
         self._changes.append((start, max(1, min(MAX_INTERVAL, interval))))
+
+    def verdict(self, overhead_us_mean: float | None, wall_ms_median: float | None) -> str | None:
+        """Why the run cost more than the budget, with the figures; None where it kept it (or
+        nothing was measured).  ``overhead_us_mean`` and ``wall_ms_median``: the summary's."""
+        if self.unmet is not None:
+            return self.unmet
+        if overhead_us_mean is None or not wall_ms_median or wall_ms_median <= 0:
+            return None
+        share = overhead_us_mean / (wall_ms_median * 1e3)
+        if share <= self.fraction:
+            return None
+        light, full = self.counts
+        return (f"stepprof cost {share:.2%} of the median step ({overhead_us_mean:.1f} µs a step on average, "
+                f"the median step {wall_ms_median:.3f} ms), over overhead_budget={self.fraction:g}: {full} of "
+                f"{light + full} measured steps were measured in full (every step until the costs of "
+                f"{FIRST_CHOICE_AFTER} full ones were harvested, then one in {self.interval})")
 
     def reason(self, interval: int) -> str:
         """Why a light step has no GPU figures."""

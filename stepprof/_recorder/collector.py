@@ -56,6 +56,10 @@ HARVEST_CHUNK = 256
 #: whose growth triggers full collections (45 ms each with torch loaded on the 2-core CPU:
 #: 4.1 µs a step of a near-empty 3-phase loop at 2048 waiting, 0.3 at 256).
 HARVEST_AT = 256
+#: While ``overhead_budget`` waits for its first choice: the steps that may wait before the
+#: training thread harvests them itself (query only), so that the choice comes a few steps
+#: after the first full ones complete.
+EARLY_AT = 2
 #: The most steps one call of the C harvest takes (between calls the harvest looks at ``until``).
 FAST_STEPS = 32
 #: How the C harvest encodes a record, as ``LogSink.encode`` does (``encode_line``: one orjson refuses).
@@ -446,10 +450,10 @@ class Collector:
         #: Before this step-clock reading the training thread does not check the log's lag.
         self.catch_up_at = 0 if flush_every_ns is not None else 2**63
         #: Past this many steps waiting, the training thread writes those that completed.
-        self.harvest_at = HARVEST_AT
         self._warned: set[str] = set()
         #: Under ``overhead_budget``: which steps are measured in full (None: all of them).
         self.budget = Budget(overhead_budget) if overhead_budget is not None else None
+        self.harvest_at = self._wait_limit()
         self.log = log
         self.summary = summary
         self.every_s = collect_every_s
@@ -542,6 +546,13 @@ class Collector:
         self.take_over()  # its time goes to the records it writes (and sets harvest_at)
         return True
 
+    def _wait_limit(self) -> int:
+        """How many more steps may wait before the training thread harvests: :data:`HARVEST_AT`,
+        or :data:`EARLY_AT` while ``overhead_budget`` has not made its first choice (every step is
+        full until then: the collector thread's 100 ms would be dozens of them)."""
+        budget = self.budget
+        return EARLY_AT if budget is not None and not budget.chosen else HARVEST_AT
+
     def warn_async(self) -> None:
         """Warn, from the training thread, about what went wrong on the collector thread."""
         for why in (self.error, self.log.failed):
@@ -619,7 +630,7 @@ class Collector:
             return True
         pending = self.pending
         if not pending:
-            self.harvest_at = HARVEST_AT
+            self.harvest_at = self._wait_limit()
             return False
         limit = len(pending) if max_steps is None else max_steps
         clock = builder.cost_clock
@@ -677,7 +688,7 @@ class Collector:
                     plan, covered = builder.plan(pending, log, self.summary, share_us)
             return False
         finally:
-            self.harvest_at = len(pending) + HARVEST_AT  # (see catch_up)
+            self.harvest_at = len(pending) + self._wait_limit()  # (see catch_up)
             log.end_batch()
             if written:  # (less the work a hook states in its own record: explain_peak's replay)
                 self.ns_per_record = max(0, clock() - t0 - builder.take_apart_ns()) / written

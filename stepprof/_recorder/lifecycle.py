@@ -127,7 +127,7 @@ class Lifecycle:
             log_failed=self._log.failed,
             flops_reason=self._flops.summary_reason() if self._flops is not None else None,
             boundary=boundary,
-            budget_unmet=self._collector.budget.unmet if self._collector.budget is not None else None,
+            budget=self._collector.budget,
             syncs_outside=b.syncs_outside_steps() if b is not None else (None, NOT_WATCHED),
             energy_reason=ENERGY_OFF if self._energy is None else None,
             boundary_reason=boundary_reason,

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._aggregate import RunAggregate
 from .._log import JsonlWriter, encode_line
 from .._records import Summary
 from .._schema import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from .budget import Budget
 
 #: How a record reaches the log: ``write(record)``.
 Write = Callable[[dict[str, Any]], None]
@@ -154,7 +157,7 @@ class SummarySink:
         log_failed: str | None,
         flops_reason: str | None,
         boundary: str | None = None,
-        budget_unmet: str | None = None,
+        budget: Budget | None = None,
         syncs_outside: tuple[int | None, str | None] | None = None,
         energy_reason: str | None = None,
         boundary_reason: str | None = None,
@@ -172,7 +175,8 @@ class SummarySink:
                 summary's reason when no step record carries the FLOPs fields.  None: FLOPs
                 were not requested.
             boundary: which boundary did the device work (None: no CUDA device).
-            budget_unmet: why ``overhead_budget`` could not be kept, or None.
+            budget: the ``overhead_budget``'s state, or None: the summary says when the run
+                cost more (``unavailable["overhead_budget"]``).
             syncs_outside: (``syncs_outside_steps``, None), or (None, why): the backend's
                 count, which no step record carries.  None: no backend gave one.
             energy_reason: why no step has energy, when no step record says (energy
@@ -188,13 +192,16 @@ class SummarySink:
             extra["stepprof"] = stopped
         if log_failed:
             extra["log"] = log_failed
-        if budget_unmet:
-            extra["overhead_budget"] = budget_unmet
         if boundary == "python" and boundary_reason:
             extra["boundary"] = boundary_reason
         if energy_reason is not None and not agg.energy_steps and agg.energy_reason is None and agg.timed_steps:
             extra["energy_j_per_step"] = extra["power_w_mean"] = extra["samples_per_j"] = energy_reason
         fields = agg.summary_fields(extra_unavailable=extra)
+        if budget is not None:
+            wall = fields["wall_ms"]
+            why = budget.verdict(fields["overhead_us_mean"], wall.median if wall is not None else None)
+            if why is not None:
+                fields["unavailable"]["overhead_budget"] = why
         if agg.device is None:
             fields["device"] = device
         fields["ended_by"] = ended_by
