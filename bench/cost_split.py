@@ -118,8 +118,8 @@ def run(name: str, kw: dict, kind: str, steps: int, tmp: str, work) -> dict:
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e6
     prof.close()
-    per_rec_cpu = [c / n for c, _, n in harvests]
-    per_rec_wall = [w / n for _, w, n in harvests]
+    per_rec_cpu = [c / n / 1e3 for c, _, n in harvests]
+    per_rec_wall = [w / n / 1e3 for _, w, n in harvests]
     full = [h / 1e3 for h, sampled in hot if sampled]
     light = [h / 1e3 for h, sampled in hot if not sampled]
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
@@ -207,10 +207,6 @@ def features(rounds: int, steps: int, device: str, seed: int) -> dict:
     }
 
 
-def _us(ns: float | None) -> float | None:
-    return None if ns is None else ns / 1e3
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=400)
@@ -251,8 +247,6 @@ def main() -> int:
         for name in args.variants.split(","):
             kw, kind = VARIANTS[name]
             out["variants"][name] = r = run(name, kw, kind, args.steps, tmp, work)
-            r["collector_cpu_us_per_record"] = _us(r["collector_cpu_us_per_record"])
-            r["collector_wall_us_per_record"] = _us(r["collector_wall_us_per_record"])
             calls = ", ".join(f"{k} {v:.1f}" for k, v in r["per_step_calls_us"].items())
             fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
             print(f"{name:18s} step {r['step_us']:8.1f} µs | hot full {fmt(r['hot_full_us'])} light "
