@@ -19,7 +19,10 @@ whose answer is late measures every step in full from that step until it arrives
 every step is full.  With F the median cost of a full step, L of a light one
 and W the median step time, the mean cost over an interval of k steps is
 (F + (k - 1) L) / k, which is within ``fraction`` x W when
-k >= (F - L) / (fraction x W - L).
+k >= (F - L) / (fraction x W - L).  The budget holds over the run: what the n measured steps so
+far cost beyond n x ``fraction`` x W (the full steps before the first choice) comes off that
+room, spread over the next n steps.  Until the first choice the collector harvests every
+couple of steps (``Collector.harvest_at``), so that it comes soon after warm-up.
 """
 
 from __future__ import annotations
@@ -92,10 +95,12 @@ class Budget:
                 f"overhead_budget={self.fraction:g} of the median step ({allowed:.1f} µs)"
             )
         else:
-            need = (full - light) / (room - light) if room > light else math.inf
-            k = min(MAX_INTERVAL, 1 << max(0, math.ceil(math.log2(max(1.0, need))))) if need < math.inf \
-                else MAX_INTERVAL
             self.unmet = None
+            if room <= light:  # (the debt takes every light step's room: no full step for now)
+                k = MAX_INTERVAL
+            else:
+                need = max(1.0, (full - light) / (room - light))
+                k = min(MAX_INTERVAL, 1 << math.ceil(math.log2(need)))
         self.desired = k
         if not self.shared:
             self.interval = k
