@@ -440,13 +440,18 @@ def test_a_graph_kept_past_the_explained_step_emits_no_markers(log, gpu, marked)
     assert len(marked.calls) == n
 
 
-def test_without_annotations_the_record_says_attribution_is_approximate(log, gpu, history):
+def _one_explained_step(log, gpu, history) -> dict:
+    """The peak record of one explained step of ``Net`` with SGD."""
     model = Net(history)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
     _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
     prof.close()
-    rec = next(stepprof.read(log, kind="peak"))
+    return next(stepprof.read(log, kind="peak"))
+
+
+def test_without_annotations_the_record_says_attribution_is_approximate(log, gpu, history):
+    rec = _one_explained_step(log, gpu, history)
     assert any(n.startswith("module and phase attribution is approximate") and "global_record_annotations" in n
                for n in rec["notes"])
     assert rec["phase"] in ("backward", "optimizer") and rec["modules"]
@@ -631,12 +636,7 @@ def test_the_explained_steps_snapshot_is_written_for_memory_viz(log, gpu, histor
 
 
 def test_a_peak_record_without_a_snapshot_asked_has_no_snapshot_field(log, gpu, history):
-    model = Net(history)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    prof = make(log, gpu, explain_peak=True, model=model, optimizer=opt, memory_every=0)
-    _train(prof, history, model, opt, torch.randn(4, 64), steps=1)
-    prof.close()
-    rec = next(stepprof.read(log, kind="peak"))
+    rec = _one_explained_step(log, gpu, history)
     assert "snapshot_path" not in rec and "snapshot_path" not in rec["unavailable"]
 
 
