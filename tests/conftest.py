@@ -14,6 +14,12 @@ from stepprof._recorder.profiler import _make_profiler
 
 from .fakes import FakeGpu, FakeNvml
 
+# A suite started in the background (`cmd &`, nohup) inherits SIGINT ignored, and then Python
+# installs no KeyboardInterrupt handler: stepprof rightly leaves an ignored signal alone, so the
+# Ctrl-C tests would test that instead.  Run them as a terminal would (children inherit it too).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def _warm_torch() -> None:
     """Let torch make its lazy imports (sympy adds a warning filter) before the state checks."""
