@@ -764,9 +764,7 @@ class Builder:
         else:
             if b.has_device_memory or _NATIVE.build_host is None:
                 return None, 0
-            if self._host[0] is not b:
-                self._host = (b, host_reasons(b))
-            host = self._host[1]
+            host = self._host_reasons(b)
             if host is None:
                 return None, 0
         owners, before = [], None
@@ -797,17 +795,20 @@ class Builder:
             why = self._not_sampled_why = (budget.interval, budget.reason(budget.interval))
         return why[1]
 
+    def _host_reasons(self, b: Backend) -> tuple[str, ...] | None:
+        """:func:`host_reasons` of ``b``, worked out once per backend."""
+        if self._host[0] is not b:
+            self._host = (b, host_reasons(b))
+        return self._host[1]
+
     def build(self, s: Step) -> tuple[dict[str, Any], tuple[Any, ...] | None]:
         """Build a completed step's record, hand it to the hooks, release its marks; with the
         late hook's token (None: it has no late field)."""
         b = s.backend
-        host = self._host
-        if host[0] is not b:  # (once per backend)
-            host = self._host = (b, host_reasons(b))
         record = build_step_record(
             s, b, start_unix_s=self._unix0 + (s.t0 - self._clock0) / 1e9,
             phase_peaks_why=self._phase_peaks_why,
-            not_sampled=self._not_sampled() if s.sampled == 0 else None, host=host[1],
+            not_sampled=self._not_sampled() if s.sampled == 0 else None, host=self._host_reasons(b),
         )
         for hook in self._record_hooks:
             hook.on_record(s, record)
