@@ -9,13 +9,14 @@ folder the user named (a name that sanitising missed, or a symbolic link placed 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Iterable, Iterator
+from typing import IO, Final
 
 from ._errors import ConfigError
 
-__all__ = ["COMPONENT_MAX", "cache_root", "component", "components", "inside"]
+__all__ = ["COMPONENT_MAX", "cache_root", "component", "components", "inside", "whole_file"]
 
 #: Characters of a path component made from a log's name.
 COMPONENT_MAX: Final = 64
@@ -82,3 +83,18 @@ def cache_root() -> str:
     if os.name == "nt" and os.environ.get("LOCALAPPDATA"):  # pragma: no cover - Windows
         return os.path.join(os.environ["LOCALAPPDATA"], "stepprof")
     return os.path.join(os.path.expanduser("~"), ".cache", "stepprof")
+
+
+@contextlib.contextmanager
+def whole_file(path: str) -> Iterator[IO[bytes]]:
+    """A binary file to write ``path`` through, whole or not at all: written beside it and
+    renamed over it once the block ends, removed if the block raises (a reader never sees half)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise

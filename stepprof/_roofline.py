@@ -36,6 +36,7 @@ import orjson
 
 from ._errors import raised_by_user
 from ._paths import cache_root as cache_dir
+from ._paths import whole_file
 
 __all__ = [
     "CALIBRATED_DTYPES",
@@ -235,12 +236,10 @@ def save_calibration(record: dict[str, Any]) -> str:
     """Write a calibration (as :func:`stepprof._device.calibrate.calibrate` returns it) to the cache."""
     path = calibration_path(record["device_name"])
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
+    with whole_file(path) as f:
         f.write(
             orjson.dumps({"calibration_version": CALIBRATION_VERSION, **record}, option=orjson.OPT_INDENT_2)
         )
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
 
 

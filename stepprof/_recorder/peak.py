@@ -25,7 +25,6 @@ step boundaries, so other steps pay nothing.  The collector replays the history
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import threading
@@ -39,6 +38,7 @@ import torch
 from .. import _peak
 from .._device.backend import Backend, HistoryStart
 from .._errors import raised_by_user
+from .._paths import whole_file
 from .._peak import MARKER, Event, Observation, PeakExplanation
 from .hooks import Closing, Hook
 from .sinks import Write
@@ -615,15 +615,11 @@ def _with_cost(result: PeakExplanation, cost_ms: float) -> PeakExplanation:
 def _write_snapshot(path: str, snapshot: dict[str, Any]) -> str | None:
     """Pickle ``snapshot`` (``torch.cuda.memory._snapshot()``'s dict, which pytorch.org/memory_viz
     opens) to ``path``, whole or not at all; returns why it could not, or None."""
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        with whole_file(path) as f:
             pickle.dump(snapshot, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
     except Exception as e:  # noqa: BLE001 - a reason in the record, never a stopped collector
         if raised_by_user(e):
             raise
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         return f"writing the snapshot to {path!r} failed: {type(e).__name__}: {e}"
     return None
