@@ -889,6 +889,18 @@ static int small_int(PyObject* x, long long* out) {
     return 0;
 }
 
+/* A reading of the step clock (perf_counter_ns: CLOCK_MONOTONIC, since boot) or a time on it:
+ * only differences of two reach a double, so past 2**52 (52 days up) is fine; 0 as small_int. */
+static int time_int(PyObject* x, long long* out) {
+    if (x == NULL || !PyLong_CheckExact(x)) return 1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v > (1LL << 62) || v < -(1LL << 62)) return 1;
+    *out = v;
+    return 0;
+}
+
 #define STEP(o, i) (*SLOT((o), off_step[i]))
 #define PT(o, i) (*SLOT((o), off_pt[i]))
 
@@ -913,7 +925,7 @@ static int build_phases(PyObject* s, PyObject* phases, PyObject* times, long lon
         PyObject* marks = PT(total, P_MARKS);
         long long pt0, wall, peak;
         if (marks == NULL || !PyList_CheckExact(marks)) return 1;
-        int rc = small_int(PT(total, P_T0), &pt0);
+        int rc = time_int(PT(total, P_T0), &pt0);
         if (!rc) rc = small_int(PT(total, P_WALL), &wall);
         if (!rc) rc = small_int(PT(total, P_PEAK), &peak);
         if (rc) return rc;
@@ -1001,8 +1013,8 @@ static int take_step(View* v) {
         v->thread == NULL || v->global == NULL || !PyFloat_CheckExact(v->start))
         return 1;
     v->nbatch = 0;
-    int rc = small_int(STEP(s, B_T0), &v->t0);
-    if (!rc) rc = small_int(STEP(s, B_T1), &v->t1);
+    int rc = time_int(STEP(s, B_T0), &v->t0);
+    if (!rc) rc = time_int(STEP(s, B_T1), &v->t1);
     if (!rc) rc = small_int(v->peak_obj, &v->peak);
     if (!rc) rc = small_int(STEP(s, B_OVERHEAD), &v->overhead);
     if (!rc) rc = small_int(STEP(s, B_WAIT), &v->wait_ns);
@@ -1205,8 +1217,8 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
         v.thread == NULL || v.global == NULL)
         Py_RETURN_NOTIMPLEMENTED;
     long long peak;
-    int rc = small_int(STEP(s, B_T0), &v.t0);
-    if (!rc) rc = small_int(STEP(s, B_T1), &v.t1);
+    int rc = time_int(STEP(s, B_T0), &v.t0);
+    if (!rc) rc = time_int(STEP(s, B_T1), &v.t1);
     if (!rc) rc = small_int(STEP(s, B_PEAK), &peak);
     if (!rc) rc = small_int(STEP(s, B_OVERHEAD), &v.overhead);
     if (!rc) rc = small_int(STEP(s, B_WAIT), &v.wait_ns);
@@ -1264,8 +1276,8 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
  * constant (Hook.quiet) and no budget runs; its items, by the P_ names below, are Python's. */
 
 enum { P_BACKEND, P_DEVICE, P_HOST, P_PEAKS_WHY, P_UNIX0, P_CLOCK0, P_SHARE, P_LATE_FIELDS, P_LATE_REASONS,
-       P_LATE, P_HELD, P_ENCODE, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_BEFORE,
-       N_PLAN };
+       P_LATE, P_HELD, P_ENCODE, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_SPAN,
+       P_BEFORE, N_PLAN };
 
 /* A step's marks as Step.flat_marks gives them (new), or NULL with no error: leave it to Python. */
 static PyObject* flat_marks(PyObject* s) {
@@ -1322,6 +1334,79 @@ static int read_times(PyObject* s, PyObject* read) {
     return 0;
 }
 
+/* EnergyHook._span_of and the token late() gives, to the same bits, for a training-thread step
+ * whose span starts at or after the first sample: (start, end), the hook's span state moved on.
+ * Py_None (new), with nothing read or changed, where late() must see the step (another thread's,
+ * no sample yet, or one after its start: late() then nulls its fields with the reason); NULL on
+ * an error.  ``span`` is EnergyHook.span_plan()'s ([prev_end, lag], the sampler's times, the
+ * step clock). */
+static PyObject* energy_span(PyObject* span, PyObject* s) {
+    PyObject *state = PyTuple_GET_ITEM(span, 0), *times = PyTuple_GET_ITEM(span, 1);
+    PyObject *steps = STEP(s, B_TIMES), *p = PyList_GET_ITEM(state, 0);
+    if (STEP(s, B_THREAD) != Py_None || PyList_GET_SIZE(times) == 0 || steps == NULL || !PyTuple_CheckExact(steps))
+        return Py_NewRef(Py_None);
+    long long t0, t1, first, prev = 0, lag, start, end, now;
+    int has_prev = p != Py_None;
+    int rc = time_int(STEP(s, B_T0), &t0) || time_int(STEP(s, B_T1), &t1) ||
+             time_int(PyList_GET_ITEM(times, 0), &first) || (has_prev && time_int(p, &prev)) ||
+             time_int(PyList_GET_ITEM(state, 1), &lag);
+    if (rc) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject* g = PyTuple_GET_SIZE(steps) ? PyTuple_GET_ITEM(steps, 0) : Py_None;  /* Step.gpu_ms() */
+    double ns = 0.0;
+    if (g != Py_None) {
+        if (!PyFloat_CheckExact(g)) return Py_NewRef(Py_None);
+        ns = nearbyint(PyFloat_AS_DOUBLE(g) * 1e6);  /* round(gpu_ms * 1e6): ties to even */
+        if (!(fabs(ns) < (double)(1LL << 52))) return Py_NewRef(Py_None);  /* (NaN too: late() raises) */
+    }
+    if (has_prev) start = prev;
+    else start = g != Py_None ? t0 : t0 + lag;
+    if (start < first) return Py_NewRef(Py_None);
+    if (g != Py_None) {
+        long long from = has_prev && prev > t0 ? prev : t0;  /* (the start before the previous end moves it) */
+        end = from + (long long)ns;
+        if (end < t1) end = t1;
+    } else {
+        end = t1 + lag;
+    }
+    PyObject* r = PyObject_CallNoArgs(PyTuple_GET_ITEM(span, 2));
+    if (r == NULL) return NULL;
+    rc = time_int(r, &now);
+    Py_DECREF(r);
+    if (rc) {  /* (the clock was read: late() may not read it again) */
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "the step clock gave no int of nanoseconds");
+        return NULL;
+    }
+    if (end > now) end = now;
+    if (end < t1) end = t1;  /* its end event had completed by now */
+    if (has_prev && end < prev) end = prev;
+    PyObject *e = PyLong_FromLongLong(end), *l = PyLong_FromLongLong(end - t1);
+    PyObject* token = e && l ? Py_BuildValue("(LO)", start, e) : NULL;
+    if (token != NULL) {
+        PyList_SetItem(state, 0, Py_NewRef(e));
+        PyList_SetItem(state, 1, Py_NewRef(l));
+    }
+    Py_XDECREF(e);
+    Py_XDECREF(l);
+    return token;
+}
+
+/* A read step's marks into the backend's event pool (Backend.event_pool), as its release_marks
+ * does: each distinct mark once, none of None and ``keep``; 0 or -1. */
+static int give_back(PyObject* pool, PyObject* flat, PyObject* keep) {
+    if (flat == NULL || !PyTuple_CheckExact(flat)) {
+        PyErr_SetString(PyExc_TypeError, "harvest_steps: a step's marks are not a tuple");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(flat);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject* m = PyTuple_GET_ITEM(flat, i);
+        int skip = m == Py_None ? 1 : keep == Py_None ? 0 : PyObject_RichCompareBool(m, keep, Py_EQ);
+        for (Py_ssize_t j = 0; j < i && skip == 0; j++) skip = PyObject_RichCompareBool(m, PyTuple_GET_ITEM(flat, j), Py_EQ);
+        if (skip < 0 || (skip == 0 && PyList_Append(pool, m))) return -1;
+    }
+    return 0;
+}
+
 /* The late fields: the constant ones, or the hook's token (new; Py_None when it has none). */
 static PyObject* late_fields(PyObject* plan, PyObject* s, PyObject* record) {
     PyObject *fields = PyTuple_GET_ITEM(plan, P_LATE_FIELDS), *late = PyTuple_GET_ITEM(plan, P_LATE);
@@ -1335,6 +1420,12 @@ static PyObject* late_fields(PyObject* plan, PyObject* s, PyObject* record) {
         return Py_NewRef(Py_None);
     }
     if (late == Py_None) return Py_NewRef(Py_None);
+    PyObject* span = PyTuple_GET_ITEM(plan, P_SPAN);
+    if (span != Py_None) {
+        PyObject* token = energy_span(span, s);
+        if (token != Py_None) return token;
+        Py_DECREF(token);
+    }
     return PyObject_CallMethodObjArgs(late, s_late, s, record, NULL);
 }
 
@@ -1475,7 +1566,7 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
     PyObject *release = PyTuple_GET_ITEM(plan, P_RELEASE), *owners = PyTuple_GET_ITEM(plan, P_PEAK_OWNERS);
     long long c0, before = LLONG_MAX;
     PyObject* until = PyTuple_GET_ITEM(plan, P_BEFORE);
-    if (!PyFloat_CheckExact(unix0) || small_int(clock0, &c0) || !PyTuple_CheckExact(owners) ||
+    if (!PyFloat_CheckExact(unix0) || time_int(clock0, &c0) || !PyTuple_CheckExact(owners) ||
         (until != Py_None && small_int(until, &before))) {
         if (PyErr_Occurred()) return NULL;
         return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
@@ -1489,7 +1580,7 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
         if (s == NULL) return NULL;
         long long t0, index;
         PyObject* sampled = Py_TYPE(s) == T_STEP ? STEP(s, B_SAMPLED) : NULL;
-        int rc = sampled == NULL || sampled != Py_None || STEP(s, B_BACKEND) != b || small_int(STEP(s, B_T0), &t0) ||
+        int rc = sampled == NULL || sampled != Py_None || STEP(s, B_BACKEND) != b || time_int(STEP(s, B_T0), &t0) ||
                  small_int(STEP(s, B_INDEX), &index) || index >= before;
         if (rc && PyErr_Occurred()) rc = -1;
         if (!rc) rc = read_times(s, PyTuple_GET_ITEM(plan, P_READ));
@@ -1520,9 +1611,12 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
         int ok = token != NULL;
         if (ok && release != Py_None) {
             PyObject* keep = PyTuple_GET_ITEM(plan, P_KEEP_END) == Py_True ? STEP(s, B_END_MARK) : Py_None;
-            PyObject* res = PyObject_CallFunctionObjArgs(release, STEP(s, B_FLAT), keep, NULL);
-            ok = res != NULL;
-            Py_XDECREF(res);
+            if (PyList_CheckExact(release)) ok = !give_back(release, STEP(s, B_FLAT), keep);
+            else {
+                PyObject* res = PyObject_CallFunctionObjArgs(release, STEP(s, B_FLAT), keep, NULL);
+                ok = res != NULL;
+                Py_XDECREF(res);
+            }
         }
         ok = ok && !add_share(record, PyTuple_GET_ITEM(plan, P_SHARE)) && !track_peak(owners, s);
         int got = -1;
@@ -1557,7 +1651,7 @@ static int bisect_ts(PyObject* ts, Py_ssize_t n, long long t, Py_ssize_t* at) {
     while (lo < hi) {
         Py_ssize_t mid = lo + (hi - lo) / 2;
         long long v;
-        int rc = small_int(PyList_GET_ITEM(ts, mid), &v);
+        int rc = time_int(PyList_GET_ITEM(ts, mid), &v);
         if (rc) return rc;
         if (v < t) lo = mid + 1;
         else hi = mid;
@@ -1572,17 +1666,17 @@ static int counter_at(PyObject* ts, PyObject* mj, Py_ssize_t n, long long t, dou
     long long ti, m1;
     int rc = bisect_ts(ts, n, t, &i);
     if (rc || i >= n) return rc ? rc : 1;
-    if ((rc = small_int(PyList_GET_ITEM(ts, i), &ti)) || (rc = small_int(PyList_GET_ITEM(mj, i), &m1))) return rc;
+    if ((rc = time_int(PyList_GET_ITEM(ts, i), &ti)) || (rc = small_int(PyList_GET_ITEM(mj, i), &m1))) return rc;
     if (ti == t) {
         *out = (double)m1;
         return 0;
     }
     if (i == 0) return 1;
     long long t0, m0;
-    if ((rc = small_int(PyList_GET_ITEM(ts, i - 1), &t0)) || (rc = small_int(PyList_GET_ITEM(mj, i - 1), &m0))) return rc;
+    if ((rc = time_int(PyList_GET_ITEM(ts, i - 1), &t0)) || (rc = small_int(PyList_GET_ITEM(mj, i - 1), &m0))) return rc;
     long long dm = m1 - m0, dt = t - t0, den = ti - t0;
     /* Python's int product is exact and its int / int correctly rounded: so is this while both stay below 2**53 */
-    if (den <= 0 || dm < 0 || dm >= EXACT || dt < 0 || (dm > 0 && dt > (EXACT - 1) / dm)) return 1;
+    if (den <= 0 || den >= EXACT || dm < 0 || dm >= EXACT || dt < 0 || (dm > 0 && dt > (EXACT - 1) / dm)) return 1;
     *out = (double)m0 + (double)(dm * dt) / (double)den;
     return 0;
 }
@@ -1614,12 +1708,12 @@ static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t n
         long long start = 0, end = 0, n_after;
         int rc = (size != 6 && size != 8) || !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
                  !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 4)) || small_int(PyTuple_GET_ITEM(e, 5), &n_after);
-        if (!rc && size == 8) rc = small_int(PyTuple_GET_ITEM(e, 6), &start) || small_int(PyTuple_GET_ITEM(e, 7), &end);
+        if (!rc && size == 8) rc = time_int(PyTuple_GET_ITEM(e, 6), &start) || time_int(PyTuple_GET_ITEM(e, 7), &end);
         double energy = 0.0;
         if (!rc && size == 8) {
             Py_ssize_t n = Py_MIN(PyList_GET_SIZE(ts), PyList_GET_SIZE(mj));  /* (the sampler appends mj first) */
             long long first = 0, latest = 0;
-            rc = n == 0 || small_int(PyList_GET_ITEM(ts, 0), &first) || small_int(PyList_GET_ITEM(ts, n - 1), &latest);
+            rc = n == 0 || time_int(PyList_GET_ITEM(ts, 0), &first) || time_int(PyList_GET_ITEM(ts, n - 1), &latest);
             if (!rc && !final && latest < end) {  /* its sample is still to come (or, past the patience, */
                 Py_DECREF(e);                       /* will not: EnergyHook.fill says why) */
                 break;

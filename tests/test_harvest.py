@@ -101,15 +101,28 @@ def test_the_c_harvest_writes_what_python_writes_on_the_host(tmp_path, monkeypat
     assert taken >= 11  # all but the first and the error
 
 
-def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, monkeypatch):
-    """Energy on: the C harvest holds a record until its sample comes, and every later one behind it."""
+@pytest.mark.parametrize("uptime_ns", [10**9, 2**53 + 12_345], ids=["1s", "104days"])
+def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, monkeypatch, uptime_ns):
+    """Energy on: the C harvest holds a record until its sample comes, and every later one behind
+    it, and gives each one's span itself (EnergyHook.late only where no sample covers it), on a
+    step clock past 2**52 ns too (perf_counter_ns counts from boot: a host up 52 days)."""
     from stepprof._recorder.energy import EnergyHook
+
+    late_calls = {"c": 0, "python": 0}
 
     def scenario(path: str) -> str:
         log = str(tmp_path / f"{path}.jsonl")
         gpu = FakeGpu()
+        gpu.host_ns = gpu.gpu_free_at = uptime_ns
         gate = Gate(FakeNvml(gpu))
+        real_late = EnergyHook.late
+
+        def late(self, step, record):
+            late_calls[path] += 1
+            return real_late(self, step, record)
+
         with monkeypatch.context() as mp:
+            mp.setattr(EnergyHook, "late", late)
             mp.setitem(sys.modules, "pynvml", gate.nvml)
             mp.setattr("stepprof._recorder.energy.open_counter", gate.opener)
             mp.setattr(EnergyHook.__init__, "__defaults__", (gate.opener,))
@@ -138,6 +151,9 @@ def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, m
     assert energies[:2] == [None, None] and all(e is not None for e in energies[2:])
     assert c[-3]["kind"] == "step" and c[-3]["encoding_replaced"] == ["global_step"], c[-3]
     assert taken >= 9
+    # Python's late() saw every step; C's only the two before the first sample (the first of
+    # them starts the sampler) and the one that begin_step left to Python (no budget: light).
+    assert late_calls["python"] == len(energies) and late_calls["c"] <= 4, late_calls
 
 
 def _steps(prof, gpu: FakeGpu, n: int) -> None:
@@ -334,3 +350,48 @@ def test_the_c_fill_gives_pythons_energy_to_the_last_bit(monkeypatch, tmp_path):
         assert c[3] > 150 and py[3] == 0  # (the C fill took most of them)
         assert len(c[1]) > 0 if not final else not c[1]  # (past the last sample: waiting, until final)
     assert b'"energy_j":null' in c[0] and c[0].count(b'"energy_j":') > 200
+
+
+class _PooledGpu(FakeGpu):
+    """A fake whose released marks all go into one list, as the compiled backend's event pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event_pool = self.released
+
+
+def test_the_c_harvest_gives_marks_back_to_the_pool_as_release_marks_does(tmp_path, monkeypatch):
+    """A backend with an event pool: the C harvest puts each step's marks there itself, each
+    distinct one once (the phases share boundary marks), in the order release_marks does."""
+    from .fakes import FakeEvent
+
+    pools: dict[str, list[int]] = {}
+    calls = {"c": 0, "python": 0}
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = _PooledGpu()
+        real = gpu.release_marks
+
+        def release_marks(marks, keep=None):
+            calls[path] += 1
+            real(marks, keep)
+
+        gpu.release_marks = release_marks
+        base = FakeEvent._next
+        prof = make(log, gpu)
+        for i in range(12):
+            with prof.step(batch_size=2):
+                with prof.measure("forward"):
+                    gpu.launch(1.0)
+                with prof.measure("backward"):
+                    gpu.launch(0.5 + i % 2)
+        prof.close()
+        pools[path] = [e.uid - base for e in gpu.released]
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    _same(c, py)
+    assert taken >= 10
+    assert pools["c"] == pools["python"] and len(set(pools["c"])) == len(pools["c"]) >= 12 * 3, pools
+    assert calls["python"] == 12 and calls["c"] <= 12 - taken, calls

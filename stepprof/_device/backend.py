@@ -128,6 +128,9 @@ class Backend(Protocol):
     # The collector's, once per step: its marks' times, and their release.
     def read_marks(self, marks: tuple[Any, ...]) -> tuple[float | None, ...] | None: ...
     def release_marks(self, marks: tuple[Any, ...], keep: Any = None) -> None: ...
+    #: Where released marks go, when that is all :meth:`release_marks` does (each distinct
+    #: mark once, but ``keep``): the C harvest then gives them back itself; None: it calls it.
+    event_pool: list[Any] | None
     def reset_peak(self) -> None: ...
     def read_memory(self) -> Memory | None: ...
     def synchronize(self) -> None: ...
@@ -169,6 +172,7 @@ class BoundaryOps:
 
     #: Which boundary does the device work: "python" (these single calls) or "compiled".
     boundary = "python"
+    event_pool: list[Any] | None = None
 
     def cross(self, flags: int, name: str | None = None) -> tuple[Any | None, Memory | None]:
         """One boundary's device work: ``flags`` is a sum of :data:`POP`, :data:`MARK`,

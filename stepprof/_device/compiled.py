@@ -521,6 +521,7 @@ class CompiledCudaBackend(CudaBackend):
         # Backend.read_marks as the extension's own function: one C call per step, no frame.
         self.read_marks = module.read_marks  # type: ignore[method-assign]
         self._events: list[int] = []
+        self.event_pool = self._events  # (release_marks: the distinct handles, into the pool)
         c_ranges = nvtx and bool(getattr(module, "NVTX", False))
         #: The flags the C call takes; ranges it cannot push go through torch (_py_ranges).
         self._mask = ~0 if c_ranges else ~_RANGES
@@ -595,6 +596,7 @@ class CompiledCudaBackend(CudaBackend):
         if sys.is_finalizing():
             return
         events, self._events = getattr(self, "_events", []), []
+        self.event_pool = self._events
         for ev in events:
             try:
                 self._destroy(ev)

@@ -782,8 +782,10 @@ class Builder:
         return (
             b, b.device, host, self._phase_peaks_why, self._unix0, self._clock0, share_us,
             q.fields if q is not None else None, q.reasons if q is not None else None, late if q is None else None,
-            self.held.entries, _ENCODE, b.read_marks if timed else None, b.release_marks if timed else None,
-            self._keep_end_marks, log.run_id, summary.add_step, tuple(owners), before,
+            self.held.entries, _ENCODE, b.read_marks if timed else None,
+            (b.release_marks if b.event_pool is None else b.event_pool) if timed else None,
+            self._keep_end_marks, log.run_id, summary.add_step, tuple(owners),
+            late.span_plan() if late is not None and q is None else None, before,  # (before: the last, harvest reads it)
         ), n
 
     def _not_sampled(self) -> str:

@@ -198,8 +198,9 @@ class EnergyHook(Hook):
         self._opener = opener
         self.sampler: Sampler | None = None
         self._stopped: str | None = None  # why no sampler may start (a forked child)
-        self._prev_end: int | None = None  # the previous training-thread step's span end
-        self._lag = 0  # its end less its host t1
+        #: [the previous training-thread step's span end (None: none yet), its end less its host
+        #: t1]: a list, which the C harvest's span (``_fold.c``'s ``energy_span``) moves on too.
+        self._span: list[Any] = [None, 0]
         #: A step waits at most this long past its end for a sample (a stuck NVML call).
         self._patience_ns = int((10 * every_s + 5) * 1e9)
 
@@ -243,23 +244,30 @@ class EnergyHook(Hook):
         why = _no_timing(b)
         return Quiet({"energy_j": None, "energy_span_ms": None}, {"energy_j": why, "energy_span_ms": why})
 
+    def span_plan(self) -> tuple[list[Any], list[int], Callable[[], int]] | None:
+        """The span state, the sampler's times (the same list while it runs) and the clock, for
+        the C harvest's span (to the same bits); None before the sampler started (:meth:`late`
+        starts it)."""
+        sampler = self.sampler
+        return None if sampler is None else (self._span, sampler.times, self._clock)
+
     def _span_of(self, s: Step) -> tuple[int, int]:
         """(start, end) of a training-thread CUDA step's span; the next one starts at its end."""
         now = self._clock()
-        prev = self._prev_end
+        span = self._span
+        prev, lag = span
         gpu_ms = s.gpu_ms()
         if gpu_ms is not None:
             start = s.t0 if prev is None else max(s.t0, prev)
             end = max(start + round(gpu_ms * 1e6), s.t1)
         else:
-            start = s.t0 + self._lag
-            end = s.t1 + self._lag
+            start = s.t0 + lag
+            end = s.t1 + lag
         end = max(min(end, now), s.t1)  # its end event had completed by now
         if prev is not None:
             end = max(end, prev)
             start = prev
-        self._prev_end = end
-        self._lag = end - s.t1
+        span[0], span[1] = end, end - s.t1
         return start, end
 
     def fill_many(self, entries: Any, final: bool, limit: int, add_late: Any, out: list[bytes]) -> tuple[int, int]:

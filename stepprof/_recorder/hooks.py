@@ -131,6 +131,12 @@ class Hook:
         first one goes through :meth:`fill` (the default: they all do)."""
         return 0, 0
 
+    def span_plan(self) -> tuple[Any, ...] | None:
+        """What the C harvest needs to give :meth:`late`'s token without a call (the energy
+        hook's span, ``_fold.c``'s ``energy_span``); None (the default): it calls :meth:`late`.
+        Asked once a harvest."""
+        return None
+
     def after_record(self, step: Step, write: Write) -> None:
         """Write the records that follow a step's record."""
 
