@@ -811,7 +811,7 @@ static const char* const WHY_NAMES[N_WHY] = {
 static int build_ready;
 /* harvest_steps' names */
 static PyObject *s_popleft, *s_late, *s_fill, *s_peak_seen, *s_run_id, *s_overhead_us, *s_unavailable, *s_append,
-    *s_option, *EMPTY_BYTES, *KW_OPTION;
+    *s_option, *s_name, *s_rank, *s_key, *s_by_name, *s_last_key, *s_fold, *EMPTY_BYTES, *KW_OPTION;
 static PyObject* SLASH;
 
 /* why[] from the texts by name (a missing one names itself); the field names are the C's. */
@@ -865,9 +865,9 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     Py_XSETREF(kind_step, PyUnicode_InternFromString("step"));
     Py_XSETREF(SLASH, PyUnicode_InternFromString("/"));
     PyObject** interned[] = {&s_popleft, &s_late, &s_fill, &s_peak_seen, &s_run_id, &s_overhead_us, &s_unavailable,
-                             &s_append, &s_option};
+                             &s_append, &s_option, &s_name, &s_rank, &s_key, &s_by_name, &s_last_key, &s_fold};
     const char* names[] = {"popleft", "late", "fill", "peak_seen", "run_id", "overhead_us", "unavailable", "append",
-                           "option"};
+                           "option", "name", "rank", "key", "by_name", "last_key", "fold"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*interned[i] = *interned[i] ? *interned[i] : PyUnicode_InternFromString(names[i])) == NULL) return NULL;
     if (EMPTY_BYTES == NULL && (EMPTY_BYTES = PyBytes_FromStringAndSize(NULL, 0)) == NULL) return NULL;
@@ -1277,7 +1277,7 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
 
 enum { P_BACKEND, P_DEVICE, P_HOST, P_PEAKS_WHY, P_UNIX0, P_CLOCK0, P_SHARE, P_LATE_FIELDS, P_LATE_REASONS,
        P_LATE, P_HELD, P_ENCODE, P_READ, P_RELEASE, P_KEEP_END, P_RUN_ID, P_ADD_STEP, P_PEAK_OWNERS, P_SPAN,
-       P_BEFORE, N_PLAN };
+       P_FOLD, P_BEFORE, N_PLAN };
 
 /* A step's marks as Step.flat_marks gives them (new), or NULL with no error: leave it to Python. */
 static PyObject* flat_marks(PyObject* s) {
@@ -1407,6 +1407,35 @@ static int give_back(PyObject* pool, PyObject* flat, PyObject* keep) {
     return 0;
 }
 
+/* RunAggregate.add_step(record) (P_ADD_STEP), without its frames for the common step: one that
+ * has the run's only name so far and no rank (P_FOLD: the aggregate's name groups and totals)
+ * has its group noted and is folded here, as StepTotals.add does; True when it was timed. */
+static PyObject* add_step(PyObject* plan, PyObject* record) {
+    PyObject* fold = PyTuple_GET_ITEM(plan, P_FOLD);
+    if (fold != Py_None && PyTuple_CheckExact(fold) && PyTuple_GET_SIZE(fold) == 2) {
+        PyObject *groups = PyTuple_GET_ITEM(fold, 0), *totals = PyTuple_GET_ITEM(fold, 1);
+        PyObject* name = PyDict_GetItemWithError(record, s_name);
+        int rank = name != NULL ? PyDict_Contains(record, s_rank) : 0;
+        if (PyErr_Occurred() || rank < 0) return NULL;
+        if (name != NULL && PyUnicode_CheckExact(name) && !rank) {
+            PyObject *key = PyObject_GetAttr(groups, s_key), *by_name = key ? PyObject_GetAttr(groups, s_by_name) : NULL;
+            int same = by_name == Py_None && key != NULL && PyUnicode_CheckExact(key) ? PyUnicode_Compare(name, key) == 0 : 0;
+            Py_XDECREF(key);
+            Py_XDECREF(by_name);
+            if (PyErr_Occurred()) return NULL;
+            if (same) {
+                if (PyObject_SetAttr(groups, s_last_key, name)) return NULL;
+                PyObject* args[2] = {totals, record};
+                PyObject* timed = fold_step(NULL, args, 2);
+                if (timed != Py_NotImplemented) return timed;
+                Py_DECREF(timed);
+                return PyObject_CallMethodOneArg(totals, s_fold, record);
+            }
+        }
+    }
+    return PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record);
+}
+
 /* The late fields: the constant ones, or the hook's token (new; Py_None when it has none). */
 static PyObject* late_fields(PyObject* plan, PyObject* s, PyObject* record) {
     PyObject *fields = PyTuple_GET_ITEM(plan, P_LATE_FIELDS), *late = PyTuple_GET_ITEM(plan, P_LATE);
@@ -1486,7 +1515,7 @@ static int hold(PyObject* plan, PyObject* s, PyObject* record, PyObject* token, 
         PyErr_SetString(PyExc_TypeError, "harvest_steps: a late hook's token must be a tuple");
         return -1;
     }
-    if ((timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record)) == NULL) goto done;
+    if ((timed = add_step(plan, record)) == NULL) goto done;
     if ((line = encode(plan, record)) == NULL) goto done;
     head = Py_BuildValue("(OOOOOn)", line, STEP(s, B_NAME), STEP(s, B_BATCH), timed, EMPTY_BYTES, (Py_ssize_t)0);
     if (head == NULL) goto done;
@@ -1527,7 +1556,7 @@ static int deliver(PyObject* plan, PyObject* s, PyObject* record, PyObject* toke
     if (token == Py_None && waiting == 0) {  /* its line into the batch, encoded now: the dict dies young */
         int logged = PyTuple_GET_ITEM(plan, P_RUN_ID) != Py_None && batch != Py_None;
         if (logged && PyDict_SetItem(record, s_run_id, PyTuple_GET_ITEM(plan, P_RUN_ID))) goto done;
-        PyObject* timed = PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record);
+        PyObject* timed = add_step(plan, record);
         if (timed == NULL) goto done;
         Py_DECREF(timed);
         if (logged) {

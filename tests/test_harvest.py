@@ -395,3 +395,35 @@ def test_the_c_harvest_gives_marks_back_to_the_pool_as_release_marks_does(tmp_pa
     assert taken >= 10
     assert pools["c"] == pools["python"] and len(set(pools["c"])) == len(pools["c"]) >= 12 * 3, pools
     assert calls["python"] == 12 and calls["c"] <= 12 - taken, calls
+
+
+def test_the_c_harvest_folds_the_common_step_into_the_summary_itself(tmp_path, monkeypatch):
+    """The summary's add_step is called for a step that starts or splits the name groups, or has
+    a rank; the C harvest folds the rest itself, to the same summary."""
+    from stepprof._aggregate import RunAggregate
+
+    calls = {"c": 0, "python": 0}
+    real = RunAggregate.add_step
+
+    def add_step(self, r):
+        calls[path_now[0]] += 1
+        return real(self, r)
+
+    path_now = ["c"]
+    monkeypatch.setattr(RunAggregate, "add_step", add_step)
+
+    def scenario(path: str) -> str:
+        path_now[0] = path
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        prof = make(log, gpu)
+        _steps(prof, gpu, 12)
+        with prof.step("other"):
+            gpu.launch(1.0)
+        _steps(prof, gpu, 6)
+        prof.close()
+        return log
+
+    c, py, (taken, _) = _both(monkeypatch, scenario)
+    _same(c, py)
+    assert taken >= 16 and calls["python"] == 19 and calls["c"] <= 8, calls

@@ -785,7 +785,8 @@ class Builder:
             self.held.entries, _ENCODE, b.read_marks if timed else None,
             (b.release_marks if b.event_pool is None else b.event_pool) if timed else None,
             self._keep_end_marks, log.run_id, summary.add_step, tuple(owners),
-            late.span_plan() if late is not None and q is None else None, before,  # (before: the last, harvest reads it)
+            late.span_plan() if late is not None and q is None else None, summary.fold_plan(),
+            before,  # (the last: harvest reads it)
         ), n
 
     def _not_sampled(self) -> str:

@@ -147,6 +147,13 @@ class SummarySink:
         #: Fold in the late fields of a step record added before them.
         self.add_late = agg.add_late
 
+    def fold_plan(self) -> tuple[Any, Any] | None:
+        """The aggregate's name groups and totals, for the C harvest to fold the common step
+        into without :attr:`add_step`'s frames (``_fold.c``'s ``add_step``); None where
+        :attr:`add_step` is not the aggregate's own."""
+        agg = self.aggregate
+        return (agg.groups, agg.totals) if self.add_step == agg.add_step else None
+
     def summary(
         self,
         *,
