@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import attrs
 import orjson
 import pytest
@@ -163,3 +165,28 @@ def test_the_reports_memory_stays_bounded_on_a_log_of_100k_one_line_runs(tmp_pat
     dropped, kept, grown_mib = map(int, out)
     assert (dropped, kept) == (99_000, 1000)
     assert grown_mib < 100, grown_mib  # was 1.3 GB
+
+
+def test_rank_logs_read_side_by_side_give_the_serial_report(tmp_path, monkeypatch):
+    """Several logs (a rank's each), each under PARALLEL_BYTES and more than it together: read
+    side by side, a process a core; the report is the serial one, the cross-rank section too."""
+    from stepprof._report import read
+
+    paths = []
+    for rank in range(3):
+        records = fx.training_log(steps=60 + 20 * rank, seed=rank, spikes=(30,) if rank == 1 else ())
+        for r in records:
+            r.update(rank=rank, local_rank=rank, world_size=3)
+        paths.append(fx.write(str(tmp_path / f"rank{rank}.jsonl"), records))
+    serial = report_dict(paths)
+    sizes = [os.path.getsize(p) for p in paths]
+    monkeypatch.setattr(read, "PARALLEL_BYTES", max(sizes) + 1)
+    monkeypatch.setattr(read.os, "cpu_count", lambda: 2)
+    pools = []
+    real = read.forked_pool
+    monkeypatch.setattr(read, "forked_pool", lambda n: pools.append(n) or real(n))
+    side_by_side = report_dict(paths)
+    assert pools == [2]
+    assert [len(log["runs"]) for log in serial["logs"]] == [1, 1, 1] and serial["distributed"] is not None
+    assert _without_paths(side_by_side) == _without_paths(serial)
+    assert [log["path"] for log in side_by_side["logs"]] == paths

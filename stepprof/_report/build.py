@@ -33,6 +33,7 @@ from .model import (
     SyncSite,
     SyncTable,
 )
+from . import read as _read
 from .read import read_log
 from .sweeps import LoggedSweep, logged_sweeps
 
@@ -51,8 +52,24 @@ _REPORT_REASON_KEYS = {
 
 def build_report(paths: list[str]) -> Report:
     """The report of the logs at ``paths`` (``--json`` prints ``report.to_dict()``)."""
-    logs = tuple(report_log(p) for p in paths)
+    logs = _report_logs(paths)
     return Report(stepprof_report=REPORT_VERSION, logs=logs, distributed=_cross_rank(logs))
+
+
+def _report_logs(paths: list[str]) -> tuple[LogReport, ...]:
+    """Each log's report, in order.  Several logs (a rank's each), none large enough to be read
+    in parallel itself, and ``PARALLEL_BYTES`` between them: side by side, a process a core."""
+    try:
+        sizes = [os.path.getsize(p) for p in paths]
+    except OSError:  # (report_log says which, as it reads them in turn)
+        sizes = []
+    pool = None
+    if len(sizes) > 1 and max(sizes) < _read.PARALLEL_BYTES <= sum(sizes):
+        pool = _read.forked_pool(min(_read.cores(), len(paths)))
+    if pool is None:
+        return tuple(report_log(p) for p in paths)
+    with pool:
+        return tuple(pool.map(report_log, paths, chunksize=1))
 
 
 def report_log(path: str, workers: int | None = None) -> LogReport:

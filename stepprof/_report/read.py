@@ -11,14 +11,17 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._aggregate import RunAggregate
 from .._log import ScanStats, scan
 from .._rules import RUN_KINDS as _RUN_KINDS
 
+if TYPE_CHECKING:
+    from multiprocessing.pool import Pool
+
 __all__ = ["MISSING_KEPT", "OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunGrouper",
-           "Segment", "read_log"]
+           "Segment", "cores", "forked_pool", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
 PARALLEL_BYTES = 64 * 2**20
@@ -241,6 +244,24 @@ class Segment:
         self._keep_last()
 
 
+def cores() -> int:
+    """How many processes a large read uses: one per core, up to 16."""
+    return min(16, os.cpu_count() or 1)
+
+
+def forked_pool(workers: int) -> Pool | None:
+    """A pool of ``workers`` forked processes (they inherit the imports: no start-up), or None
+    for one worker or where fork is not available (then the caller reads in this process)."""
+    if workers <= 1:
+        return None
+    import multiprocessing  # only for a large read
+
+    try:
+        return multiprocessing.get_context("fork").Pool(workers)
+    except ValueError:
+        return None
+
+
 def _read_range(args: tuple[str, int, int]) -> Segment:
     path, start, end = args
     return Segment().read(path, start, end)
@@ -256,17 +277,12 @@ def read_log(path: str, workers: int | None = None) -> Segment:
     """
     size = os.path.getsize(path)
     if workers is None:
-        workers = min(16, os.cpu_count() or 1) if size >= PARALLEL_BYTES else 1
-    if workers <= 1 or size == 0:
-        return Segment().read(path)
-    import multiprocessing  # only for a large log
-
-    try:
-        ctx = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up
-    except ValueError:
+        workers = cores() if size >= PARALLEL_BYTES else 1
+    pool = forked_pool(workers) if size else None
+    if pool is None:
         return Segment().read(path)
     cuts = [size * k // workers for k in range(workers + 1)]
-    with ctx.Pool(workers) as pool:
+    with pool:
         parts = pool.map(_read_range, [(path, a, b) for a, b in zip(cuts, cuts[1:], strict=False)])
     whole = parts[0]
     for part in parts[1:]:
