@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 from typing import Any
 
@@ -145,13 +144,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ._report import build_report, render
 
-    collecting = gc.isenabled()
-    gc.disable()  # (a log's records hold no cycles: the young collections were 8 % of the read)
-    try:
-        report = build_report(args.logs)
-    finally:
-        if collecting:
-            gc.enable()
+    report = build_report(args.logs)
     if args.json:
         print(_dumps(report.to_dict()))
     else:
