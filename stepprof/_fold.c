@@ -878,28 +878,23 @@ static PyObject* configure_build(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-/* An int slot as a long long within 2**52 (1 when it is not one: leave the step to Python). */
-static int small_int(PyObject* x, long long* out) {
+/* An int as a long long within +-``bound`` (1 when it is not one: leave the step to Python). */
+static int int_within(PyObject* x, long long bound, long long* out) {
     if (x == NULL || !PyLong_CheckExact(x)) return 1;
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
     if (v == -1 && PyErr_Occurred()) return -1;
-    if (overflow || v > (1LL << 52) || v < -(1LL << 52)) return 1;
+    if (overflow || v > bound || v < -bound) return 1;
     *out = v;
     return 0;
 }
 
+/* An int slot within 2**52, where a double holds it exactly. */
+static int small_int(PyObject* x, long long* out) { return int_within(x, 1LL << 52, out); }
+
 /* A reading of the step clock (perf_counter_ns: CLOCK_MONOTONIC, since boot) or a time on it:
- * only differences of two reach a double, so past 2**52 (52 days up) is fine; 0 as small_int. */
-static int time_int(PyObject* x, long long* out) {
-    if (x == NULL || !PyLong_CheckExact(x)) return 1;
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    if (overflow || v > (1LL << 62) || v < -(1LL << 62)) return 1;
-    *out = v;
-    return 0;
-}
+ * only differences of two reach a double, so past 2**52 (52 days up) is fine. */
+static int time_int(PyObject* x, long long* out) { return int_within(x, 1LL << 62, out); }
 
 #define STEP(o, i) (*SLOT((o), off_step[i]))
 #define PT(o, i) (*SLOT((o), off_pt[i]))
@@ -1436,6 +1431,18 @@ static PyObject* add_step(PyObject* plan, PyObject* record) {
     return PyObject_CallOneArg(PyTuple_GET_ITEM(plan, P_ADD_STEP), record);
 }
 
+/* A read step's marks given back (P_RELEASE): into the backend's pool, else through its
+ * release_marks; P_KEEP_END: but its end mark, which a hook still needs.  0 or -1. */
+static int release_marks(PyObject* plan, PyObject* s) {
+    PyObject* release = PyTuple_GET_ITEM(plan, P_RELEASE);
+    if (release == Py_None) return 0;
+    PyObject* keep = PyTuple_GET_ITEM(plan, P_KEEP_END) == Py_True ? STEP(s, B_END_MARK) : Py_None;
+    if (PyList_CheckExact(release)) return give_back(release, STEP(s, B_FLAT), keep);
+    PyObject* res = PyObject_CallFunctionObjArgs(release, STEP(s, B_FLAT), keep, NULL);
+    Py_XDECREF(res);
+    return res == NULL ? -1 : 0;
+}
+
 /* The late fields: the constant ones, or the hook's token (new; Py_None when it has none). */
 static PyObject* late_fields(PyObject* plan, PyObject* s, PyObject* record) {
     PyObject *fields = PyTuple_GET_ITEM(plan, P_LATE_FIELDS), *late = PyTuple_GET_ITEM(plan, P_LATE);
@@ -1592,7 +1599,7 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
     if (!build_ready) return Py_BuildValue("(nn)", (Py_ssize_t)0, (Py_ssize_t)0);
     PyObject *b = PyTuple_GET_ITEM(plan, P_BACKEND), *host = PyTuple_GET_ITEM(plan, P_HOST);
     PyObject *unix0 = PyTuple_GET_ITEM(plan, P_UNIX0), *clock0 = PyTuple_GET_ITEM(plan, P_CLOCK0);
-    PyObject *release = PyTuple_GET_ITEM(plan, P_RELEASE), *owners = PyTuple_GET_ITEM(plan, P_PEAK_OWNERS);
+    PyObject* owners = PyTuple_GET_ITEM(plan, P_PEAK_OWNERS);
     long long c0, before = LLONG_MAX;
     PyObject* until = PyTuple_GET_ITEM(plan, P_BEFORE);
     if (!PyFloat_CheckExact(unix0) || time_int(clock0, &c0) || !PyTuple_CheckExact(owners) ||
@@ -1638,15 +1645,7 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
         Py_XDECREF(popped);
         PyObject* token = popped ? late_fields(plan, s, record) : NULL;
         int ok = token != NULL;
-        if (ok && release != Py_None) {
-            PyObject* keep = PyTuple_GET_ITEM(plan, P_KEEP_END) == Py_True ? STEP(s, B_END_MARK) : Py_None;
-            if (PyList_CheckExact(release)) ok = !give_back(release, STEP(s, B_FLAT), keep);
-            else {
-                PyObject* res = PyObject_CallFunctionObjArgs(release, STEP(s, B_FLAT), keep, NULL);
-                ok = res != NULL;
-                Py_XDECREF(res);
-            }
-        }
+        ok = ok && !release_marks(plan, s);
         ok = ok && !add_share(record, PyTuple_GET_ITEM(plan, P_SHARE)) && !track_peak(owners, s);
         int got = -1;
         if (ok) got = deliver(plan, s, record, token, batch);

@@ -637,8 +637,7 @@ class Collector:
         t0 = clock()
         share_us = self.ns_per_record / 1e3
         written = 0
-        budget = self.budget
-        log = self.log
+        budget, log = self.budget, self.log
         log_write, add_step = log.write, self.summary.add_step
         plan, covered = builder.plan(pending, log, self.summary, share_us)
         log.begin_batch()
