@@ -33,8 +33,7 @@ from .model import (
     SyncSite,
     SyncTable,
 )
-from . import read as _read
-from .read import read_log
+from .read import logs_pool, read_log
 from .sweeps import LoggedSweep, logged_sweeps
 
 __all__ = ["build_report", "read_calibration", "report_log"]
@@ -57,15 +56,12 @@ def build_report(paths: list[str]) -> Report:
 
 
 def _report_logs(paths: list[str]) -> tuple[LogReport, ...]:
-    """Each log's report, in order.  Several logs (a rank's each), none large enough to be read
-    in parallel itself, and ``PARALLEL_BYTES`` between them: side by side, a process a core."""
+    """Each log's report, in order; several rank logs side by side (:func:`~.read.logs_pool`)."""
     try:
         sizes = [os.path.getsize(p) for p in paths]
     except OSError:  # (report_log says which, as it reads them in turn)
         sizes = []
-    pool = None
-    if len(sizes) > 1 and max(sizes) < _read.PARALLEL_BYTES <= sum(sizes):
-        pool = _read.forked_pool(min(_read.cores(), len(paths)))
+    pool = logs_pool(sizes)
     if pool is None:
         return tuple(report_log(p) for p in paths)
     with pool:

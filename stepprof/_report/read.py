@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from multiprocessing.pool import Pool
 
 __all__ = ["MISSING_KEPT", "OPEN_RUNS_KEPT", "PARALLEL_BYTES", "RUNS_KEPT", "SWEEP_RECORDS_KEPT", "RunGrouper",
-           "Segment", "cores", "forked_pool", "read_log"]
+           "Segment", "logs_pool", "read_log"]
 
 #: Logs larger than this are read as several byte ranges in parallel (Linux, fork).
 PARALLEL_BYTES = 64 * 2**20
@@ -260,6 +260,15 @@ def forked_pool(workers: int) -> Pool | None:
         return multiprocessing.get_context("fork").Pool(workers)
     except ValueError:
         return None
+
+
+def logs_pool(sizes: list[int]) -> Pool | None:
+    """A pool to read several logs side by side (a log a process, one a core), where there are
+    several, none large enough to be read in parallel itself, and :data:`PARALLEL_BYTES` or
+    more between them; else None (read them in turn)."""
+    if len(sizes) > 1 and max(sizes) < PARALLEL_BYTES <= sum(sizes):
+        return forked_pool(min(cores(), len(sizes)))
+    return None
 
 
 def _read_range(args: tuple[str, int, int]) -> Segment:
