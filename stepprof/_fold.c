@@ -1336,10 +1336,12 @@ static int read_times(PyObject* s, PyObject* read) {
  * an error.  ``span`` is EnergyHook.span_plan()'s ([prev_end, lag], the sampler's times, the
  * step clock). */
 static PyObject* energy_span(PyObject* span, PyObject* s) {
-    PyObject *state = PyTuple_GET_ITEM(span, 0), *times = PyTuple_GET_ITEM(span, 1);
-    PyObject *steps = STEP(s, B_TIMES), *p = PyList_GET_ITEM(state, 0);
-    if (STEP(s, B_THREAD) != Py_None || PyList_GET_SIZE(times) == 0 || steps == NULL || !PyTuple_CheckExact(steps))
+    if (!PyTuple_CheckExact(span) || PyTuple_GET_SIZE(span) != 3) return Py_NewRef(Py_None);
+    PyObject *state = PyTuple_GET_ITEM(span, 0), *times = PyTuple_GET_ITEM(span, 1), *steps = STEP(s, B_TIMES);
+    if (!PyList_CheckExact(state) || PyList_GET_SIZE(state) != 2 || !PyList_CheckExact(times) ||
+        STEP(s, B_THREAD) != Py_None || PyList_GET_SIZE(times) == 0 || steps == NULL || !PyTuple_CheckExact(steps))
         return Py_NewRef(Py_None);
+    PyObject* p = PyList_GET_ITEM(state, 0);
     long long t0, t1, first, prev = 0, lag, start, end, now;
     int has_prev = p != Py_None;
     int rc = time_int(STEP(s, B_T0), &t0) || time_int(STEP(s, B_T1), &t1) ||
