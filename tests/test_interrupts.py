@@ -300,3 +300,65 @@ def test_an_ordinary_exception_from_a_signal_handler_is_the_users_not_an_interna
     a, b = list(stepprof.read(log, kind="step"))
     assert a["error"] == {"type": "TimeoutError", "message": "step took too long"}
     assert b["error"] is None and prof.summary.unavailable.get("stepprof") is None
+
+
+def _harvest_lines(at: int | None, how: str):
+    """An :class:`Injector` over the lines of ``Collector.harvest_if_free`` and
+    ``take_over`` only, ``try:`` lines included: one there follows a call that may have
+    taken the lock, where a real signal's handler runs too."""
+    inner = Injector(at, how)
+
+    def local(frame, event, arg):
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+        if event in ("call", "line") and not line.startswith("with "):
+            if inner.events == at:
+                inner.events += 1
+                inner.where = f"{frame.f_code.co_name}:{frame.f_lineno}"
+                inner._raise()
+            inner.events += 1
+        return local
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in ("harvest_if_free", "take_over"):
+            return local(frame, event, arg)
+        return None
+
+    return inner, tracer
+
+
+@pytest.mark.parametrize("how", ["keyboard", "timeout"])
+def test_an_interrupt_as_a_step_harvests_before_the_collector_thread_never_leaves_its_lock_held(log, how):
+    """Until the first step's exit starts the collector thread, a step closed after an
+    interrupt (here an orphan, closed at the next entry) harvests on the training thread.
+    An exception at any point of that harvest's locking leaves the collector's lock free:
+    a lock left held made the next harvest wait forever (the watchdog test hung once)."""
+    def handler(signum, frame):
+        raise RAISED_BY_HANDLER.get(how, Injected)("timeout")
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        at, points = 0, None
+        while points is None or at < points:
+            with _profiler(log, FakeGpu()) as prof:
+                lost = prof.step("lost")
+                lost.__enter__()
+                del lost  # its exit never runs: the next entry closes it and harvests
+                inner, tracer = _harvest_lines(at, how)
+                sys.settrace(tracer)
+                try:
+                    with prof.step("next"):
+                        pass
+                except (KeyboardInterrupt, *RAISED_BY_HANDLER.values()):
+                    pass
+                finally:
+                    sys.settrace(None)
+                held = prof._collector.lock.locked()
+                if held:
+                    prof._collector.lock.release()  # (else the close below waits forever)
+                assert not held, f"the lock was left held by an interrupt at {inner.where}"
+                if inner.where == "":  # ran to the end: every point has been tried
+                    points = inner.events
+            at += 1
+        assert points >= 4, points  # harvest_if_free's and take_over's own lines were traced
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -205,3 +205,41 @@ def test_a_real_signal_ends_the_process_as_without_stepprof_and_the_summary_is_w
     assert summaries and summaries[-1]["ended_by"] == signal.Signals(sig).name, err[-2000:]
     steps = records(log, "step")
     assert steps and summaries[-1]["steps"] >= len(steps) - 1
+
+
+def test_a_second_sigint_just_as_the_first_ones_summary_takes_the_lock_waits_and_leaves_it_free(log):
+    """Ctrl-C twice: the second SIGINT lands just after the first one's handler took the
+    collector's lock, where a real handler runs too (after a call returns).  It waits until
+    the lock is let go, then ends the loop as before; a lock left held made close hang."""
+    import linecache
+
+    fired = []
+
+    def local(frame, event, arg):
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+        if event == "line" and not fired and line.startswith("try:"):
+            fired.append(frame.f_lineno)
+            signal.raise_signal(signal.SIGINT)
+        return local
+
+    def tracer(frame, event, arg):
+        return local if event == "call" and frame.f_code.co_name == "_on_signal" else None
+
+    prof = stepprof.Profiler(log, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        for i in range(5):
+            with prof.step():
+                if i == 3:
+                    sys.settrace(tracer)
+                    try:
+                        signal.raise_signal(signal.SIGINT)
+                    finally:
+                        sys.settrace(None)
+    held = prof._collector.lock.locked()
+    if held:
+        prof._collector.lock.release()  # (else close would wait forever)
+    prof.close()
+    assert fired and not held
+    assert _signals._holds == [] and _signals._deferred == []
+    summaries = records(log, "summary")
+    assert {s["ended_by"] for s in summaries} == {"SIGINT"} and summaries[-1]["steps"] == 4

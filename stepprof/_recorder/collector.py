@@ -584,13 +584,15 @@ class Collector:
             self.harvest()
 
     def harvest_if_free(self) -> None:
-        """Harvest now unless a harvest is under way (then it is as good as done)."""
-        with Deferring(self.lock):
-            if self.lock.acquire(blocking=False):
-                try:
-                    self.harvest()
-                finally:
-                    self.lock.release()
+        """Harvest now unless a harvest is under way (then it is as good as done).
+
+        The lock is taken by a ``with`` only (:meth:`take_over`): a signal handler that
+        raises just after ``acquire(blocking=False)`` returned would leave it held for good,
+        and the next harvest would wait forever.  A harvest that starts between the test
+        and the ``with`` is waited for, one record's work (``take_over``'s flag).
+        """
+        if not self.lock.locked():
+            self.take_over()
 
     def finish(self) -> None:
         """At close: wait for the pending steps' own events, then write them all."""

@@ -158,23 +158,26 @@ class Lifecycle:
         collector = self._collector
         # The collector thread holds this lock only while it writes, so wait a little, no
         # more.  This thread never holds it here: a signal that lands while it does waits
-        # until it lets go (_signals.Deferring).
-        locked = collector.lock.acquire(timeout=0.2)
-        try:
-            if locked:
-                try:
-                    collector.harvest()  # completed steps only: never waits on the device
-                    # Those waiting for their energy sample too: the process may end now.
-                    why = f"{name} arrived before the energy sample after this step"
-                    collector.held.write(True, why=why)
-                except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
-                    if raised_by_user(e):
-                        raise
-            self._log.write_now(self._build_summary(self._ended_by).to_record())
-            self._signal_written = self._log.count
-        finally:
-            if locked:
-                collector.lock.release()
+        # until it lets go (_signals.Deferring).  The block is entered before the lock is
+        # taken: a second SIGTERM or SIGINT just after acquire() returned waits too, where
+        # its handler's exception would have left the lock held (close would wait forever).
+        with Deferring(collector.lock):
+            locked = collector.lock.acquire(timeout=0.2)
+            try:
+                if locked:
+                    try:
+                        collector.harvest()  # completed steps only: never waits on the device
+                        # Those waiting for their energy sample too: the process may end now.
+                        why = f"{name} arrived before the energy sample after this step"
+                        collector.held.write(True, why=why)
+                    except Exception as e:  # noqa: BLE001, S110 - the summary still goes out
+                        if raised_by_user(e):
+                            raise
+                self._log.write_now(self._build_summary(self._ended_by).to_record())
+                self._signal_written = self._log.count
+            finally:
+                if locked:
+                    collector.lock.release()
 
     def _forked(self) -> None:
         """In a forked child: drop the parent's state and record nothing more (see above)."""
