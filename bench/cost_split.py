@@ -13,8 +13,13 @@ with one feature off, interleaved round by round in a shuffled order; a feature'
 median over rounds of (defaults less the run without it), with its range.  This runs on the
 CPU too (where energy and syncs are not measured: their cost there should be nil).
 
+That figure spreads what a feature costs once a run (the energy sampler's NVML set-up and
+its last read at close, say) over the run's steps.  ``--long-steps N`` runs every variant a
+second time with N steps, in the same rounds, and splits each feature's cost into what one
+more step adds (the slope between the two lengths) and what is left once a run.
+
     python bench/cost_split.py [--steps 400] [--out cost_split.json]
-    python bench/cost_split.py --features [--rounds 7] [--device auto|cpu|cuda] [--out features.json]
+    python bench/cost_split.py --features [--rounds 7] [--device auto|cpu|cuda] [--long-steps 12000] [--out features.json]
 """
 
 from __future__ import annotations
@@ -170,11 +175,13 @@ NOT_SEPARABLE = {
 }
 
 
-def features(rounds: int, steps: int, device: str, seed: int) -> dict:
-    """Each feature's CPU per step on the near-empty step: the defaults less the run without it."""
+def features(rounds: int, steps: int, device: str, seed: int, long_steps: int = 0) -> dict:
+    """Each feature's CPU per step on the near-empty step: the defaults less the run without it
+    (and with ``long_steps``, split into a cost per step and a cost per run)."""
     work, sync = floor.near_empty_step(device == "cuda")
     rng = random.Random(seed)
-    cost: dict[str, list[float]] = {name: [] for name in FEATURES}
+    lengths = (steps, long_steps) if long_steps > steps else (steps,)
+    cost: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in FEATURES}
     defaults_us: list[float] = []
     with tempfile.TemporaryDirectory(prefix="stepprof-features-") as tmp:
         log = os.path.join(tmp, "run.jsonl")
@@ -191,18 +198,30 @@ def features(rounds: int, steps: int, device: str, seed: int) -> dict:
         for name in (None, *FEATURES):  # warm-up
             one(name, 200)
         for _ in range(rounds):
-            order = [None, *FEATURES]
-            rng.shuffle(order)
-            cpu = {name: one(name, steps) for name in order}
-            bare = floor.run_once(steps, work, sync, None, (), None, device)[0]
-            defaults_us.append((cpu[None] - bare) / steps * 1e6)
-            for name in FEATURES:
-                cost[name].append((cpu[None] - cpu[name]) / steps * 1e6)
+            for n in lengths:
+                order = [None, *FEATURES]
+                rng.shuffle(order)
+                cpu = {name: one(name, n) for name in order}
+                if n == steps:
+                    bare = floor.run_once(n, work, sync, None, (), None, device)[0]
+                    defaults_us.append((cpu[None] - bare) / n * 1e6)
+                for name in FEATURES:
+                    cost[name][n].append(cpu[None] - cpu[name])  # seconds a run
+    out: dict = {}
+    for name, by_n in cost.items():
+        xs = [c / steps * 1e6 for c in by_n[steps]]
+        r = out[name] = {"median_us": statistics.median(xs), "min_us": min(xs), "max_us": max(xs), "rounds_us": xs}
+        if len(lengths) == 2:
+            slope = [(long_c - c) / (long_steps - steps) * 1e6 for c, long_c in zip(by_n[steps], by_n[long_steps])]
+            once = [c * 1e3 - s * steps / 1e3 for c, s in zip(by_n[steps], slope)]
+            r.update(per_step_us=statistics.median(slope), per_step_min_us=min(slope),
+                     per_step_max_us=max(slope), per_run_ms=statistics.median(once),
+                     per_run_min_ms=min(once), per_run_max_ms=max(once))
     return {
         "defaults_us_per_step": statistics.median(defaults_us),
         "defaults_rounds_us": defaults_us,
-        "features": {name: {"median_us": statistics.median(xs), "min_us": min(xs), "max_us": max(xs),
-                            "rounds_us": xs} for name, xs in cost.items()},
+        "long_steps": long_steps if len(lengths) == 2 else None,
+        "features": out,
         "not_separable": NOT_SEPARABLE,
     }
 
@@ -217,17 +236,26 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7, help="--features: interleaved rounds")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="--features: where")
     ap.add_argument("--feature-steps", type=int, default=3000, help="--features: steps a run")
+    ap.add_argument("--long-steps", type=int, default=0,
+                    help="--features: also runs of this many steps, to split each cost into per step and per run")
     args = ap.parse_args()
     if args.features:
         cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
         device = "cuda" if cuda else "cpu"
-        res = features(args.rounds, args.feature_steps, device, 0)
+        res = features(args.rounds, args.feature_steps, device, 0, args.long_steps)
         gpu = torch.cuda.get_device_name() if cuda else "none (CPU)"
         print(f"stepprof's features on the near-empty step ({gpu}, {args.feature_steps} steps a run, "
               f"{args.rounds} rounds): defaults {res['defaults_us_per_step']:.1f} µs/step")
-        print(f"  {'feature':18s} {'µs/step median':>15s} {'min':>8s} {'max':>8s}")
+        split = res["long_steps"] is not None
+        extra = f" | {'µs/step, slope':>15s} {'min':>7s} {'max':>7s} | {'ms/run':>7s}" if split else ""
+        print(f"  {'feature':18s} {'µs/step median':>15s} {'min':>8s} {'max':>8s}{extra}")
         for name, r in res["features"].items():
-            print(f"  {name:18s} {r['median_us']:15.2f} {r['min_us']:8.2f} {r['max_us']:8.2f}")
+            tail = (f" | {r['per_step_us']:15.2f} {r['per_step_min_us']:7.2f} {r['per_step_max_us']:7.2f} |"
+                    f" {r['per_run_ms']:7.2f}" if split else "")
+            print(f"  {name:18s} {r['median_us']:15.2f} {r['min_us']:8.2f} {r['max_us']:8.2f}{tail}")
+        if split:
+            print(f"  (slope: what one more step adds, between {args.feature_steps} and {args.long_steps} steps;"
+                  f" ms/run: the rest, once a run)")
         for name, why in NOT_SEPARABLE.items():
             print(f"  {name:18s} not separable: {why}")
         with open(args.out, "w") as fh:

@@ -160,6 +160,19 @@ def test_cost_split_features_charges_each_feature_and_restores_compile_tracking(
         assert len(figures["rounds_us"]) == 2 and figures["min_us"] <= figures["median_us"] <= figures["max_us"]
     assert "data wait" in res["not_separable"] and res["defaults_us_per_step"] > 0
     assert {n: CompileHook.__dict__[n] for n in before} == before
+    assert res["long_steps"] is None and "per_step_us" not in res["features"]["log writing"]
+
+
+def test_cost_split_features_splits_each_cost_into_per_step_and_per_run(monkeypatch):
+    """--long-steps: each feature's cost is also given as a slope (µs a step) and a rest (ms a
+    run), each a median with its range."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("cost_split")
+    res = mod.features(rounds=2, steps=50, device="cpu", seed=0, long_steps=150)
+    assert res["long_steps"] == 150
+    for f in res["features"].values():
+        assert f["per_step_min_us"] <= f["per_step_us"] <= f["per_step_max_us"]
+        assert f["per_run_min_ms"] <= f["per_run_ms"] <= f["per_run_max_ms"]
 
 
 def test_sketch_bench_times_a_compacting_sketch_and_writes_its_json(monkeypatch, tmp_path, capsys):
