@@ -21,7 +21,12 @@ Variants:
               (and on CUDA without the compiled device boundary), as where nothing could be built;
   no log      ``step`` with ``log=None`` (what writing the lines costs, by difference).
 
-    python bench/floor.py [--steps 3000] [--rounds 7] [--device auto|cpu|cuda] [--json PATH]
+With ``--long-steps N`` every round also runs each variant (and the bare loop) for N steps,
+and a further table splits each variant's figure into what one more step adds (the slope between
+the two lengths: a long run's steady cost) and what is left once a run (construction, the
+threads' start, the last records and the summary at close).
+
+    python bench/floor.py [--steps 3000] [--rounds 7] [--device auto|cpu|cuda] [--long-steps N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -107,12 +112,35 @@ def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], set
     return time.process_time() - c0, c_close, t_loop
 
 
+def _long_round(long_steps: int, steps: int, table: dict, order: list[str], cpu: dict[str, float], tmp: str,
+                work: Callable[[], None], sync: Callable[[], None], device: str,
+                slopes: dict[str, list[tuple[float, float]]]) -> None:
+    """One round at ``long_steps``, in the same order: each variant's (µs a step, ms a run)
+    against this round's runs of ``steps`` (``cpu``), both less the bare loop's."""
+    long_cpu: dict[str, float] = {}
+    for name in order:
+        if name == "bare":
+            long_cpu[name] = run_once(long_steps, work, sync, None, (), None, device)[0]
+            continue
+        settings, phases, logged = table[name]
+        log = os.path.join(tmp, "long.jsonl") if logged else None
+        long_cpu[name] = run_once(long_steps, work, sync, settings, phases, log, device)[0]
+        if log is not None:
+            os.remove(log)
+    for name in table:
+        short, long_ = cpu[name] - cpu["bare"], long_cpu[name] - long_cpu["bare"]
+        slope = (long_ - short) / (long_steps - steps)
+        slopes[name].append((slope * 1e6, (short - slope * steps) * 1e3))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-steps", type=int, default=0,
+                    help="also runs of this many steps: each figure split into per step and per run")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the results here (bench/results/...)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -124,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     close_us: dict[str, list[float]] = {name: [] for name in table}
     main_us: dict[str, list[float]] = {name: [] for name in table}
     bare_us: list[float] = []
+    slopes: dict[str, list[tuple[float, float]]] = {name: [] for name in table}  # (µs a step, ms a run)
     with tempfile.TemporaryDirectory(prefix="stepprof-floor-") as tmp:
         # Warm-up: imports, the backend, the first compile of anything lazy.
         for name, (settings, phases, logged) in table.items():
@@ -144,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.steps, work, sync, settings, phases, log, device)
                 if log is not None:
                     os.remove(log)
+            if args.long_steps > args.steps:
+                _long_round(args.long_steps, args.steps, table, order, cpu, tmp, work, sync, device, slopes)
             bare_us.append(cpu["bare"] / args.steps * 1e6)
             for name in table:
                 per_step[name].append((cpu[name] - cpu["bare"]) / args.steps * 1e6)
@@ -164,8 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                          "close_median_us": closed, "close_rounds_us": close_us[name],
                          "training_median_us": main, "training_rounds_us": main_us[name]}
         print(f"  {name:10s} {med:15.1f} {min(xs):8.1f} {max(xs):8.1f} {closed:17.1f} {main:16.1f}")
+    if args.long_steps > args.steps:
+        print(f"  split, between {args.steps} and {args.long_steps} steps: what a step adds (µs) and what a run "
+              f"costs once (ms), medians (min-max)")
+        for name, pairs in slopes.items():
+            step_us, run_ms = [p[0] for p in pairs], [p[1] for p in pairs]
+            results[name].update(per_step_us=statistics.median(step_us), per_step_rounds_us=step_us,
+                                 per_run_ms=statistics.median(run_ms), per_run_rounds_ms=run_ms)
+            print(f"  {name:10s} {statistics.median(step_us):8.1f} µs a step ({min(step_us):.1f}-{max(step_us):.1f})"
+                  f" {statistics.median(run_ms):8.1f} ms a run ({min(run_ms):.1f}-{max(run_ms):.1f})")
     if args.json:
         out = {**run_info("floor.py", gpu=gpu), "steps": args.steps, "rounds": args.rounds,
+               "long_steps": args.long_steps or None,
                "device": device, "bare_us_per_step": bare_us, "variants": results}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -300,3 +300,19 @@ def test_cost_split_splits_a_launch_bound_step_with_the_collector_still_writing(
     assert got["records_per_harvest"] >= 1 and got["calls_per_step"]["cross"] == 2
     lines = (tmp_path / "step.jsonl").read_text().splitlines()
     assert sum('"kind":"step"' in line for line in lines) == 80  # the 20 warm-up steps too
+
+
+def test_floor_splits_each_variant_into_a_cost_a_step_and_a_cost_a_run(monkeypatch, tmp_path, capsys):
+    """bench/floor.py --long-steps on the CPU: every variant gets its slope (µs a step) and
+    its rest (ms a run), one pair a round, beside the figure of its short runs."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("floor")
+    out = tmp_path / "floor.json"
+    assert mod.main(["--rounds", "2", "--steps", "40", "--long-steps", "120", "--device", "cpu",
+                     "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["long_steps"] == 120
+    for v in got["variants"].values():
+        assert len(v["per_step_rounds_us"]) == len(v["per_run_rounds_ms"]) == len(v["rounds_us"]) == 2
+        assert min(v["per_step_rounds_us"]) <= v["per_step_us"] <= max(v["per_step_rounds_us"])
+    assert "µs a step" in capsys.readouterr().out
