@@ -593,69 +593,39 @@ static int watch(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int tim
     return steal_slot(step, C_STEP, S_SYNCS_REASON, reason);
 }
 
-/* Open a step (StepMeasure.begin_step; under overhead_budget a light one too).  SLOW when
- * Boundaries must. */
-static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py_ssize_t nargs) {
-    PyObject* d = self->d;
-    PyObject* name = args[0];
-    PyObject* batch_size = args[1];
-    PyObject* budget = nargs > 3 ? args[3] : NULL;
-    PyObject* batch_reason = nargs > 4 ? args[4] : Py_None;
-    PyObject* batch = nargs > 5 ? args[5] : NO_BATCH;
-    if (batch_size == Py_None && batch != NO_BATCH) return SLOW;  /* its size is inferred in Python */
-    if (name != Py_None && !PyUnicode_CheckExact(name)) return SLOW;
-    if (budget != NULL && (!PyTuple_CheckExact(budget) || PyTuple_GET_SIZE(budget) != 2)) return SLOW;
-    if (budget != NULL && PyTuple_GET_ITEM(budget, 0) == Py_None && PyTuple_GET_ITEM(budget, 1) == Py_None) budget = NULL;
+/* Whether the core may open this thread's step itself (1), or Boundaries must (0; -1 on an
+ * error): the profiler's state as the core knows it, no exchange, a chosen backend, no open
+ * phase; phase_peaks_every (*every) and the next index (*next) within 64 bits. */
+static int entry_is_ours(PyObject* d, PyObject* ctx, long long* every, long long* next) {
     PyObject* hooks = bget(d, B_HOOKS);
     PyObject* slot = bget(d, B_SLOT);
-    PyObject* clock = bget(d, B_CLOCK);
-    PyObject* next = bget(d, B_NEXT);
-    PyObject* warm = bget(d, B_WARMUP);
+    PyObject* nx = bget(d, B_NEXT);
     PyObject* open_steps = bget(d, B_OPEN);
     if (hooks == NULL || !Py_IS_TYPE(hooks, CLS[C_HOOKS].type) || slot == NULL || !Py_IS_TYPE(slot, CLS[C_SLOT].type) ||
-        clock == NULL || next == NULL || !PyLong_CheckExact(next) || warm == NULL || open_steps == NULL ||
-        !PyDict_CheckExact(open_steps) || bget(d, B_BUDGET) == NULL || bget(d, B_EXCHANGE) != Py_None ||
-        SLOT(slot, C_SLOT, L_AWAITING) != Py_None || SLOT(slot, C_SLOT, L_BACKEND) == Py_None ||
-        !PyTuple_CheckExact(SLOT(hooks, C_HOOKS, 0)) || !PyList_CheckExact(SLOT(ctx, C_CTX, X_STACK)) ||
-        PyList_GET_SIZE(SLOT(ctx, C_CTX, X_STACK)) != 0) {
-        if (PyErr_Occurred()) return NULL;
-        return SLOW;
-    }
+        bget(d, B_CLOCK) == NULL || nx == NULL || !PyLong_CheckExact(nx) || bget(d, B_WARMUP) == NULL ||
+        open_steps == NULL || !PyDict_CheckExact(open_steps) || bget(d, B_BUDGET) == NULL ||
+        bget(d, B_EXCHANGE) != Py_None || SLOT(slot, C_SLOT, L_AWAITING) != Py_None ||
+        SLOT(slot, C_SLOT, L_BACKEND) == Py_None || !PyTuple_CheckExact(SLOT(hooks, C_HOOKS, 0)) ||
+        !PyList_CheckExact(SLOT(ctx, C_CTX, X_STACK)) || PyList_GET_SIZE(SLOT(ctx, C_CTX, X_STACK)) != 0)
+        return PyErr_Occurred() ? -1 : 0;
     /* Numbers the core keeps in C: one past 64 bits (phase_peaks_every=2**64) is Python's. */
-    PyObject* every = bget(d, B_PP_EVERY);
-    long long n, steady = 0, at = 0, i;
+    PyObject* pp = bget(d, B_PP_EVERY);
     int overflow = 0;
-    if (every == NULL || !PyLong_CheckExact(every) || (n = PyLong_AsLongLongAndOverflow(every, &overflow), overflow) ||
-        (i = PyLong_AsLongLongAndOverflow(next, &overflow), overflow) || i >= LLONG_MAX / 2) {
-        if (PyErr_Occurred()) return NULL;
-        return SLOW;
-    }
-    if (name == Py_None || PyUnicode_GET_LENGTH(name) == 0) name = DEFAULT_STEP;
-    long long t_in, t0, last_exit, data_ns;
-    PyObject* step = NULL;
-    PyObject* index = Py_NewRef(next);
-    PyObject *mark = NULL, *mem = NULL;
-    PyObject* owner = Py_None;  /* the entry's context for entry_failed: ctx, open_step (None), depth 0 */
-    if (tick(clock, &t_in) < 0) goto fail;
-    {
-        PyObject* following = PyLong_FromLongLong(i + 1);
-        if (following == NULL || bset(d, B_NEXT, following) < 0) {
-            Py_XDECREF(following);
-            goto fail;
-        }
-        Py_DECREF(following);
-    }
-    PyObject* cbatch = SLOT(ctx, C_CTX, X_BATCH);
-    if (batch_size == Py_None && batch_reason == Py_None && cbatch != Py_None) {
-        if (!PyTuple_CheckExact(cbatch) || PyTuple_GET_SIZE(cbatch) != 2) {
-            PyErr_SetString(PyExc_TypeError, "stepprof core: a thread's batch must be (size, reason)");
-            goto fail;
-        }
-        batch_size = PyTuple_GET_ITEM(cbatch, 0);
-        batch_reason = PyTuple_GET_ITEM(cbatch, 1);
-    }
-    int warmup = PyObject_RichCompareBool(index, warm, Py_LT);
-    if (warmup < 0 || (step = make(C_STEP)) == NULL) goto fail;
+    if (pp == NULL || !PyLong_CheckExact(pp) || (*every = PyLong_AsLongLongAndOverflow(pp, &overflow), overflow) ||
+        (*next = PyLong_AsLongLongAndOverflow(nx, &overflow), overflow) || *next >= LLONG_MAX / 2)
+        return PyErr_Occurred() ? -1 : 0;
+    return 1;
+}
+
+/* The new step's own fields (its batch, the data wait since the thread's last exit), made the
+ * thread's open step; the hooks told.  A new reference, or NULL. */
+static PyObject* new_step(PyObject* d, PyObject* ctx, PyObject* slot, PyObject* name, PyObject* index, int warmup,
+                           PyObject* batch_size, PyObject* batch_reason, long long t_in) {
+    PyObject* open_steps = bget(d, B_OPEN);
+    PyObject* hooks = bget(d, B_HOOKS);
+    PyObject* step = make(C_STEP);
+    long long last_exit, data_ns;
+    if (step == NULL) return NULL;
     set_slot(step, C_STEP, S_INDEX, index);
     set_slot(step, C_STEP, S_NAME, name);
     set_slot(step, C_STEP, S_WARMUP, warmup ? Py_True : Py_False);
@@ -692,75 +662,89 @@ static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py
         Py_DECREF(begin);
     }
     if (set_ll(step, C_STEP, S_T0, t_in) < 0) goto fail;
+    return step;
+fail:
+    Py_DECREF(step);
+    return NULL;
+}
+
+/* The step's backend (the host's slot chooses one now: CUDA, once the training code initialised
+ * it), set on it, with whether it times (*timing) and reads memory (*memory).  A new reference. */
+static PyObject* step_backend(Core* self, PyObject* step, PyObject* slot, int* timing, int* memory) {
     PyObject* b = Py_NewRef(SLOT(slot, C_SLOT, L_BACKEND));
-    int timing = attr_true(b, M_TIMING);
-    if (timing == 0) {  /* the host: a backend chosen now (CUDA, once the training code initialised it) */
+    *timing = attr_true(b, M_TIMING);
+    if (*timing == 0) {
         Py_SETREF(b, PyObject_CallMethodNoArgs(slot, K[M_ENSURE]));
-        if (b == NULL) goto fail;
-        timing = attr_true(b, M_TIMING);
+        if (b == NULL) return NULL;
+        *timing = attr_true(b, M_TIMING);
     }
     set_slot(step, C_STEP, S_BACKEND, b);
-    int memory = timing < 0 ? -1 : attr_true(b, M_MEMORY);
-    if (memory < 0 || plan(self, b) < 0) {
+    *memory = *timing < 0 ? -1 : attr_true(b, M_MEMORY);
+    if (*memory < 0 || plan(self, b) < 0) {
         Py_DECREF(b);
-        goto fail;
+        return NULL;
     }
-    PyObject* budget_ = bget(d, B_BUDGET);
-    if (budget_ != NULL && budget_ != Py_None && !warmup) {  /* overhead_budget: one step in k in full */
-        PyObject* k = PyObject_CallMethodOneArg(budget_, K[M_INTERVAL_AT], index);
-        long long kk = 0;
-        if (k == NULL || as_ll(k, &kk) < 0 || kk < 1) {
-            if (k != NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "stepprof core: an interval below 1");
-            Py_XDECREF(k);
-            Py_DECREF(b);
-            goto fail;
-        }
-        if (i % kk) {  /* a light step: the clock and the sync count only */
-            Py_DECREF(k);
-            set_slot(step, C_STEP, S_SAMPLED, ZERO_);
-            if (bset(d, B_COUNTERS, Py_None) < 0 || watch(self, ctx, step, b, timing, warmup, budget) < 0) {
-                Py_DECREF(b);
-                goto fail;
-            }
-            Py_DECREF(b);
-            if (tick(clock, &t0) < 0 || set_ll(step, C_STEP, S_T0, t0) < 0 ||
-                set_ll(step, C_STEP, S_OVERHEAD, t0 - t_in) < 0)
-                goto fail;
-            Py_DECREF(index);
-            self->fast_entries++;
-            return step;
-        }
+    return b;
+}
+
+/* Under overhead_budget, past warm-up: one step in k in full.  1 when this step is a light one
+ * (the clock and the sync count only, done here), 0 when it is full, -1 on an error. */
+static int light_step(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int timing, PyObject* budget,
+                      PyObject* budget_, PyObject* clock, long long i, long long t_in) {
+    PyObject* d = self->d;
+    PyObject* k = PyObject_CallMethodOneArg(budget_, K[M_INTERVAL_AT], SLOT(step, C_STEP, S_INDEX));
+    long long kk = 0, t0;
+    if (k == NULL || as_ll(k, &kk) < 0 || kk < 1) {
+        if (k != NULL && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "stepprof core: an interval below 1");
+        Py_XDECREF(k);
+        return -1;
+    }
+    if (i % kk == 0) {
         set_slot(step, C_STEP, S_SAMPLED, k);
         Py_DECREF(k);
+        return 0;
     }
+    Py_DECREF(k);
+    set_slot(step, C_STEP, S_SAMPLED, ZERO_);
+    if (bset(d, B_COUNTERS, Py_None) < 0 || watch(self, ctx, step, b, timing, 0, budget) < 0) return -1;
+    if (tick(clock, &t0) < 0 || set_ll(step, C_STEP, S_T0, t0) < 0 || set_ll(step, C_STEP, S_OVERHEAD, t0 - t_in) < 0)
+        return -1;
+    return 1;
+}
+
+/* Whether this step reads its phases' peaks (phase_peaks_every=n, n != 1): during warm-up, until
+ * the peak is steady, and every n-th step after.  0, or -1 on an error. */
+static int choose_phase_peaks(PyObject* d, PyObject* step, long long n, int warmup, long long i) {
     if (n != 1) {
+        long long steady = 0, at = 0;
         PyObject* s = bget(d, B_STEADY);
         PyObject* a = bget(d, B_PP_AT);
         if (s == NULL || a == NULL || as_ll(s, &steady) < 0 || as_ll(a, &at) < 0) {
-            Py_DECREF(b);
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "stepprof core: no _steady");
-            goto fail;
+            return -1;
         }
         set_slot(step, C_STEP, S_PHASE_PEAKS, n > 0 && (warmup || steady < 2 || i - at >= n) ? Py_True : Py_False);
     }
-    if (SLOT(step, C_STEP, S_PHASE_PEAKS) == Py_True && bset(d, B_PP_AT, index) < 0) {
-        Py_DECREF(b);
-        goto fail;
-    }
+    if (SLOT(step, C_STEP, S_PHASE_PEAKS) == Py_True && bset(d, B_PP_AT, SLOT(step, C_STEP, S_INDEX)) < 0) return -1;
+    return 0;
+}
+
+/* The full step's entry at the device: the sync watch, then one boundary crossing (mark, reset
+ * the peak, push the range; the allocator's counters read once, as their baseline).  0 or -1. */
+static int enter_device(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int timing, int memory,
+                        int warmup, PyObject* budget, PyObject* clock, long long t_in) {
+    PyObject* d = self->d;
+    PyObject *mark = NULL, *mem = NULL;
+    long long t0;
     long flags = F_MARK | F_RESET | F_PUSH;
     PyObject* counters = bget(d, B_COUNTERS);
     if (counters == NULL) {
-        Py_DECREF(b);
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_AttributeError, "stepprof core: no _counters");
-        goto fail;
+        return -1;
     }
     if (counters == Py_None && memory) flags |= F_READ;  /* once: the baseline of the allocator's counters */
-    if (watch(self, ctx, step, b, timing, warmup, budget) < 0) {
-        Py_DECREF(b);
-        goto fail;
-    }
-    Py_DECREF(b);
-    Label l = {name, index};
+    if (watch(self, ctx, step, b, timing, warmup, budget) < 0) return -1;
+    Label l = {SLOT(step, C_STEP, S_NAME), SLOT(step, C_STEP, S_INDEX)};
     if (cross(self, flags, &l, &mark, &mem) < 0) goto fail;
     if (mem != Py_None) {
         PyObject* rest = PyTuple_GetSlice(mem, 2, PyTuple_GET_SIZE(mem));
@@ -775,16 +759,75 @@ static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py
         goto fail;
     Py_DECREF(mark);
     Py_DECREF(mem);
+    return 0;
+fail:
+    Py_XDECREF(mark);
+    Py_XDECREF(mem);
+    return -1;
+}
+
+/* Open a step (StepMeasure.begin_step; under overhead_budget a light one too).  SLOW when
+ * Boundaries must. */
+static PyObject* begin_step(Core* self, PyObject* ctx, PyObject* const* args, Py_ssize_t nargs) {
+    PyObject* d = self->d;
+    PyObject* name = args[0];
+    PyObject* batch_size = args[1];
+    PyObject* budget = nargs > 3 ? args[3] : NULL;
+    PyObject* batch_reason = nargs > 4 ? args[4] : Py_None;
+    PyObject* batch = nargs > 5 ? args[5] : NO_BATCH;
+    if (batch_size == Py_None && batch != NO_BATCH) return SLOW;  /* its size is inferred in Python */
+    if (name != Py_None && !PyUnicode_CheckExact(name)) return SLOW;
+    if (budget != NULL && (!PyTuple_CheckExact(budget) || PyTuple_GET_SIZE(budget) != 2)) return SLOW;
+    if (budget != NULL && PyTuple_GET_ITEM(budget, 0) == Py_None && PyTuple_GET_ITEM(budget, 1) == Py_None) budget = NULL;
+    long long n, i, t_in;
+    int ours = entry_is_ours(d, ctx, &n, &i);
+    if (ours <= 0) return ours < 0 ? NULL : SLOW;
+    if (name == Py_None || PyUnicode_GET_LENGTH(name) == 0) name = DEFAULT_STEP;
+    PyObject *step = NULL, *b = NULL;
+    PyObject* slot = bget(d, B_SLOT);
+    PyObject* clock = bget(d, B_CLOCK);
+    PyObject* warm = bget(d, B_WARMUP);
+    PyObject* index = Py_NewRef(bget(d, B_NEXT));
+    if (tick(clock, &t_in) < 0) goto fail;
+    {
+        PyObject* following = PyLong_FromLongLong(i + 1);
+        if (following == NULL || bset(d, B_NEXT, following) < 0) {
+            Py_XDECREF(following);
+            goto fail;
+        }
+        Py_DECREF(following);
+    }
+    PyObject* cbatch = SLOT(ctx, C_CTX, X_BATCH);
+    if (batch_size == Py_None && batch_reason == Py_None && cbatch != Py_None) {
+        if (!PyTuple_CheckExact(cbatch) || PyTuple_GET_SIZE(cbatch) != 2) {
+            PyErr_SetString(PyExc_TypeError, "stepprof core: a thread's batch must be (size, reason)");
+            goto fail;
+        }
+        batch_size = PyTuple_GET_ITEM(cbatch, 0);
+        batch_reason = PyTuple_GET_ITEM(cbatch, 1);
+    }
+    int warmup = PyObject_RichCompareBool(index, warm, Py_LT);
+    int timing, memory, light = 0;
+    if (warmup < 0 || (step = new_step(d, ctx, slot, name, index, warmup, batch_size, batch_reason, t_in)) == NULL ||
+        (b = step_backend(self, step, slot, &timing, &memory)) == NULL)
+        goto fail;
+    PyObject* budget_ = bget(d, B_BUDGET);
+    if (budget_ != NULL && budget_ != Py_None && !warmup &&
+        (light = light_step(self, ctx, step, b, timing, budget, budget_, clock, i, t_in)) < 0)
+        goto fail;
+    if (!light && (choose_phase_peaks(d, step, n, warmup, i) < 0 ||
+                   enter_device(self, ctx, step, b, timing, memory, warmup, budget, clock, t_in) < 0))
+        goto fail;
+    Py_DECREF(b);
     Py_DECREF(index);
     self->fast_entries++;
     return step;
 fail:
-    Py_XDECREF(mark);
-    Py_XDECREF(mem);
+    Py_XDECREF(b);
     Py_XDECREF(step);
     Py_DECREF(index);
     {
-        PyObject* argv[3] = {ctx, owner, ZERO_};
+        PyObject* argv[3] = {ctx, Py_None, ZERO_};  /* the entry's context: ctx, open_step None, depth 0 */
         return hand_over(self->entry_failed, argv, 3);
     }
 }
