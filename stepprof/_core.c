@@ -1124,6 +1124,73 @@ static int queue(Core* self, PyObject* ctx, PyObject* step, long long t_in, PyOb
     return 0;
 }
 
+/* The step's syncs from its tracker, and the watch undone.  *deferred: the "trace" route's
+ * budget error (a new reference), which the exit raises when the user's code raised nothing
+ * (*exc is then it).  0 or -1. */
+static int end_syncs(Core* self, PyObject* ctx, PyObject* step, PyObject** exc, PyObject** deferred) {
+    PyObject* tracker = SLOT(ctx, C_CTX, X_TRACKER);
+    if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True) {
+        PyObject* syncs = PyObject_CallMethodNoArgs(tracker, K[M_END]);
+        if (steal_slot(step, C_STEP, S_SYNCS, syncs) < 0) return -1;
+        if (*exc == Py_None) {
+            if ((*deferred = PyObject_GetAttr(tracker, K[M_DEFERRED])) == NULL) return -1;
+            if (*deferred != Py_None) *exc = *deferred;  /* the "trace" route's: exit raises it */
+        }
+    }
+    if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True || attr_true(tracker, M_ATTACHED) != 0) {
+        if (PyErr_Occurred() || call_void(PyObject_CallOneArg(self->unwatch, ctx)) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Each hook's on_step_end(step, raised), when the thread's steps are hooked.  0 or -1. */
+static int end_hooks(PyObject* ctx, PyObject* hooks, PyObject* step, PyObject* raised) {
+    if (SLOT(ctx, C_CTX, X_HOOKED) != Py_True) return 0;
+    PyObject* end = Py_NewRef(SLOT(hooks, C_HOOKS, 1));  /* (retire() replaces it: this loop goes on) */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(end); i++) {
+        PyObject* argv[3] = {PyTuple_GET_ITEM(end, i), step, raised};
+        PyObject* r = PyObject_VectorcallMethod(K[M_ON_STEP_END], argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (call_void(r) < 0) {
+            Py_DECREF(end);
+            return -1;
+        }
+    }
+    Py_DECREF(end);
+    return 0;
+}
+
+/* The step's error, {"type": ..., "message": ...}, from the exception.  0 or -1. */
+static int set_error(PyObject* step, PyObject* exc) {
+    PyObject* type_name = PyObject_GetAttr((PyObject*)Py_TYPE(exc), K[M_NAME_]);
+    PyObject* message = type_name == NULL ? NULL : PyObject_CallOneArg(ERROR_MESSAGE, exc);
+    PyObject* error = message == NULL ? NULL : PyDict_New();
+    if (error == NULL || PyDict_SetItem(error, K[M_TYPE], type_name) < 0 ||
+        PyDict_SetItem(error, K[M_MESSAGE], message) < 0) {
+        Py_XDECREF(type_name);
+        Py_XDECREF(message);
+        Py_XDECREF(error);
+        return -1;
+    }
+    Py_DECREF(type_name);
+    Py_DECREF(message);
+    return steal_slot(step, C_STEP, S_ERROR, error);
+}
+
+/* Boundaries.exit: a step over its budget on the "trace" route raises at its exit (when the
+ * user's code raised nothing).  None, or NULL with the budget's error set. */
+static PyObject* raise_deferred(PyObject* tracker) {
+    PyObject* deferred = PyObject_GetAttr(tracker, K[M_DEFERRED]);
+    if (deferred == NULL) return NULL;
+    if (deferred == Py_None) {
+        Py_DECREF(deferred);
+        Py_RETURN_NONE;
+    }
+    if (PyObject_SetAttr(tracker, K[M_DEFERRED], Py_None) == 0)
+        PyErr_SetObject((PyObject*)Py_TYPE(deferred), deferred);
+    Py_DECREF(deferred);
+    return NULL;
+}
+
 /* Close a step with no phase left open (StepMeasure.end_step; ``light``: one without device
  * boundaries, under overhead_budget). */
 static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* exc, int light) {
@@ -1141,7 +1208,6 @@ static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* e
     PyObject* raised = exc;  /* the user's exception (the hooks get this one) */
     PyObject* deferred = NULL;
     PyObject *mark = NULL, *mem = NULL;
-    PyObject* tracker = SLOT(ctx, C_CTX, X_TRACKER);
     long long t_in;
     int timing = 0, memory = 0;
     PyObject* b = SLOT(step, C_STEP, S_BACKEND);
@@ -1157,49 +1223,13 @@ static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* e
     } else {
         set_slot(step, C_STEP, S_END, mark);
     }
-    if (mem != Py_None && fold_peak(ctx, step, mem) < 0) goto fail;
-    if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True) {
-        PyObject* syncs = PyObject_CallMethodNoArgs(tracker, K[M_END]);
-        if (steal_slot(step, C_STEP, S_SYNCS, syncs) < 0) goto fail;
-        if (exc == Py_None) {
-            if ((deferred = PyObject_GetAttr(tracker, K[M_DEFERRED])) == NULL) goto fail;
-            if (deferred != Py_None) exc = deferred;  /* the "trace" route's: exit raises it */
-        }
-    }
-    if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True || attr_true(tracker, M_ATTACHED) != 0) {
-        if (PyErr_Occurred() || call_void(PyObject_CallOneArg(self->unwatch, ctx)) < 0) goto fail;
-    }
-    if (mem != Py_None && step_memory(d, step, mem) < 0) goto fail;
+    if ((mem != Py_None && fold_peak(ctx, step, mem) < 0) || end_syncs(self, ctx, step, &exc, &deferred) < 0 ||
+        (mem != Py_None && step_memory(d, step, mem) < 0))
+        goto fail;
     if (!memory && !light &&
         steal_slot(step, C_STEP, S_RSS, PyObject_CallNoArgs(SLOT(slot, C_SLOT, L_READ_RSS))) < 0)
         goto fail;
-    if (SLOT(ctx, C_CTX, X_HOOKED) == Py_True) {
-        PyObject* end = Py_NewRef(SLOT(hooks, C_HOOKS, 1));
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(end); i++) {
-            PyObject* argv[3] = {PyTuple_GET_ITEM(end, i), step, raised};
-            PyObject* r = PyObject_VectorcallMethod(K[M_ON_STEP_END], argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-            if (call_void(r) < 0) {
-                Py_DECREF(end);
-                goto fail;
-            }
-        }
-        Py_DECREF(end);
-    }
-    if (exc != Py_None) {
-        PyObject* type_name = PyObject_GetAttr((PyObject*)Py_TYPE(exc), K[M_NAME_]);
-        PyObject* message = type_name == NULL ? NULL : PyObject_CallOneArg(ERROR_MESSAGE, exc);
-        PyObject* error = message == NULL ? NULL : PyDict_New();
-        if (error == NULL || PyDict_SetItem(error, K[M_TYPE], type_name) < 0 ||
-            PyDict_SetItem(error, K[M_MESSAGE], message) < 0) {
-            Py_XDECREF(type_name);
-            Py_XDECREF(message);
-            Py_XDECREF(error);
-            goto fail;
-        }
-        Py_DECREF(type_name);
-        Py_DECREF(message);
-        steal_slot(step, C_STEP, S_ERROR, error);
-    }
+    if (end_hooks(ctx, hooks, step, raised) < 0 || (exc != Py_None && set_error(step, exc) < 0)) goto fail;
     set_slot(ctx, C_CTX, X_STEP, Py_None);
     set_slot(ctx, C_CTX, X_LAST_TOP, Py_None);
     if (PyDict_DelItem(open_steps, SLOT(ctx, C_CTX, X_TID)) < 0) {
@@ -1210,22 +1240,9 @@ static PyObject* end_step(Core* self, PyObject* ctx, PyObject* step, PyObject* e
     if (queue(self, ctx, step, t_in, clock, timing) < 0) goto fail;
     Py_DECREF(mark);
     Py_DECREF(mem);
-    self->fast_exits++;
-    /* Boundaries.exit: a step over its budget on the "trace" route raises at its exit. */
-    if (raised == Py_None) {
-        Py_XSETREF(deferred, PyObject_GetAttr(tracker, K[M_DEFERRED]));
-        if (deferred == NULL) return NULL;
-        if (deferred != Py_None) {
-            if (PyObject_SetAttr(tracker, K[M_DEFERRED], Py_None) < 0) {
-                Py_DECREF(deferred);
-                return NULL;
-            }
-            PyErr_SetObject((PyObject*)Py_TYPE(deferred), deferred);
-            Py_DECREF(deferred);
-            return NULL;
-        }
-    }
     Py_XDECREF(deferred);
+    self->fast_exits++;
+    if (raised == Py_None) return raise_deferred(SLOT(ctx, C_CTX, X_TRACKER));
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(mark);

@@ -1711,6 +1711,95 @@ static int counter_at(PyObject* ts, PyObject* mj, Py_ssize_t n, long long t, dou
     return 0;
 }
 
+/* An entry's parts: (line, name, batch_size, timed, after, count after[, start, end]), and its
+ * energy in J (*energy) when it has a span.  0: ready; 1: not one fill_energy takes (Python's
+ * fill does); 2: its sample is still to come; -1: an error. */
+static int entry_energy(PyObject* e, PyObject* ts, PyObject* mj, int final, long long* start, long long* end,
+                        long long* n_after, double* energy) {
+    Py_ssize_t size = PyTuple_CheckExact(e) ? PyTuple_GET_SIZE(e) : 0;
+    int rc = (size != 6 && size != 8) || !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
+             !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 4)) || small_int(PyTuple_GET_ITEM(e, 5), n_after);
+    if (!rc && size == 8) rc = time_int(PyTuple_GET_ITEM(e, 6), start) || time_int(PyTuple_GET_ITEM(e, 7), end);
+    *energy = 0.0;
+    if (rc || size != 8) return rc ? (PyErr_Occurred() ? -1 : 1) : 0;
+    Py_ssize_t n = Py_MIN(PyList_GET_SIZE(ts), PyList_GET_SIZE(mj));  /* (the sampler appends mj first) */
+    long long first = 0, latest = 0;
+    double a = 0.0, z = 0.0;
+    rc = n == 0 || time_int(PyList_GET_ITEM(ts, 0), &first) || time_int(PyList_GET_ITEM(ts, n - 1), &latest);
+    if (!rc && !final && latest < *end) return 2;  /* (or, past the patience, never: EnergyHook.fill says why) */
+    if (!rc) rc = *start < first || *end > latest;
+    if (!rc) rc = counter_at(ts, mj, n, *end, &z);
+    if (!rc) rc = counter_at(ts, mj, n, *start, &a);
+    if (rc) return (rc < 0 || PyErr_Occurred()) ? -1 : 1;
+    *energy = (z - a) / 1e3;
+    return 0;
+}
+
+/* '{...}\n' -> '{..., "energy_j": ..., "energy_span_ms": ...}\n', the fields encoded by ``dumps``
+ * (orjson's, as the Python path's).  A new reference (the line itself when it is too short to
+ * hold an object), or NULL. */
+static PyObject* filled_line(PyObject* line, PyObject* fields, PyObject* dumps) {
+    if (PyBytes_GET_SIZE(line) < 2) return Py_NewRef(line);
+    PyObject* js = PyObject_CallOneArg(dumps, fields);
+    if (js == NULL) return NULL;
+    if (!PyBytes_CheckExact(js) || PyBytes_GET_SIZE(js) < 2) {
+        Py_DECREF(js);
+        PyErr_SetString(PyExc_TypeError, "fill_energy: dumps gave no JSON object");
+        return NULL;
+    }
+    Py_ssize_t a = PyBytes_GET_SIZE(line) - 2, b = PyBytes_GET_SIZE(js) - 1;
+    PyObject* filled = PyBytes_FromStringAndSize(NULL, a + 1 + b + 1);
+    if (filled != NULL) {
+        char* p = PyBytes_AS_STRING(filled);
+        memcpy(p, PyBytes_AS_STRING(line), a);
+        p[a] = ',';
+        memcpy(p + a + 1, PyBytes_AS_STRING(js) + 1, b);
+        p[a + 1 + b] = '\n';
+    }
+    Py_DECREF(js);
+    return filled;
+}
+
+/* A timed record's energy into the summary: add_late({**fields, "unavailable": {}}, name,
+ * batch_size, timed).  0 or -1. */
+static int add_late_energy(PyObject* add_late, PyObject* fields, PyObject* e) {
+    int timed = PyObject_IsTrue(PyTuple_GET_ITEM(e, 3));
+    if (timed <= 0) return timed;
+    PyObject* u = PyDict_New();
+    PyObject* r = u ? PyDict_Copy(fields) : NULL;
+    PyObject* res = r && !PyDict_SetItem(r, s_unavailable, u)
+        ? PyObject_CallFunctionObjArgs(add_late, r, PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2),
+                                       PyTuple_GET_ITEM(e, 3), NULL)
+        : NULL;
+    int ok = res != NULL;
+    Py_XDECREF(res);
+    Py_XDECREF(r);
+    Py_XDECREF(u);
+    return ok ? 0 : -1;
+}
+
+/* The entry's line (its energy filled in, when it has a span) and the lines after it, appended
+ * to ``out``; its energy to the summary.  0 or -1. */
+static int write_entry(PyObject* e, long long start, long long end, double energy, PyObject* dumps,
+                       PyObject* add_late, PyObject* out) {
+    PyObject *line = PyTuple_GET_ITEM(e, 0), *after = PyTuple_GET_ITEM(e, 4), *filled = NULL, *full = NULL;
+    int ok = 1;
+    if (PyTuple_GET_SIZE(e) == 8) {
+        PyObject* fields = Py_BuildValue("{sdsd}", "energy_j", energy, "energy_span_ms", (double)(end - start) / 1e6);
+        ok = fields != NULL && (filled = filled_line(line, fields, dumps)) != NULL &&
+             add_late_energy(add_late, fields, e) == 0;
+        Py_XDECREF(fields);
+    }
+    if (ok) {
+        PyObject* base = filled ? filled : line;
+        full = PyBytes_GET_SIZE(after) ? PySequence_Concat(base, after) : Py_NewRef(base);
+        ok = full != NULL && !PyList_Append(out, full);
+    }
+    Py_XDECREF(filled);
+    Py_XDECREF(full);
+    return ok ? 0 : -1;
+}
+
 static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8) {
@@ -1733,89 +1822,25 @@ static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t n
         if (left == 0) break;
         PyObject* e = PySequence_GetItem(entries, 0);
         if (e == NULL) return NULL;
-        /* (line, name, batch_size, timed, after, count after[, start, end]) */
-        Py_ssize_t size = PyTuple_CheckExact(e) ? PyTuple_GET_SIZE(e) : 0;
-        long long start = 0, end = 0, n_after;
-        int rc = (size != 6 && size != 8) || !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 0)) ||
-                 !PyBytes_CheckExact(PyTuple_GET_ITEM(e, 4)) || small_int(PyTuple_GET_ITEM(e, 5), &n_after);
-        if (!rc && size == 8) rc = time_int(PyTuple_GET_ITEM(e, 6), &start) || time_int(PyTuple_GET_ITEM(e, 7), &end);
-        double energy = 0.0;
-        if (!rc && size == 8) {
-            Py_ssize_t n = Py_MIN(PyList_GET_SIZE(ts), PyList_GET_SIZE(mj));  /* (the sampler appends mj first) */
-            long long first = 0, latest = 0;
-            rc = n == 0 || time_int(PyList_GET_ITEM(ts, 0), &first) || time_int(PyList_GET_ITEM(ts, n - 1), &latest);
-            if (!rc && !final && latest < end) {  /* its sample is still to come (or, past the patience, */
-                Py_DECREF(e);                       /* will not: EnergyHook.fill says why) */
-                break;
-            }
-            double a = 0.0, z = 0.0;
-            if (!rc) rc = start < first || end > latest;
-            if (!rc) rc = counter_at(ts, mj, n, end, &z);
-            if (!rc) rc = counter_at(ts, mj, n, start, &a);
-            energy = (z - a) / 1e3;
-        }
+        long long start = 0, end = 0, n_after = 0;
+        double energy;
+        int rc = entry_energy(e, ts, mj, final, &start, &end, &n_after, &energy);
         if (rc) {
             Py_DECREF(e);
-            if (rc < 0 || PyErr_Occurred()) return NULL;
+            if (rc < 0) return NULL;
             break;
         }
         PyObject* popped = PyObject_CallMethodNoArgs(entries, s_popleft);  /* (first, as HeldRecords._write) */
-        if (popped == NULL) {
+        if (popped == NULL || write_entry(e, start, end, energy, dumps, add_late, out) < 0) {
+            Py_XDECREF(popped);
             Py_DECREF(e);
             return NULL;
         }
         Py_DECREF(popped);
-        PyObject *line = PyTuple_GET_ITEM(e, 0), *after = PyTuple_GET_ITEM(e, 4), *filled = NULL, *full = NULL;
-        int ok = 1;
-        if (size == 8) {
-            PyObject* fields = Py_BuildValue("{sdsd}", "energy_j", energy, "energy_span_ms", (double)(end - start) / 1e6);
-            ok = fields != NULL;
-            if (ok && PyBytes_GET_SIZE(line) >= 2) {  /* '{...}\n' -> '{..., "energy_j": ...}\n' */
-                PyObject* js = PyObject_CallOneArg(dumps, fields);
-                ok = js != NULL && PyBytes_CheckExact(js) && PyBytes_GET_SIZE(js) >= 2;
-                if (ok) {
-                    Py_ssize_t a = PyBytes_GET_SIZE(line) - 2, b = PyBytes_GET_SIZE(js) - 1;
-                    filled = PyBytes_FromStringAndSize(NULL, a + 1 + b + 1);
-                    if ((ok = filled != NULL)) {
-                        char* p = PyBytes_AS_STRING(filled);
-                        memcpy(p, PyBytes_AS_STRING(line), a);
-                        p[a] = ',';
-                        memcpy(p + a + 1, PyBytes_AS_STRING(js) + 1, b);
-                        p[a + 1 + b] = '\n';
-                    }
-                } else if (js != NULL) {
-                    PyErr_SetString(PyExc_TypeError, "fill_energy: dumps gave no JSON object");
-                }
-                Py_XDECREF(js);
-            }
-            int timed = ok ? PyObject_IsTrue(PyTuple_GET_ITEM(e, 3)) : 0;
-            if (timed < 0) ok = 0;
-            if (ok && timed) {
-                PyObject* u = PyDict_New();
-                PyObject* r = u ? PyDict_Copy(fields) : NULL;
-                PyObject* res = r && !PyDict_SetItem(r, s_unavailable, u)
-                    ? PyObject_CallFunctionObjArgs(add_late, r, PyTuple_GET_ITEM(e, 1), PyTuple_GET_ITEM(e, 2),
-                                                   PyTuple_GET_ITEM(e, 3), NULL)
-                    : NULL;
-                ok = res != NULL;
-                Py_XDECREF(res);
-                Py_XDECREF(r);
-                Py_XDECREF(u);
-            }
-            Py_XDECREF(fields);
-        }
-        if (ok) {
-            PyObject* base = filled ? filled : line;
-            full = PyBytes_GET_SIZE(after) ? PySequence_Concat(base, after) : Py_NewRef(base);
-            ok = full != NULL && !PyList_Append(out, full);
-        }
-        Py_XDECREF(filled);
-        Py_XDECREF(full);
-        Py_DECREF(e);
-        if (!ok) return NULL;
         done++;
         lines += 1 + (Py_ssize_t)n_after;
-        if (size == 8) last = start, spans = 1;
+        if (PyTuple_GET_SIZE(e) == 8) last = start, spans = 1;
+        Py_DECREF(e);
     }
     PyObject* last_obj = spans ? PyLong_FromLongLong(last) : Py_NewRef(Py_None);
     if (last_obj == NULL) return NULL;
