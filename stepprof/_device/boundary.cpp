@@ -364,60 +364,6 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // on the H200, a third of the collector thread's samples were that wait).
 constexpr Py_ssize_t kMaxMarks = 4096;
 
-// Whether every end event of the pairs has completed (queried, in order; none waited on).
-// *failed: the query's error, when one failed.
-bool marks_done(const cudaEvent_t* ev, Py_ssize_t pairs, cudaError_t* failed) {
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    cudaEvent_t end = ev[2 * p + 1];
-    if (end == nullptr) {
-      continue;
-    }
-    cudaError_t err = cudaEventQuery(end);
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // as torch does: not an error for the user's next check
-      return false;
-    }
-    if (err != cudaSuccess) {
-      *failed = err;
-      return false;
-    }
-  }
-  return true;
-}
-
-// Each pair's elapsed ms into ms[p], ok[p] false where a mark is None or its time cannot be
-// read (an event that was never recorded).
-void marks_elapsed(const cudaEvent_t* ev, Py_ssize_t pairs, float* ms, bool* ok) {
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    ok[p] = false;
-    if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
-      cudaError_t err = cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]);
-      if (err == cudaSuccess) {
-        ok[p] = true;
-      } else {
-        (void)cudaGetLastError();
-      }
-    }
-  }
-}
-
-// (ms or None, ...) of the pairs, or nullptr.
-PyObject* times_tuple(const float* ms, const bool* ok, Py_ssize_t pairs) {
-  PyObject* out = PyTuple_New(pairs);
-  if (out == nullptr) {
-    return nullptr;
-  }
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    PyObject* v = ok[p] ? PyFloat_FromDouble(static_cast<double>(ms[p])) : Py_NewRef(Py_None);
-    if (v == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(out, p, v);
-  }
-  return out;
-}
-
 PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_nargs("read_marks", nargs, 1)) {
     return nullptr;
@@ -448,21 +394,73 @@ PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     ms = reinterpret_cast<float*>(ev_big + n);
     ok = reinterpret_cast<bool*>(ms + pairs);
   }
-  PyObject* out = nullptr;
-  bool parsed = true;
-  for (Py_ssize_t i = 0; i < n && parsed; ++i) {
+  for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* m = PyTuple_GET_ITEM(marks, i);
-    ev[i] = nullptr;
-    parsed = m == Py_None || as_event(m, &ev[i], false);
+    if (m == Py_None) {
+      ev[i] = nullptr;
+    } else if (!as_event(m, &ev[i], false)) {
+      PyMem_Free(ev_big);
+      return nullptr;
+    }
   }
   cudaError_t failed = cudaSuccess;
-  if (!parsed) {
-    out = nullptr;
-  } else if (!marks_done(ev, pairs, &failed)) {
-    out = failed != cudaSuccess ? cuda_error("cudaEventQuery", failed) : Py_NewRef(Py_None);
-  } else {
-    marks_elapsed(ev, pairs, ms, ok);
-    out = times_tuple(ms, ok, pairs);
+  bool ready = true;
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    cudaEvent_t end = ev[2 * p + 1];
+    if (end == nullptr) {
+      continue;
+    }
+    cudaError_t err = cudaEventQuery(end);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // as torch does: not an error for the user's next check
+      ready = false;
+      break;
+    }
+    if (err != cudaSuccess) {
+      failed = err;
+      break;
+    }
+  }
+  if (ready && failed == cudaSuccess) {
+    for (Py_ssize_t p = 0; p < pairs; ++p) {
+      ok[p] = false;
+      if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
+        cudaError_t err = cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]);
+        if (err == cudaSuccess) {
+          ok[p] = true;
+        } else {
+          (void)cudaGetLastError();
+        }
+      }
+    }
+  }
+  if (failed != cudaSuccess) {
+    PyMem_Free(ev_big);
+    return cuda_error("cudaEventQuery", failed);
+  }
+  if (!ready) {
+    PyMem_Free(ev_big);
+    Py_RETURN_NONE;
+  }
+  PyObject* out = PyTuple_New(pairs);
+  if (out == nullptr) {
+    PyMem_Free(ev_big);
+    return nullptr;
+  }
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    PyObject* v = nullptr;
+    if (ok[p]) {
+      v = PyFloat_FromDouble(static_cast<double>(ms[p]));
+      if (v == nullptr) {
+        Py_DECREF(out);
+        PyMem_Free(ev_big);
+        return nullptr;
+      }
+    } else {
+      v = Py_None;
+      Py_INCREF(v);
+    }
+    PyTuple_SET_ITEM(out, p, v);
   }
   PyMem_Free(ev_big);
   return out;
