@@ -1663,12 +1663,13 @@ static PyObject* harvest_steps(PyObject* self, PyObject* const* args, Py_ssize_t
 
 /* == fill_energy: the energy of the records that wait for it (stepprof/_recorder/energy.py) ==
  *
- * fill_energy(entries, times, mj, limit, final, dumps, add_late, out)
+ * fill_energy(entries, times, mj, limit, final, dumps, add_late, out[, fold])
  * -> (entries, lines, last start) completes what EnergyHook.fill and HeldRecords._write do for the
  * records at the head of ``entries`` (held.py's tuples) whose span the samples (``times``, ``mj``:
  * the Sampler's lists) cover, at most ``limit`` of them: each one's ``energy_j`` interpolated as
- * energy._at does, to the last bit, its line given the two fields, the summary told
- * (``add_late``, for a timed step), its lines appended to ``out``.  It stops at the first record
+ * energy._at does, to the last bit, its line given the two fields, the summary told (for a timed
+ * step: folded into ``fold``'s totals while the run has one name, else ``add_late``), its lines
+ * appended to ``out``.  It stops at the first record
  * that must still wait, and leaves to Python one it cannot complete so (no sample before its
  * start, a sampler that stopped, numbers past 2**53); ``last start`` is the last span's start
  * (None: none), from which the caller trims the samples. */
@@ -1760,11 +1761,44 @@ static PyObject* filled_line(PyObject* line, PyObject* fields, PyObject* dumps) 
     return filled;
 }
 
-/* A timed record's energy into the summary: add_late({**fields, "unavailable": {}}, name,
- * batch_size, timed).  0 or -1. */
-static int add_late_energy(PyObject* add_late, PyObject* fields, PyObject* e) {
+/* RunAggregate.add_late for a timed record's energy, without its frames, where the run has one
+ * name so far (``fold``: the aggregate's name groups and totals, add_step's P_FOLD) and
+ * StepTotals._add_energy would sum the figures: 1 folded, 0 left to add_late, -1 an error. */
+static int fold_energy(PyObject* fold, double energy, double span_ms, PyObject* batch) {
+    if (fold == NULL || !PyTuple_CheckExact(fold) || PyTuple_GET_SIZE(fold) != 2) return 0;
+    PyObject *groups = PyTuple_GET_ITEM(fold, 0), *totals = PyTuple_GET_ITEM(fold, 1);
+    double uj_d = energy * 1e6, us_d = span_ms * 1e3;
+    if (T_TOTALS == NULL || Py_TYPE(totals) != T_TOTALS || !(energy >= 0 && span_ms > 0) || !isfinite(uj_d) ||
+        !isfinite(us_d))
+        return 0;
+    PyObject* by_name = PyObject_GetAttr(groups, s_by_name);
+    if (by_name == NULL) return -1;
+    int one_name = by_name == Py_None;
+    Py_DECREF(by_name);
+    if (!one_name) return 0;  /* (the name groups get it too: add_late) */
+    PyObject *uj = round_int(uj_d), *us = uj != NULL ? round_int(us_d) : NULL;
+    int rc = us == NULL ? -1 : sum_one(totals, A_ENERGY_STEPS);
+    if (!rc) rc = sum_add(totals, A_ENERGY_UJ, uj);
+    if (!rc) rc = sum_add(totals, A_ENERGY_SPAN_US, us);
+    if (!rc && PyLong_CheckExact(batch)) {
+        int gt = PyObject_RichCompareBool(batch, ZERO, Py_GT);
+        rc = gt < 0 ? -1 : 0;
+        if (gt > 0) rc = sum_add(totals, A_ENERGY_SAMPLES, batch);
+        if (gt > 0 && !rc) rc = sum_add(totals, A_ENERGY_BATCHED_UJ, uj);
+    }
+    Py_XDECREF(uj);
+    Py_XDECREF(us);
+    return rc ? -1 : 1;
+}
+
+/* A timed record's energy into the summary: folded in C (fold_energy), else
+ * add_late({**fields, "unavailable": {}}, name, batch_size, timed).  0 or -1. */
+static int add_late_energy(PyObject* add_late, PyObject* fold, PyObject* fields, PyObject* e, double energy,
+                           double span_ms) {
     int timed = PyObject_IsTrue(PyTuple_GET_ITEM(e, 3));
     if (timed <= 0) return timed;
+    int folded = fold_energy(fold, energy, span_ms, PyTuple_GET_ITEM(e, 2));
+    if (folded) return folded < 0 ? -1 : 0;
     PyObject* u = PyDict_New();
     PyObject* r = u ? PyDict_Copy(fields) : NULL;
     PyObject* res = r && !PyDict_SetItem(r, s_unavailable, u)
@@ -1781,13 +1815,14 @@ static int add_late_energy(PyObject* add_late, PyObject* fields, PyObject* e) {
 /* The entry's line (its energy filled in, when it has a span) and the lines after it, appended
  * to ``out``; its energy to the summary.  0 or -1. */
 static int write_entry(PyObject* e, long long start, long long end, double energy, PyObject* dumps,
-                       PyObject* add_late, PyObject* out) {
+                       PyObject* add_late, PyObject* fold, PyObject* out) {
     PyObject *line = PyTuple_GET_ITEM(e, 0), *after = PyTuple_GET_ITEM(e, 4), *filled = NULL, *full = NULL;
     int ok = 1;
     if (PyTuple_GET_SIZE(e) == 8) {
-        PyObject* fields = Py_BuildValue("{sdsd}", "energy_j", energy, "energy_span_ms", (double)(end - start) / 1e6);
+        double span_ms = (double)(end - start) / 1e6;
+        PyObject* fields = Py_BuildValue("{sdsd}", "energy_j", energy, "energy_span_ms", span_ms);
         ok = fields != NULL && (filled = filled_line(line, fields, dumps)) != NULL &&
-             add_late_energy(add_late, fields, e) == 0;
+             add_late_energy(add_late, fold, fields, e, energy, span_ms) == 0;
         Py_XDECREF(fields);
     }
     if (ok) {
@@ -1802,11 +1837,12 @@ static int write_entry(PyObject* e, long long start, long long end, double energ
 
 static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "fill_energy(entries, times, mj, limit, final, dumps, add_late, out)");
+    if (nargs != 8 && nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "fill_energy(entries, times, mj, limit, final, dumps, add_late, out[, fold])");
         return NULL;
     }
     PyObject *entries = args[0], *ts = args[1], *mj = args[2], *dumps = args[5], *add_late = args[6], *out = args[7];
+    PyObject* fold = nargs > 8 ? args[8] : NULL;
     Py_ssize_t limit = PyLong_AsSsize_t(args[3]);
     if (limit == -1 && PyErr_Occurred()) return NULL;
     int final = PyObject_IsTrue(args[4]);
@@ -1831,7 +1867,7 @@ static PyObject* fill_energy(PyObject* self, PyObject* const* args, Py_ssize_t n
             break;
         }
         PyObject* popped = PyObject_CallMethodNoArgs(entries, s_popleft);  /* (first, as HeldRecords._write) */
-        if (popped == NULL || write_entry(e, start, end, energy, dumps, add_late, out) < 0) {
+        if (popped == NULL || write_entry(e, start, end, energy, dumps, add_late, fold, out) < 0) {
             Py_XDECREF(popped);
             Py_DECREF(e);
             return NULL;
@@ -2026,8 +2062,8 @@ static PyMethodDef methods[] = {
      "harvest_steps(plan, pending, limit, batch) -> (written, logged): Collector.harvest's loop for the steps "
      "its plan covers."},
     {"fill_energy", (PyCFunction)(void (*)(void))fill_energy, METH_FASTCALL,
-     "fill_energy(entries, times, mj, limit, final, dumps, add_late, out) -> (entries, lines, last start): the "
-     "energy of the held records whose span the samples cover."},
+     "fill_energy(entries, times, mj, limit, final, dumps, add_late, out[, fold]) -> (entries, lines, last start): "
+     "the energy of the held records whose span the samples cover."},
     {"configure_build", configure_build, METH_VARARGS,
      "configure_build(Step, PhaseTotals, core keys, optional keys, phase keys, reasons, allocator names, "
      "schema version)"},

@@ -316,3 +316,16 @@ def test_floor_splits_each_variant_into_a_cost_a_step_and_a_cost_a_run(monkeypat
         assert len(v["per_step_rounds_us"]) == len(v["per_run_rounds_ms"]) == len(v["rounds_us"]) == 2
         assert min(v["per_step_rounds_us"]) <= v["per_step_us"] <= max(v["per_step_rounds_us"])
     assert "µs a step" in capsys.readouterr().out
+
+
+def test_held_energy_bench_times_the_three_ways_and_checks_they_agree(monkeypatch, tmp_path, capsys):
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("held_energy")
+    out = tmp_path / "held.json"
+    assert mod.main(["--records", "300", "--rounds", "2", "--json", str(out)]) == 0
+    if not out.exists():  # without the C module there is nothing to compare, and it says so
+        assert "not built" in capsys.readouterr().out
+        return
+    got = json.loads(out.read_text())
+    assert set(got["ways"]) == set(mod.WAYS) and got["ways"]["python"]["ratio_median"] == 1.0
+    assert all(w["median_us"] > 0 for w in got["ways"].values())

@@ -106,23 +106,30 @@ def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, m
     """Energy on: the C harvest holds a record until its sample comes, and every later one behind
     it, and gives each one's span itself (EnergyHook.late only where no sample covers it), on a
     step clock past 2**52 ns too (perf_counter_ns counts from boot: a host up 52 days)."""
+    from stepprof._aggregate import RunAggregate
     from stepprof._recorder.energy import EnergyHook
 
     late_calls = {"c": 0, "python": 0}
+    add_late_calls = {"c": 0, "python": 0}
 
     def scenario(path: str) -> str:
         log = str(tmp_path / f"{path}.jsonl")
         gpu = FakeGpu()
         gpu.host_ns = gpu.gpu_free_at = uptime_ns
         gate = Gate(FakeNvml(gpu))
-        real_late = EnergyHook.late
+        real_late, real_add_late = EnergyHook.late, RunAggregate.add_late
 
         def late(self, step, record):
             late_calls[path] += 1
             return real_late(self, step, record)
 
+        def add_late(self, r, name, batch, timed):
+            add_late_calls[path] += timed
+            return real_add_late(self, r, name, batch, timed)
+
         with monkeypatch.context() as mp:
             mp.setattr(EnergyHook, "late", late)
+            mp.setattr(RunAggregate, "add_late", add_late)
             mp.setitem(sys.modules, "pynvml", gate.nvml)
             mp.setattr("stepprof._recorder.energy.open_counter", gate.opener)
             mp.setattr(EnergyHook.__init__, "__defaults__", (gate.opener,))
@@ -154,6 +161,54 @@ def test_records_that_wait_for_their_energy_sample_are_held_in_order(tmp_path, m
     # Python's late() saw every step; C's only the two before the first sample (the first of
     # them starts the sampler) and the one that begin_step left to Python (no budget: light).
     assert late_calls["python"] == len(energies) and late_calls["c"] <= 4, late_calls
+    # The summary's add_late: Python's for every timed step given its energy; C folds each
+    # one's energy into the run's totals itself (one name so far: no group to tell).
+    assert add_late_calls["python"] >= 5 and add_late_calls["c"] == 0, add_late_calls
+
+
+def test_once_the_names_split_the_c_fill_tells_the_summary_through_add_late(tmp_path, monkeypatch):
+    """Two step names: the summary's name groups need each step's energy too, so the C fill
+    leaves it to add_late, and the summary (energy per name included) is Python's."""
+    from stepprof._aggregate import RunAggregate
+    from stepprof._recorder.energy import EnergyHook
+
+    calls = {"c": 0, "python": 0}
+    real = RunAggregate.add_late
+
+    def scenario(path: str) -> str:
+        log = str(tmp_path / f"{path}.jsonl")
+        gpu = FakeGpu()
+        gate = Gate(FakeNvml(gpu))
+
+        def add_late(self, r, name, batch, timed):
+            calls[path] += timed
+            return real(self, r, name, batch, timed)
+
+        with monkeypatch.context() as mp:
+            mp.setattr(RunAggregate, "add_late", add_late)
+            mp.setitem(sys.modules, "pynvml", gate.nvml)
+            mp.setattr("stepprof._recorder.energy.open_counter", gate.opener)
+            mp.setattr(EnergyHook.__init__, "__defaults__", (gate.opener,))
+            prof = make(log, gpu, energy_every_s=0.05, warmup=1)
+            run_step(prof, gpu)
+            run_step(prof, gpu)
+            gate.sample(prof)
+            for i in range(10):
+                with prof.step("train" if i % 2 else "eval", batch_size=4):
+                    gpu.host(0.5)
+                    gpu.launch(1.0 + i % 3)
+                    gpu.wait_idle()
+                if i in (3, 7):
+                    gate.sample(prof)
+            gate.sample(prof)
+            gate.release()
+            prof.close()
+        return log
+
+    c, py, _ = _both(monkeypatch, scenario)
+    _same(c, py)
+    assert sum(r["energy_j"] is not None for r in c if r["kind"] == "step") >= 8
+    assert calls["c"] >= 6 and calls["c"] == calls["python"], calls
 
 
 def _steps(prof, gpu: FakeGpu, n: int) -> None:

@@ -270,13 +270,16 @@ class EnergyHook(Hook):
         span[0], span[1] = end, end - s.t1
         return start, end
 
-    def fill_many(self, entries: Any, final: bool, limit: int, add_late: Any, out: list[bytes]) -> tuple[int, int]:
+    def fill_many(self, entries: Any, final: bool, limit: int, add_late: Any, out: list[bytes],
+                  fold: tuple[Any, Any] | None = None) -> tuple[int, int]:
         """:meth:`fill` for the records whose span the samples cover, in C (``_fold.c``'s
-        ``fill_energy``, to the same bits); the rest, one by one, by :meth:`fill`."""
+        ``fill_energy``, to the same bits); the rest, one by one, by :meth:`fill`.  ``fold``:
+        the summary's :meth:`~.sinks.SummarySink.fold_plan`, into which C folds a timed
+        record's energy itself while the run has one name (else ``add_late``)."""
         fill, sampler = _NATIVE.fill, self.sampler
         if fill is None or sampler is None:
             return 0, 0
-        done, lines, last = fill(entries, sampler.times, sampler.mj, limit, final, orjson.dumps, add_late, out)
+        done, lines, last = fill(entries, sampler.times, sampler.mj, limit, final, orjson.dumps, add_late, out, fold)
         if last is not None:
             sampler.trim(last)
         return done, lines

@@ -84,7 +84,7 @@ class HeldRecords:
             if late is not None and why is None:  # the common records, as many as it can in one go
                 out: list[bytes] = []
                 done, lines = late.fill_many(entries, final, CHUNK_RECORDS - n % CHUNK_RECORDS,
-                                             self._summary.add_late, out)
+                                             self._summary.add_late, out, self._summary.fold_plan())
                 if done:
                     log.write_lines(b"".join(out), lines)
                     n += done

@@ -148,11 +148,13 @@ class SummarySink:
         self.add_late = agg.add_late
 
     def fold_plan(self) -> tuple[Any, Any] | None:
-        """The aggregate's name groups and totals, for the C harvest to fold the common step
-        into without :attr:`add_step`'s frames (``_fold.c``'s ``add_step``); None where
-        :attr:`add_step` is not the aggregate's own."""
+        """The aggregate's name groups and totals, for C to fold the common step (the harvest,
+        ``_fold.c``'s ``add_step``) and its late energy (``fill_energy``) into without
+        :attr:`add_step`'s and :attr:`add_late`'s frames; None where either is not the
+        aggregate's own."""
         agg = self.aggregate
-        return (agg.groups, agg.totals) if self.add_step == agg.add_step else None
+        own = self.add_step == agg.add_step and self.add_late == agg.add_late
+        return (agg.groups, agg.totals) if own else None
 
     def summary(
         self,
