@@ -124,11 +124,13 @@ class Hook:
         ``why`` as the reason if one is given).  The record, and every later one, wait."""
         return None
 
-    def fill_many(self, entries: Any, final: bool, limit: int, add_late: Any, out: list[bytes]) -> tuple[int, int]:
+    def fill_many(self, entries: Any, final: bool, limit: int, add_late: Any, out: list[bytes],
+                  fold: tuple[Any, Any] | None = None) -> tuple[int, int]:
         """:meth:`fill` for the waiting records at the head of ``entries`` (``HeldRecords``'), at
         most ``limit`` of them, as far as it can in one go: each one's completed lines appended to
-        ``out``, ``add_late`` given its late fields; returns (records, lines) done.  (0, 0): the
-        first one goes through :meth:`fill` (the default: they all do)."""
+        ``out``, ``add_late`` given its late fields (or, a timed step's, folded into ``fold``, the
+        summary's :meth:`~.sinks.SummarySink.fold_plan`); returns (records, lines) done.  (0, 0):
+        the first one goes through :meth:`fill` (the default: they all do)."""
         return 0, 0
 
     def span_plan(self) -> tuple[Any, ...] | None:
