@@ -231,6 +231,21 @@ static int scaled(PyObject* x, double scale, PyObject** out) {
         if (rc_) return rc_;      \
     } while (0)
 
+/* StepTotals._add_energy's sums for a step with energy (µJ, span µs, as ints): the step counted,
+ * and with an int batch_size over 0, its samples and their energy.  0 or -1. */
+static int sum_energy(PyObject* totals, PyObject* uj, PyObject* span_us, PyObject* batch) {
+    int rc = sum_one(totals, A_ENERGY_STEPS);
+    if (!rc) rc = sum_add(totals, A_ENERGY_UJ, uj);
+    if (!rc) rc = sum_add(totals, A_ENERGY_SPAN_US, span_us);
+    if (!rc && batch != NULL && PyLong_CheckExact(batch)) {
+        int gt = PyObject_RichCompareBool(batch, ZERO, Py_GT);
+        rc = gt < 0 ? -1 : 0;
+        if (gt > 0) rc = sum_add(totals, A_ENERGY_SAMPLES, batch);
+        if (gt > 0 && !rc) rc = sum_add(totals, A_ENERGY_BATCHED_UJ, uj);
+    }
+    return rc;
+}
+
 /* The timed step's numbers: 0 parsed, 1 leave it to Python, -1 error. */
 static int parse_timed(PyObject* r, Parsed* p) {
     p->gpu = GET(r, K_GPU);
@@ -560,17 +575,7 @@ static int add_timed(PyObject* totals, PyObject* r, Parsed* p) {
     }
     if (!rc && p->energy != NULL) {
         if (p->energy_uj != NULL) {
-            rc = sum_one(totals, A_ENERGY_STEPS);
-            if (!rc) rc = sum_add(totals, A_ENERGY_UJ, p->energy_uj);
-            if (!rc) rc = sum_add(totals, A_ENERGY_SPAN_US, p->energy_span_us);
-            if (!rc && batch != NULL && PyLong_CheckExact(batch)) {
-                int gt = PyObject_RichCompareBool(batch, ZERO, Py_GT);
-                rc = gt < 0 ? -1 : 0;
-                if (gt > 0) {
-                    rc = sum_add(totals, A_ENERGY_SAMPLES, batch);
-                    if (!rc) rc = sum_add(totals, A_ENERGY_BATCHED_UJ, p->energy_uj);
-                }
-            }
+            rc = sum_energy(totals, p->energy_uj, p->energy_span_us, batch);
         } else {
             PyObject* reasons = GET(r, K_UNAVAIL);
             PyObject* why = reasons != NULL && PyDict_CheckExact(reasons) ? GET(reasons, K_ENERGY) : NULL;
@@ -1777,15 +1782,7 @@ static int fold_energy(PyObject* fold, double energy, double span_ms, PyObject* 
     Py_DECREF(by_name);
     if (!one_name) return 0;  /* (the name groups get it too: add_late) */
     PyObject *uj = round_int(uj_d), *us = uj != NULL ? round_int(us_d) : NULL;
-    int rc = us == NULL ? -1 : sum_one(totals, A_ENERGY_STEPS);
-    if (!rc) rc = sum_add(totals, A_ENERGY_UJ, uj);
-    if (!rc) rc = sum_add(totals, A_ENERGY_SPAN_US, us);
-    if (!rc && PyLong_CheckExact(batch)) {
-        int gt = PyObject_RichCompareBool(batch, ZERO, Py_GT);
-        rc = gt < 0 ? -1 : 0;
-        if (gt > 0) rc = sum_add(totals, A_ENERGY_SAMPLES, batch);
-        if (gt > 0 && !rc) rc = sum_add(totals, A_ENERGY_BATCHED_UJ, uj);
-    }
+    int rc = us == NULL ? -1 : sum_energy(totals, uj, us, batch);
     Py_XDECREF(uj);
     Py_XDECREF(us);
     return rc ? -1 : 1;
