@@ -112,25 +112,21 @@ def run_once(steps: int, work: Callable[[], None], sync: Callable[[], None], set
     return time.process_time() - c0, c_close, t_loop
 
 
-def _long_round(long_steps: int, steps: int, table: dict, order: list[str], cpu: dict[str, float], tmp: str,
-                work: Callable[[], None], sync: Callable[[], None], device: str,
-                slopes: dict[str, list[tuple[float, float]]]) -> None:
-    """One round at ``long_steps``, in the same order: each variant's (µs a step, ms a run)
-    against this round's runs of ``steps`` (``cpu``), both less the bare loop's."""
-    long_cpu: dict[str, float] = {}
+def run_round(steps: int, order: list[str], table: dict, tmp: str, work: Callable[[], None],
+              sync: Callable[[], None], device: str) -> dict[str, tuple[float, float, float]]:
+    """One round: each variant (and ``"bare"``, the bare loop) run for ``steps`` steps, in
+    ``order``; name -> :func:`run_once`'s figures."""
+    out: dict[str, tuple[float, float, float]] = {}
     for name in order:
         if name == "bare":
-            long_cpu[name] = run_once(long_steps, work, sync, None, (), None, device)[0]
+            out[name] = run_once(steps, work, sync, None, (), None, device)
             continue
         settings, phases, logged = table[name]
-        log = os.path.join(tmp, "long.jsonl") if logged else None
-        long_cpu[name] = run_once(long_steps, work, sync, settings, phases, log, device)[0]
+        log = os.path.join(tmp, f"{name.replace(' ', '_')}.jsonl") if logged else None
+        out[name] = run_once(steps, work, sync, settings, phases, log, device)
         if log is not None:
             os.remove(log)
-    for name in table:
-        short, long_ = cpu[name] - cpu["bare"], long_cpu[name] - long_cpu["bare"]
-        slope = (long_ - short) / (long_steps - steps)
-        slopes[name].append((slope * 1e6, (short - slope * steps) * 1e3))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,24 +153,20 @@ def main(argv: list[str] | None = None) -> int:
         # Warm-up: imports, the backend, the first compile of anything lazy.
         for name, (settings, phases, logged) in table.items():
             run_once(200, work, sync, settings, phases, os.path.join(tmp, "warm.jsonl") if logged else None, device)
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             order = ["bare", *table]
             rng.shuffle(order)
-            cpu: dict[str, float] = {}
-            closing: dict[str, float] = {}
-            training: dict[str, float] = {}
-            for name in order:
-                if name == "bare":
-                    cpu[name], _, training[name] = run_once(args.steps, work, sync, None, (), None, device)
-                    continue
-                settings, phases, logged = table[name]
-                log = os.path.join(tmp, f"{r}-{name.replace(' ', '_')}.jsonl") if logged else None
-                cpu[name], closing[name], training[name] = run_once(
-                    args.steps, work, sync, settings, phases, log, device)
-                if log is not None:
-                    os.remove(log)
-            if args.long_steps > args.steps:
-                _long_round(args.long_steps, args.steps, table, order, cpu, tmp, work, sync, device, slopes)
+            runs = run_round(args.steps, order, table, tmp, work, sync, device)
+            cpu = {name: run[0] for name, run in runs.items()}
+            closing = {name: run[1] for name, run in runs.items()}
+            training = {name: run[2] for name, run in runs.items()}
+            if args.long_steps > args.steps:  # the same order again, at the long length: each variant's slope
+                long_cpu = {name: run[0] for name, run in
+                            run_round(args.long_steps, order, table, tmp, work, sync, device).items()}
+                for name in table:
+                    short, long_ = cpu[name] - cpu["bare"], long_cpu[name] - long_cpu["bare"]
+                    slope = (long_ - short) / (args.long_steps - args.steps)
+                    slopes[name].append((slope * 1e6, (short - slope * args.steps) * 1e3))
             bare_us.append(cpu["bare"] / args.steps * 1e6)
             for name in table:
                 per_step[name].append((cpu[name] - cpu["bare"]) / args.steps * 1e6)
