@@ -364,6 +364,100 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // on the H200, a third of the collector thread's samples were that wait).
 constexpr Py_ssize_t kMaxMarks = 4096;
 
+// read_marks' scratch: on the stack for up to eight pairs, else on the heap.
+struct MarkScratch {
+  cudaEvent_t ev_small[16];
+  float ms_small[8];
+  bool ok_small[8];
+  cudaEvent_t* ev = ev_small;
+  float* ms = ms_small;
+  bool* ok = ok_small;
+  void* big = nullptr;
+
+  MarkScratch() = default;
+  MarkScratch(const MarkScratch&) = delete;
+  MarkScratch& operator=(const MarkScratch&) = delete;
+  ~MarkScratch() { PyMem_Free(big); }
+
+  // Room for n marks (n / 2 pairs); false with MemoryError set.
+  bool fit(Py_ssize_t n) {
+    if (n <= 16) {
+      return true;
+    }
+    big = PyMem_Malloc(n * (sizeof(cudaEvent_t) + sizeof(float) + sizeof(bool)));
+    if (big == nullptr) {
+      PyErr_NoMemory();
+      return false;
+    }
+    ev = static_cast<cudaEvent_t*>(big);
+    ms = reinterpret_cast<float*>(ev + n);
+    ok = reinterpret_cast<bool*>(ms + n / 2);
+    return true;
+  }
+};
+
+// Each mark's event (nullptr for None); false with an error set.
+bool events_of(PyObject* marks, cudaEvent_t* ev) {
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(marks); ++i) {
+    PyObject* m = PyTuple_GET_ITEM(marks, i);
+    ev[i] = nullptr;
+    if (m != Py_None && !as_event(m, &ev[i], false)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// cudaSuccess when every pair's end event has completed, cudaErrorNotReady at the first
+// that has not (cleared, as torch does: not an error for the user's next check), else
+// the query's failure.
+cudaError_t ends_ready(const cudaEvent_t* ev, Py_ssize_t pairs) {
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    if (ev[2 * p + 1] == nullptr) {
+      continue;
+    }
+    cudaError_t err = cudaEventQuery(ev[2 * p + 1]);
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+    }
+    if (err != cudaSuccess) {
+      return err;
+    }
+  }
+  return cudaSuccess;
+}
+
+// Each pair's elapsed time: ok[p] false where a mark is None or the time cannot be read.
+void elapsed_all(const cudaEvent_t* ev, Py_ssize_t pairs, float* ms, bool* ok) {
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    ok[p] = false;
+    if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
+      if (cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]) == cudaSuccess) {
+        ok[p] = true;
+      } else {
+        (void)cudaGetLastError();
+      }
+    }
+  }
+}
+
+// (ms or None, ...) for the pairs read.
+PyObject* times_tuple(const float* ms, const bool* ok, Py_ssize_t pairs) {
+  PyObject* out = PyTuple_New(pairs);
+  if (out == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t p = 0; p < pairs; ++p) {
+    PyObject* v = ok[p] ? PyFloat_FromDouble(static_cast<double>(ms[p])) : Py_NewRef(Py_None);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(out, p, v);
+  }
+  return out;
+}
+
 PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!check_nargs("read_marks", nargs, 1)) {
     return nullptr;
@@ -377,93 +471,19 @@ PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   const Py_ssize_t n = PyTuple_GET_SIZE(marks);
-  const Py_ssize_t pairs = n / 2;
-  cudaEvent_t ev_small[16];
-  float ms_small[8];
-  bool ok_small[8];
-  cudaEvent_t* ev = ev_small;
-  float* ms = ms_small;
-  bool* ok = ok_small;
-  cudaEvent_t* ev_big = nullptr;
-  if (n > 16) {  // (a step with more than seven phase runs)
-    ev_big = static_cast<cudaEvent_t*>(PyMem_Malloc(n * (sizeof(cudaEvent_t) + sizeof(float) + sizeof(bool))));
-    if (ev_big == nullptr) {
-      return PyErr_NoMemory();
-    }
-    ev = ev_big;
-    ms = reinterpret_cast<float*>(ev_big + n);
-    ok = reinterpret_cast<bool*>(ms + pairs);
-  }
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* m = PyTuple_GET_ITEM(marks, i);
-    if (m == Py_None) {
-      ev[i] = nullptr;
-    } else if (!as_event(m, &ev[i], false)) {
-      PyMem_Free(ev_big);
-      return nullptr;
-    }
-  }
-  cudaError_t failed = cudaSuccess;
-  bool ready = true;
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    cudaEvent_t end = ev[2 * p + 1];
-    if (end == nullptr) {
-      continue;
-    }
-    cudaError_t err = cudaEventQuery(end);
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // as torch does: not an error for the user's next check
-      ready = false;
-      break;
-    }
-    if (err != cudaSuccess) {
-      failed = err;
-      break;
-    }
-  }
-  if (ready && failed == cudaSuccess) {
-    for (Py_ssize_t p = 0; p < pairs; ++p) {
-      ok[p] = false;
-      if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
-        cudaError_t err = cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]);
-        if (err == cudaSuccess) {
-          ok[p] = true;
-        } else {
-          (void)cudaGetLastError();
-        }
-      }
-    }
-  }
-  if (failed != cudaSuccess) {
-    PyMem_Free(ev_big);
-    return cuda_error("cudaEventQuery", failed);
-  }
-  if (!ready) {
-    PyMem_Free(ev_big);
-    Py_RETURN_NONE;
-  }
-  PyObject* out = PyTuple_New(pairs);
-  if (out == nullptr) {
-    PyMem_Free(ev_big);
+  MarkScratch scratch;
+  if (!scratch.fit(n) || !events_of(marks, scratch.ev)) {
     return nullptr;
   }
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    PyObject* v = nullptr;
-    if (ok[p]) {
-      v = PyFloat_FromDouble(static_cast<double>(ms[p]));
-      if (v == nullptr) {
-        Py_DECREF(out);
-        PyMem_Free(ev_big);
-        return nullptr;
-      }
-    } else {
-      v = Py_None;
-      Py_INCREF(v);
-    }
-    PyTuple_SET_ITEM(out, p, v);
+  cudaError_t err = ends_ready(scratch.ev, n / 2);
+  if (err == cudaErrorNotReady) {
+    Py_RETURN_NONE;
   }
-  PyMem_Free(ev_big);
-  return out;
+  if (err != cudaSuccess) {
+    return cuda_error("cudaEventQuery", err);
+  }
+  elapsed_all(scratch.ev, n / 2, scratch.ms, scratch.ok);
+  return times_tuple(scratch.ms, scratch.ok, n / 2);
 }
 
 // (peak allocated, reserved, num_alloc_retries, num_sync_all_streams,
