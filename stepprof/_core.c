@@ -37,7 +37,8 @@ enum {
     M_MAX_SYNCS, M_ON_SYNC, M_BEGIN, M_END, M_WATCH, M_ENSURE, M_DEFERRED,
     M_FAILED, M_ERROR, M_THREAD, M_CATCH_UP_AT, M_HARVEST_AT, M_CATCH_UP, M_START, M_HARVEST,
     M_WARN_ASYNC, M_APPEND, M_ON_STEP_BEGIN, M_ON_STEP_END, M_TIMING, M_MEMORY, M_NAME_,
-    M_TYPE, M_MESSAGE, M_ATTACHED, M_CORE_PLAN, M_INTERVAL_AT,
+    M_TYPE, M_MESSAGE, M_ATTACHED, M_CORE_PLAN, M_INTERVAL_AT, M_SYNC_PLAN, M_COUNT, M_WAITS, M_SITES,
+    M_OTHER_THREADS, M_MECHANISM,
     N_KEYS
 };
 
@@ -48,7 +49,8 @@ static const char* const KEYS[N_KEYS] = {
     "max_syncs", "on_sync", "begin", "end", "watch_syncs", "ensure", "deferred",
     "failed", "error", "thread", "catch_up_at", "harvest_at", "catch_up", "start", "harvest",
     "warn_async", "append", "on_step_begin", "on_step_end", "has_device_timing",
-    "has_device_memory", "__name__", "type", "message", "attached", "core_plan", "interval_at",
+    "has_device_memory", "__name__", "type", "message", "attached", "core_plan", "interval_at", "sync_plan",
+    "count", "waits", "sites", "other_threads", "mechanism",
 };
 
 static PyObject* K[N_KEYS];
@@ -56,7 +58,7 @@ static PyObject* K[N_KEYS];
 /* -- the classes' slots -------------------------------------------------------------- */
 
 /* Each class the core touches, with the offsets of the slots it reads or writes. */
-enum { C_STEP, C_PHASE, C_TOTALS, C_CTX, C_THREADS, C_HOOKS, C_SLOT, N_CLASSES };
+enum { C_STEP, C_PHASE, C_TOTALS, C_CTX, C_THREADS, C_HOOKS, C_SLOT, C_TRACKER, N_CLASSES };
 
 static const char* const STEP_F[] = {
     "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark", "peak", "reserved",
@@ -78,8 +80,14 @@ static const char* const THREADS_F[] = {"main", NULL};
 static const char* const HOOKS_F[] = {"begin", "end", NULL};
 static const char* const SLOT_F[] = {"backend", "read_rss", "awaiting", NULL};
 enum { L_BACKEND, L_READ_RSS, L_AWAITING };
+static const char* const TRACKER_F[] = {
+    "mechanism", "_sites", "_by_key", "_open", "count", "other_threads", "max_syncs", "on_sync", "budget_armed",
+    "_last_user", "_last_child", "deferred", "attached", NULL};
+enum { R_MECHANISM, R_SITES, R_BY_KEY, R_OPEN, R_COUNT, R_OTHER, R_MAX, R_ON_SYNC, R_ARMED, R_LAST_USER,
+       R_LAST_CHILD, R_DEFERRED, R_ATTACHED };
 
-static const char* const* const FIELDS[N_CLASSES] = {STEP_F, PHASE_F, TOTALS_F, CTX_F, THREADS_F, HOOKS_F, SLOT_F};
+static const char* const* const FIELDS[N_CLASSES] = {STEP_F, PHASE_F, TOTALS_F, CTX_F, THREADS_F, HOOKS_F, SLOT_F,
+                                                     TRACKER_F};
 
 #define MAX_FIELDS 32
 typedef struct {
@@ -101,6 +109,8 @@ static PyObject* DEFAULT_STEP;   /* "step" */
 static PyObject* DEFAULT_PHASE;  /* "phase" */
 static PyObject* MINUS_ONE;
 static PyObject* ZERO_;
+static PyObject* TRACKERS;       /* _syncs._trackers: thread id -> its attached trackers, innermost last */
+static PyObject* NO_PHASES;      /* () */
 static long F_MARK, F_READ, F_RESET, F_PUSH, F_POP;
 /* What the fast path returns when it leaves the boundary to Boundaries, having changed nothing. */
 static PyObject SLOW_;
@@ -277,6 +287,10 @@ typedef struct {
     PyObject* create;         /* 1: makes an event */
     PyObject* index;          /* 1: the device index */
     long mask;                /* 1: the flags the C boundary takes */
+    /* The sync watch's fast case on backend sync_for (its sync_plan(), None where it has none). */
+    PyObject* sync_for;
+    PyObject* sync_fn;        /* sync_for.sync_plan */
+    PyObject* sync_plan;      /* its last result: (mechanism, checks), or NULL */
     Py_ssize_t fast_entries, fast_exits;  /* boundaries done here (tests read them) */
 } Core;
 
@@ -293,6 +307,9 @@ static int core_traverse(Core* self, visitproc visit, void* arg) {
     Py_VISIT(self->events);
     Py_VISIT(self->create);
     Py_VISIT(self->index);
+    Py_VISIT(self->sync_for);
+    Py_VISIT(self->sync_fn);
+    Py_VISIT(self->sync_plan);
     return 0;
 }
 
@@ -309,6 +326,9 @@ static int core_clear(Core* self) {
     Py_CLEAR(self->events);
     Py_CLEAR(self->create);
     Py_CLEAR(self->index);
+    Py_CLEAR(self->sync_for);
+    Py_CLEAR(self->sync_fn);
+    Py_CLEAR(self->sync_plan);
     return 0;
 }
 
@@ -556,6 +576,95 @@ static PyObject* hand_over(PyObject* handler, PyObject* const* args, Py_ssize_t 
 
 /* -- entry --------------------------------------------------------------------------- */
 
+/* -- the sync watch ------------------------------------------------------------------ */
+
+/* Whether every check of a sync plan holds (_syncs.checks_pass): 1 or 0; -1 on an error,
+ * which the entry's failure takes, as an error in the route's ensure() would be. */
+static int checks_pass(PyObject* checks) {
+    if (!PyTuple_CheckExact(checks)) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(checks); i++) {
+        PyObject* c = PyTuple_GET_ITEM(checks, i);
+        if (!PyTuple_CheckExact(c) || PyTuple_GET_SIZE(c) != 4) return 0;
+        PyObject *obj = PyTuple_GET_ITEM(c, 0), *attr = PyTuple_GET_ITEM(c, 1), *want = PyTuple_GET_ITEM(c, 3);
+        PyObject* v = attr == Py_None ? PyObject_CallNoArgs(obj) : PyObject_GetAttr(obj, attr);
+        if (v != NULL && PyTuple_GET_ITEM(c, 2) != Py_None) Py_SETREF(v, PyObject_GetItem(v, PyTuple_GET_ITEM(c, 2)));
+        if (v == NULL) return -1;
+        int ok = v == want;
+        if (!ok && PyLong_CheckExact(want)) ok = PyObject_RichCompareBool(v, want, Py_EQ);
+        Py_DECREF(v);
+        if (ok <= 0) return ok;
+    }
+    return 1;
+}
+
+/* SyncTracker.begin on its slots (a sync-free step's empty dicts are kept).  0 or -1. */
+static int begin_tracker(PyObject* t, PyObject* stack, PyObject* max_syncs, PyObject* on_sync, int armed) {
+    for (int f = R_SITES; f <= R_BY_KEY; f++) {
+        PyObject* d = SLOT(t, C_TRACKER, f);
+        if (!PyDict_CheckExact(d) || PyDict_GET_SIZE(d) != 0) {
+            if (steal_slot(t, C_TRACKER, f, PyDict_New()) < 0) return -1;
+        }
+    }
+    set_slot(t, C_TRACKER, R_OPEN, stack);
+    set_slot(t, C_TRACKER, R_LAST_USER, Py_None);
+    set_slot(t, C_TRACKER, R_LAST_CHILD, Py_None);
+    set_slot(t, C_TRACKER, R_COUNT, ZERO_);
+    set_slot(t, C_TRACKER, R_OTHER, ZERO_);
+    set_slot(t, C_TRACKER, R_DEFERRED, Py_None);
+    set_slot(t, C_TRACKER, R_MAX, max_syncs);
+    set_slot(t, C_TRACKER, R_ON_SYNC, on_sync);
+    set_slot(t, C_TRACKER, R_ARMED, armed && max_syncs != Py_None ? Py_True : Py_False);
+    return 0;
+}
+
+/* _syncs.attach(tracker) on the context's thread.  0 or -1. */
+static int attach_tracker(PyObject* ctx, PyObject* t) {
+    set_slot(t, C_TRACKER, R_ATTACHED, Py_True);  /* first, as attach() does */
+    PyObject* tid = SLOT(ctx, C_CTX, X_TID);
+    PyObject* stack = PyDict_GetItemWithError(TRACKERS, tid);
+    if (stack != NULL) return PyList_CheckExact(stack) ? PyList_Append(stack, t) : call_void(PyObject_CallMethodOneArg(stack, K[M_APPEND], t));
+    if (PyErr_Occurred()) return -1;
+    PyObject* one = PyList_New(1);
+    if (one == NULL) return -1;
+    PyList_SET_ITEM(one, 0, Py_NewRef(t));
+    int r = PyDict_SetItem(TRACKERS, tid, one);
+    Py_DECREF(one);
+    return r;
+}
+
+/* Its backend's watch where its sync plan's checks all hold (the tracker attached here), else
+ * backend.watch_syncs (and the plan made anew once that counts).  The step's syncs_reason, or
+ * NULL with an error. */
+static PyObject* watch_backend(Core* self, PyObject* ctx, PyObject* b, PyObject* tracker) {
+    int fast = 0;
+    if (self->sync_for == b && self->sync_plan != NULL && Py_IS_TYPE(tracker, CLS[C_TRACKER].type) &&
+        (fast = checks_pass(PyTuple_GET_ITEM(self->sync_plan, 1))) < 0)
+        return NULL;
+    if (fast) {
+        set_slot(tracker, C_TRACKER, R_MECHANISM, PyTuple_GET_ITEM(self->sync_plan, 0));
+        return attach_tracker(ctx, tracker) < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject* reason = PyObject_CallMethodOneArg(b, K[M_WATCH], tracker);
+    if (reason != Py_None) return reason;
+    if (self->sync_for != b) {
+        Py_XSETREF(self->sync_fn, PyObject_GetAttr(b, K[M_SYNC_PLAN]));
+        if (self->sync_fn == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError)) goto fail;
+        PyErr_Clear();
+        Py_XSETREF(self->sync_for, Py_NewRef(b));
+    }
+    Py_CLEAR(self->sync_plan);
+    if (self->sync_fn != NULL) {
+        PyObject* p = PyObject_CallNoArgs(self->sync_fn);
+        if (p == NULL) goto fail;
+        if (PyTuple_CheckExact(p) && PyTuple_GET_SIZE(p) == 2) self->sync_plan = p;
+        else Py_DECREF(p);
+    }
+    return reason;
+fail:
+    Py_DECREF(reason);
+    return NULL;
+}
+
 /* The sync watch of a new step (StepMeasure._watch). */
 static int watch(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int timing, int warmup, PyObject* budget) {
     PyObject* tracker = SLOT(ctx, C_CTX, X_TRACKER);
@@ -582,13 +691,17 @@ static int watch(Core* self, PyObject* ctx, PyObject* step, PyObject* b, int tim
         Py_DECREF(max_syncs);
         return -1;
     }
-    PyObject* argv[5] = {tracker, SLOT(ctx, C_CTX, X_STACK), max_syncs, on_sync, warmup ? Py_False : Py_True};
-    PyObject* r = PyObject_VectorcallMethod(K[M_BEGIN], argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    int r;
+    PyObject* stack = SLOT(ctx, C_CTX, X_STACK);
+    if (Py_IS_TYPE(tracker, CLS[C_TRACKER].type)) {
+        r = begin_tracker(tracker, stack, max_syncs, on_sync, !warmup);
+    } else {
+        PyObject* argv[5] = {tracker, stack, max_syncs, on_sync, warmup ? Py_False : Py_True};
+        r = call_void(PyObject_VectorcallMethod(K[M_BEGIN], argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+    }
     Py_DECREF(max_syncs);
     Py_DECREF(on_sync);
-    if (call_void(r) < 0) return -1;
-    reason = PyObject_CallMethodOneArg(b, K[M_WATCH], tracker);
-    if (reason == NULL) return -1;
+    if (r < 0 || (reason = watch_backend(self, ctx, b, tracker)) == NULL) return -1;
     set_slot(ctx, C_CTX, X_WATCHING, reason == Py_None ? Py_True : Py_False);
     return steal_slot(step, C_STEP, S_SYNCS_REASON, reason);
 }
@@ -1124,21 +1237,59 @@ static int queue(Core* self, PyObject* ctx, PyObject* step, long long t_in, PyOb
     return 0;
 }
 
+/* SyncTracker.end: for a sync-free step, on its slots; else its own.  A new reference. */
+static PyObject* end_tracker(PyObject* t) {
+    if (!Py_IS_TYPE(t, CLS[C_TRACKER].type) || SLOT(t, C_TRACKER, R_COUNT) != ZERO_ ||
+        SLOT(t, C_TRACKER, R_OTHER) != ZERO_ || !PyDict_CheckExact(SLOT(t, C_TRACKER, R_SITES)) ||
+        PyDict_GET_SIZE(SLOT(t, C_TRACKER, R_SITES)) != 0)
+        return PyObject_CallMethodNoArgs(t, K[M_END]);
+    PyObject* sites = PyList_New(0);
+    PyObject* d = sites != NULL ? PyDict_New() : NULL;
+    if (d == NULL || PyDict_SetItem(d, K[M_COUNT], ZERO_) < 0 || PyDict_SetItem(d, K[M_WAITS], ZERO_) < 0 ||
+        PyDict_SetItem(d, K[M_SITES], sites) < 0 || PyDict_SetItem(d, K[M_OTHER_THREADS], ZERO_) < 0 ||
+        PyDict_SetItem(d, K[M_MECHANISM], SLOT(t, C_TRACKER, R_MECHANISM)) < 0) {
+        Py_XDECREF(sites);
+        Py_XDECREF(d);
+        return NULL;
+    }
+    Py_DECREF(sites);
+    set_slot(t, C_TRACKER, R_LAST_USER, Py_None);
+    set_slot(t, C_TRACKER, R_LAST_CHILD, Py_None);
+    set_slot(t, C_TRACKER, R_OPEN, NO_PHASES);
+    return d;
+}
+
+/* StepMeasure._unwatch where the step's backend has a sync plan (its unwatch_syncs is then
+ * _syncs.detach) and the tracker is its thread's innermost: 1 done, 0 left to _unwatch. */
+static int detach_tracker(Core* self, PyObject* ctx, PyObject* b) {
+    PyObject* t = SLOT(ctx, C_CTX, X_TRACKER);
+    if (self->sync_for != b || self->sync_fn == NULL || !Py_IS_TYPE(t, CLS[C_TRACKER].type)) return 0;
+    PyObject* tid = SLOT(ctx, C_CTX, X_TID);
+    PyObject* stack = PyDict_GetItemWithError(TRACKERS, tid);
+    Py_ssize_t n = stack != NULL && PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : 0;
+    if (n == 0 || PyList_GET_ITEM(stack, n - 1) != t) return PyErr_Occurred() ? -1 : 0;
+    set_slot(ctx, C_CTX, X_WATCHING, Py_False);
+    if (n == 1 ? PyDict_DelItem(TRACKERS, tid) < 0 : PyList_SetSlice(stack, n - 1, n, NULL) < 0) return -1;
+    set_slot(t, C_TRACKER, R_ATTACHED, Py_False);
+    return 1;
+}
+
 /* The step's syncs from its tracker, and the watch undone.  *deferred: the "trace" route's
  * budget error (a new reference), which the exit raises when the user's code raised nothing
  * (*exc is then it).  0 or -1. */
 static int end_syncs(Core* self, PyObject* ctx, PyObject* step, PyObject** exc, PyObject** deferred) {
     PyObject* tracker = SLOT(ctx, C_CTX, X_TRACKER);
     if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True) {
-        PyObject* syncs = PyObject_CallMethodNoArgs(tracker, K[M_END]);
-        if (steal_slot(step, C_STEP, S_SYNCS, syncs) < 0) return -1;
+        if (steal_slot(step, C_STEP, S_SYNCS, end_tracker(tracker)) < 0) return -1;
         if (*exc == Py_None) {
             if ((*deferred = PyObject_GetAttr(tracker, K[M_DEFERRED])) == NULL) return -1;
             if (*deferred != Py_None) *exc = *deferred;  /* the "trace" route's: exit raises it */
         }
     }
     if (SLOT(ctx, C_CTX, X_WATCHING) == Py_True || attr_true(tracker, M_ATTACHED) != 0) {
-        if (PyErr_Occurred() || call_void(PyObject_CallOneArg(self->unwatch, ctx)) < 0) return -1;
+        if (PyErr_Occurred()) return -1;
+        int done = detach_tracker(self, ctx, SLOT(step, C_STEP, S_BACKEND));
+        if (done < 0 || (!done && call_void(PyObject_CallOneArg(self->unwatch, ctx)) < 0)) return -1;
     }
     return 0;
 }
@@ -1322,22 +1473,22 @@ static PyTypeObject CoreType = {
 
 /* configure_core(Step, step, OpenPhase, phase, PhaseTotals, totals, ThreadSteps, Threads,
  *                ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message,
- *                (MARK, READ, RESET, PUSH, POP)) */
+ *                (MARK, READ, RESET, PUSH, POP), SyncTracker, _syncs._trackers) */
 static PyObject* configure_core(PyObject* self, PyObject* args) {
     (void)self;
     PyObject *step_t, *step, *phase_t, *phase, *totals_t, *totals, *ctx_t, *threads_t, *hooks_t, *slot_t;
-    PyObject *no_batch, *light_phase, *error_message;
+    PyObject *no_batch, *light_phase, *error_message, *tracker_t, *trackers;
     long f[5];
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO(lllll):configure_core", &step_t, &step, &phase_t, &phase, &totals_t,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOO(lllll)OO!:configure_core", &step_t, &step, &phase_t, &phase, &totals_t,
                           &totals, &ctx_t, &threads_t, &hooks_t, &slot_t, &no_batch, &light_phase, &error_message,
-                          &f[0], &f[1], &f[2], &f[3], &f[4]))
+                          &f[0], &f[1], &f[2], &f[3], &f[4], &tracker_t, &PyDict_Type, &trackers))
         return NULL;
     /* Into new tables first, swapped in at once: a step core in use on another thread never
      * sees a table half made (configuring runs Python's allocator, which may switch threads). */
     Class fresh[N_CLASSES];
     memset(fresh, 0, sizeof fresh);
-    PyObject* types[N_CLASSES] = {step_t, phase_t, totals_t, ctx_t, threads_t, hooks_t, slot_t};
-    PyObject* protos[N_CLASSES] = {step, phase, totals, Py_None, Py_None, Py_None, Py_None};
+    PyObject* types[N_CLASSES] = {step_t, phase_t, totals_t, ctx_t, threads_t, hooks_t, slot_t, tracker_t};
+    PyObject* protos[N_CLASSES] = {step, phase, totals, Py_None, Py_None, Py_None, Py_None, Py_None};
     for (int c = 0; c < N_CLASSES; c++) {
         if (take_class(&fresh[c], c, types[c], protos[c]) < 0) {
             for (int i = 0; i <= c; i++) class_clear(&fresh[i]);
@@ -1355,6 +1506,7 @@ static PyObject* configure_core(PyObject* self, PyObject* args) {
     PyObject* old_no_batch = NO_BATCH;
     PyObject* old_light = LIGHT_PHASE;
     PyObject* old_message = ERROR_MESSAGE;
+    Py_XSETREF(TRACKERS, Py_NewRef(trackers));
     NO_BATCH = Py_NewRef(no_batch);
     LIGHT_PHASE = Py_NewRef(light_phase);
     ERROR_MESSAGE = Py_NewRef(error_message);
@@ -1370,7 +1522,8 @@ static PyObject* configure_core(PyObject* self, PyObject* args) {
 static PyMethodDef core_functions[] = {
     {"configure_core", configure_core, METH_VARARGS,
      "configure_core(Step, a Step, OpenPhase, an OpenPhase, PhaseTotals, a PhaseTotals, ThreadSteps, Threads, "
-     "ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message, (MARK, READ, RESET, PUSH, POP))"},
+     "ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message, (MARK, READ, RESET, PUSH, POP), SyncTracker, "
+     "_syncs._trackers)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1381,7 +1534,7 @@ int stepprof_core_add(PyObject* m) {
     }
     if ((DEFAULT_STEP = PyUnicode_InternFromString("step")) == NULL ||
         (DEFAULT_PHASE = PyUnicode_InternFromString("phase")) == NULL || (MINUS_ONE = PyLong_FromLong(-1)) == NULL ||
-        (ZERO_ = PyLong_FromLong(0)) == NULL)
+        (ZERO_ = PyLong_FromLong(0)) == NULL || (NO_PHASES = PyTuple_New(0)) == NULL)
         return -1;
     if (PyType_Ready(&CoreType) < 0) return -1;
     Py_INCREF(&CoreType);

@@ -47,7 +47,7 @@ import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -272,13 +272,20 @@ def _name_site(user: Any, origin: Any, hint: str | None) -> _Site:
 
 
 class SyncTracker:
-    """Counts one thread's sync points per step, by site, and enforces the budget."""
+    """Counts one thread's sync points per step, by site, and enforces the budget.
+
+    The C step core does :meth:`begin`, and :meth:`end` for a sync-free step, through these
+    slots (``_core.c``'s ``begin_tracker`` and ``end_tracker``)."""
+
+    __slots__ = ("mechanism", "_sites", "_by_key", "_open", "count", "other_threads", "max_syncs", "on_sync",
+                 "budget_armed", "_warned", "_last_user", "_last_lasti", "_last_child", "_last_counts", "_mute",
+                 "deferred", "attached")
 
     def __init__(self, mechanism: str) -> None:
         self.mechanism = mechanism
         self._sites: dict[_Site, list[int]] = {}
         self._by_key: dict[tuple[int, int, str | None], tuple[Any, _Site, list[int], int]] = {}
-        self._open: list[Any] = []  # the open phases, each with a ``syncs`` count
+        self._open: Sequence[Any] = ()  # the open phases, each with a ``syncs`` count
         self.count = 0
         self.other_threads = 0
         self.max_syncs: int | None = None
@@ -296,8 +303,10 @@ class SyncTracker:
         self.attached = False
 
     def begin(self, phases: list[Any], max_syncs: int | None, on_sync: str, armed: bool) -> None:
-        self._sites = {}
-        self._by_key = {}
+        if self._sites:  # (a sync-free step's are still empty: kept)
+            self._sites = {}
+        if self._by_key:
+            self._by_key = {}
         self._open = phases
         self._last_user = self._last_child = None  # a step that failed may not have ended
         self.count = self.other_threads = 0
@@ -309,7 +318,7 @@ class SyncTracker:
     def end(self) -> dict[str, Any]:
         """The step's ``syncs`` field; forgets the frames it held."""
         self._last_user = self._last_child = None
-        self._open = []
+        self._open = ()
         sites: list[dict[str, Any]] = []
         waits = 0
         if self._sites:  # else the common case, a sync-free step: nothing to sort or sum
@@ -443,6 +452,28 @@ class Route(Protocol):
         moved); or why the route gives way this step (the user's sync-debug mode)."""
         ...
 
+    def checks(self) -> tuple[Check, ...] | None:
+        """What :meth:`ensure` checks, as data: while every check passes (:func:`checks_pass`)
+        it would return None having changed nothing.  None: the route cannot say."""
+        ...
+
+
+#: (obj, attr, index, expected): ``getattr(obj, attr)`` (``obj()`` where attr is None), then
+#: ``[index]`` unless it is None, is ``expected`` (equal, where expected is an int).
+Check = tuple[Any, "str | None", "int | None", Any]
+
+
+def checks_pass(checks: Sequence[Check]) -> bool:
+    """Whether every check holds (``_core.c``'s ``checks_pass`` does the same).  A check that
+    raises raises, as :meth:`Route.ensure` would."""
+    for obj, attr, index, expected in checks:
+        v = obj() if attr is None else getattr(obj, attr)
+        if index is not None:
+            v = v[index]
+        if v is not expected and not (type(expected) is int and v == expected):
+            return False
+    return True
+
 
 class SyncSession:
     """One profiler's hold on a route, from its first watched step to its close."""
@@ -562,6 +593,17 @@ class Sessions:
 
     def unwatch(self, tracker: Any) -> None:
         detach(tracker)
+
+    def plan(self, mechanism: str | None) -> tuple[str | None, tuple[Check, ...]] | None:
+        """For the C step core's watch: (the trackers' mechanism, checks) such that, while
+        every check passes, :meth:`watch` would only :func:`attach` (and
+        :meth:`unwatch` only :func:`detach`); None while no session is open or its route
+        cannot say (:meth:`Route.checks`)."""
+        s = self.session
+        checks = s.route.checks() if s is not None and s.open else None
+        if s is None or checks is None:
+            return None
+        return mechanism, ((self, "session", None, s), (s, "open", None, True), *checks)
 
     def end(self) -> None:
         """Close the session (idempotent); the figures stay readable."""
@@ -803,6 +845,10 @@ class WarningTap:
         hook = self._current = _Hook(warnings._showwarnmsg, self.forward)  # type: ignore[attr-defined]
         self._hook = hook.show
         warnings._showwarnmsg = self._hook  # type: ignore[attr-defined]
+
+    def checks(self) -> tuple[Check, Check]:
+        """:meth:`ensure`'s two identity checks, as data (see :meth:`Route.checks`)."""
+        return (warnings, "filters", 0, self._filter), (warnings, "_showwarnmsg", None, self._hook)
 
     def ensure(self) -> None:
         """Our filter first and our hook in place (two identity checks); else put them back."""

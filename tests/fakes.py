@@ -56,6 +56,10 @@ class FakeRoute:
         self.ensures += 1
         return self.give_way
 
+    def checks(self) -> tuple:
+        """What ensure() checks: that it gives no way."""
+        return ((self, "give_way", None, None),)
+
 
 class FakeGpu(BoundaryOps):
     device = "cuda:0"
@@ -550,3 +554,14 @@ class TracedGpu(FakeGpu):
     def sync(self, hint: str | None = None, *, depth: int = 1) -> None:
         self.callbacks.fire_callbacks(0)
         self.wait_idle()
+
+
+class PlannedGpu(FakeGpu):
+    """A FakeGpu whose sync watch the C step core may do itself, as it does CUDA's
+    (``CudaBackend.sync_plan``): its unwatch_syncs is ``_syncs.detach``, nothing more."""
+
+    def sync_plan(self):
+        return self.sessions.plan(self.sync_mechanism)
+
+    def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
+        _syncs.detach(tracker)

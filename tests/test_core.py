@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import stepprof
+from stepprof import _syncs
 from stepprof._device.backend import MARK, POP, PUSH, READ, RESET
 from stepprof._device.compiled import CompiledCudaBackend
 from stepprof._recorder import core as core_mod
@@ -20,7 +21,7 @@ from stepprof._recorder.hooks import Hook
 from stepprof._recorder.step import OpenPhase, PhaseTotals, Step
 
 from .conftest import make, steps
-from .fakes import FakeEvent, FakeGpu
+from .fakes import FakeEvent, FakeGpu, PlannedGpu
 
 pytestmark = pytest.mark.skipif(core_mod._STATE.module is None, reason="stepprof's C module is not built here")
 
@@ -151,6 +152,93 @@ def test_the_core_writes_what_python_writes(tmp_path, settings):
     assert c_slots == py_slots
     entries, exits = counts
     assert entries >= 40 and exits >= 40  # the common boundaries ran in C
+
+
+def _sync_loop(prof, gpu: PlannedGpu) -> None:
+    """Steps with and without syncs, in phases, under a budget, while the route gives way, and
+    with the route's hold broken and repaired; syncs outside any step."""
+    m = prof.measure
+    for i in range(12):
+        if i == 5:
+            gpu.route.give_way = "the user set a sync-debug mode"
+        if i == 7:
+            gpu.route.give_way = None
+        with prof.step(batch_size=4):
+            gpu.launch(0.5)
+            if i % 3 == 0:
+                gpu.sync("item")
+            with m("forward"):
+                if i % 4 == 1:
+                    gpu.sync()
+                    gpu.sync()
+        if i == 9:
+            gpu.sync()  # outside a step
+    with pytest.raises(stepprof.SyncBudgetExceeded):
+        with prof.step(batch_size=4, max_syncs=1, on_sync="raise"):
+            gpu.sync()
+            gpu.sync()
+    with prof.step(batch_size=4):
+        gpu.sync()
+
+
+def test_the_cores_sync_watch_is_the_backends(tmp_path):
+    """With a backend's sync plan, the core attaches and detaches the tracker itself while the
+    plan's checks hold, and ends a sync-free step's count itself: the same records and slots as
+    Python's, and the same trackers attached afterwards (none)."""
+    runs = {}
+    for path in ("c", "python"):
+        gpu = PlannedGpu()
+        log = str(tmp_path / f"{path}.jsonl")
+        with pytest.MonkeyPatch.context() as mp:
+            if path == "python":
+                mp.setattr(core_mod._STATE, "module", None)
+            prof = make(log, gpu, warmup=2)
+        slots = _Slots()
+        prof._hooks.append(slots)
+        prof._collector.use(prof._hooks)
+        _sync_loop(prof, gpu)
+        assert not _syncs._trackers  # every tracker detached
+        prof.close()
+        runs[path] = (_records(log), slots.seen, gpu.route.ensures)
+    (c_records, c_slots, c_ensures), (py_records, py_slots, py_ensures) = runs["c"], runs["python"]
+    assert len(c_records) == len(py_records) > 14
+    for a, b in zip(c_records, py_records):
+        assert a == b
+    assert c_slots == py_slots
+    steps_ = [r for r in c_records if r["kind"] == "step"]
+    assert [r["syncs"]["count"] if r["syncs"] else None for r in steps_] == [
+        1, 2, 0, 1, 0, None, None, 0, 0, 3, 0, 0, 2, 1]
+    assert py_ensures == 14  # one a step
+    # In C: the first step's, the two that gave way, and the one after (the plan made anew).
+    assert c_ensures == 4
+
+
+def test_a_sync_plan_whose_check_raises_fails_the_entry_as_ensure_would(log):
+    """A check that raises (a user's object in the way) is the entry's failure, as the route's
+    ensure() raising is on the Python path: recording stops, training goes on."""
+    gpu = PlannedGpu()
+    prof = make(log, gpu)
+    with prof.step():
+        pass
+
+    class Broken:
+        @property
+        def give_way(self):
+            raise RuntimeError("broken check")
+
+    assert type(prof._enter.__self__).__name__ == "Core"
+    plan = gpu.sync_plan()
+    gpu.sync_plan = lambda: (plan[0], ((Broken(), "give_way", None, None),))
+    with prof.step():  # the plan is made anew after this step's slow watch
+        pass
+    with pytest.warns(stepprof.StepprofWarning, match="stopped recording .* broken check"):
+        with prof.step():
+            gpu.launch(0.1)
+    with prof.step():
+        gpu.launch(0.1)
+    prof.close()
+    assert not _syncs._trackers
+    assert len(steps(log)) == 2
 
 
 def test_a_step_made_in_c_has_every_slot_of_one_made_in_python(log, gpu):

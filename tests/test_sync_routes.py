@@ -30,7 +30,7 @@ from stepprof._aggregate import RunAggregate
 from stepprof._device import sync_routes
 
 from .conftest import make, marked_line
-from .fakes import FakeGpu
+from .fakes import FakeGpu, PlannedGpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,10 +68,11 @@ def torch_sync(monkeypatch) -> TorchSync:
     return ts
 
 
-@pytest.fixture
-def warn_gpu(torch_sync) -> FakeGpu:
-    """A fake device whose profilers hold the real "warn" route."""
-    gpu = FakeGpu()
+@pytest.fixture(params=[FakeGpu, PlannedGpu])
+def warn_gpu(torch_sync, request) -> FakeGpu:
+    """A fake device whose profilers hold the real "warn" route; on a PlannedGpu, the C step
+    core watches syncs itself while the route's checks hold."""
+    gpu = request.param()
     gpu.route = sync_routes.warn_route()
     return gpu
 
@@ -114,6 +115,49 @@ def test_warn_route_wraps_what_is_there_and_restores_it(torch_sync, monkeypatch)
         assert [(s["where"], s["kind"]) for s in rec["sites"]] == [
             (line_of("device-wrapped"), "device_synchronize")
         ]
+
+
+def test_the_warn_routes_checks_hold_exactly_while_ensure_has_nothing_to_do(torch_sync, monkeypatch):
+    """``WarnRoute.checks()`` is what ``ensure()`` checks, as data (the C step core's fast watch
+    runs on it): after each thing a user can move, the checks fail, and ensure() gives way or
+    puts it back; after that the route's fresh checks hold again."""
+    route = sync_routes.warn_route()
+    sessions = _syncs.Sessions()
+    tracker = _syncs.SyncTracker("warn")
+    assert sessions.watch(tracker, lambda: route) is None
+    sessions.unwatch(tracker)
+    try:
+        def users_sync(device=None):
+            pass
+
+        def users_hook(msg):
+            pass
+
+        moves = {
+            "nothing": lambda: None,
+            "the mode": lambda: setattr(torch_sync, "mode", 2),
+            "a filter in front": lambda: warnings.simplefilter("ignore"),
+            "the hook": lambda: monkeypatch.setattr(warnings, "_showwarnmsg", users_hook),
+            "a function": lambda: monkeypatch.setattr(torch.cuda, "synchronize", users_sync),
+        }
+        for what, move in moves.items():
+            with warnings.catch_warnings():
+                checks = sessions.plan("warn")[1]
+                assert _syncs.checks_pass(checks)
+                move()
+                before = state()
+                holds = _syncs.checks_pass(checks)
+                why = route.ensure()
+                assert holds is (what == "nothing"), what
+                assert (why is None and state() == before) is holds, what  # ensure() did something
+                torch_sync.mode = 1
+                route.ensure()
+                assert _syncs.checks_pass(sessions.plan("warn")[1]), what
+        sessions.end()
+        assert sessions.plan("warn") is None  # no session open: no plan
+    finally:
+        sessions.end()
+        torch_sync.mode = 0
 
 
 def test_a_function_the_user_wrapped_mid_session_counts_once_at_the_next_step(torch_sync, monkeypatch):

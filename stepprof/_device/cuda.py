@@ -155,6 +155,12 @@ class CudaBackend(BoundaryOps):
     def unwatch_syncs(self, tracker: _syncs.SyncTracker) -> None:
         _syncs.detach(tracker)
 
+    def sync_plan(self) -> tuple[str | None, tuple[_syncs.Check, ...]] | None:
+        """For the C step core: :meth:`watch_syncs`' common case as data
+        (:meth:`stepprof._syncs.Sessions.plan`), which it may do itself while the plan's
+        checks hold; and :meth:`unwatch_syncs` is :func:`stepprof._syncs.detach`."""
+        return self._sessions.plan(self.sync_mechanism) if self.sync_mechanism is not None else None
+
     def end_syncs(self) -> None:
         """Close the sync session: the route is restored unless another session holds it."""
         self._sessions.end()

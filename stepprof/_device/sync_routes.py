@@ -203,6 +203,14 @@ class WarnRoute:
                 break
         return None
 
+    def checks(self) -> tuple[_syncs.Check, ...] | None:
+        """:meth:`ensure`'s checks as data (tests/test_sync_routes.py holds the two to agree)."""
+        tap = self.tap
+        if not self.installed or tap is None:
+            return None
+        return ((self._get_mode, None, None, 1), *tap.checks(),
+                *((p[0], p[1], None, p[3]) for p in self.patches))
+
     def uninstall(self) -> None:
         self.installed = False
         try:
@@ -311,6 +319,9 @@ class TraceRoute:
 
     def ensure(self) -> None:
         return None
+
+    def checks(self) -> tuple[_syncs.Check, ...]:
+        return ()
 
 
 def trace_route() -> TraceRoute:

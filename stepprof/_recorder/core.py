@@ -14,9 +14,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from .. import _native
+from .. import _native, _syncs
 from .._batch import NO_BATCH
 from .._device.backend import MARK, POP, PUSH, READ, RESET
+from .._syncs import SyncTracker
 from .backend_slot import BackendSlot
 from .boundaries import LIGHT_PHASE
 from .hooks import ActiveHooks
@@ -50,7 +51,7 @@ def _configure() -> None:
         mod.configure_core(
             Step, Step(0, "", False, None), OpenPhase, OpenPhase(""), PhaseTotals, PhaseTotals(0),
             ThreadSteps, Threads, ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message,
-            (MARK, READ, RESET, PUSH, POP),
+            (MARK, READ, RESET, PUSH, POP), SyncTracker, _syncs._trackers,
         )
     except (TypeError, ValueError) as e:  # a class changed shape: the Python boundaries go on
         _STATE.module, _STATE.reason = None, f"the step core could not be configured ({e}): rebuild it (`stepprof build`)"
