@@ -159,6 +159,20 @@ def _no_compile_tracking():
             setattr(CompileHook, n, fn)
 
 
+@contextlib.contextmanager
+def _no_sync_plan():
+    """The step core's own sync watch off: every step's watch goes to the backend's
+    ``watch_syncs`` (``CudaBackend.sync_plan`` hidden)."""
+    from stepprof._device.cuda import CudaBackend
+
+    saved = CudaBackend.__dict__["sync_plan"]
+    del CudaBackend.sync_plan
+    try:
+        yield
+    finally:
+        CudaBackend.sync_plan = saved  # type: ignore[method-assign]
+
+
 #: --features: the run without each feature: (its settings, a patch for one with no setting,
 #: whether it writes a log).
 FEATURES = {
@@ -166,6 +180,8 @@ FEATURES = {
     "sync counting": ({"syncs": "off"}, contextlib.nullcontext, True),
     "compile tracking": ({}, _no_compile_tracking, True),
     "log writing": ({}, contextlib.nullcontext, False),
+    # Below 0 where the core's own sync watch saves what the backend's watch would cost.
+    "sync watch in C": ({}, _no_sync_plan, True),
 }
 #: What --features cannot switch off, and why.
 NOT_SEPARABLE = {
