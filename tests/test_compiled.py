@@ -677,6 +677,15 @@ def test_read_marks_waits_for_every_end_and_reads_each_pair(built):
     for i in range(10):
         assert times[i] == pytest.approx(built.event_elapsed_ms(marks[i], marks[i + 1]), abs=1e-3)
     assert times[10] == pytest.approx(built.event_elapsed_ms(marks[0], last), abs=1e-3)
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):  # a start still running on another stream, its end done
+        torch.cuda._sleep(50_000_000)
+        started = b.mark()
+    ended = b.mark()
+    b.wait([ended])
+    assert built.read_marks((started, ended)) is None  # not read yet (not lost as None)
+    b.wait([started])
+    assert built.read_marks((started, ended))[0] is not None
     never = built.event_create(dev)  # never recorded: queries as done, has no time
     assert built.read_marks((None, marks[1], marks[0], None, marks[0], never)) == (None, None, None)
     assert built.read_marks(()) == ()

@@ -85,6 +85,8 @@ typedef struct CUevent_st* cudaEvent_t;
 typedef struct CUstream_st* cudaStream_t;
 typedef int cudaStreamCaptureStatus;
 constexpr cudaError_t cudaSuccess = 0;
+constexpr cudaError_t cudaErrorInvalidValue = 1;
+constexpr cudaError_t cudaErrorInvalidResourceHandle = 400;
 constexpr cudaError_t cudaErrorNotReady = 600;
 constexpr unsigned int cudaEventDefault = 0;
 constexpr cudaStreamCaptureStatus cudaStreamCaptureStatusNone = 0;
@@ -355,10 +357,12 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // read_marks(marks) -> (ms or None, ...) or None
 //
 // A step's device times in one call: `marks` is a tuple (start, end, start, end, ...)
-// of event handles or None.  Every end event is queried, in order; if one has not
-// completed, the result is None (nothing is read).  Otherwise each pair's elapsed
-// time, None where a mark is None or its time cannot be read (an event that was never
-// recorded).  RuntimeError when a query fails.  The GIL is kept: the calls never block
+// of event handles or None.  Each pair's elapsed time, in order, None where a mark is None
+// or its time cannot be read (an event never recorded); but the result is None (nothing
+// read) as soon as an event has not completed (a pair without a start: its end is queried).
+// No query precedes an elapsed time: cudaEventElapsedTime says cudaErrorNotReady itself, so
+// a step costs one CUDA call a pair, not two.  RuntimeError when a call fails otherwise
+// (a broken context).  The GIL is kept: the calls never block
 // (about a microsecond each), and letting go of it hands it to the training thread, which
 // the collector then waits for until the switch interval forces it back (5 ms a step:
 // on the H200, a third of the collector thread's samples were that wait).
@@ -408,37 +412,28 @@ bool events_of(PyObject* marks, cudaEvent_t* ev) {
   return true;
 }
 
-// cudaSuccess when every pair's end event has completed, cudaErrorNotReady at the first
-// that has not (cleared, as torch does: not an error for the user's next check), else
-// the query's failure.
-cudaError_t ends_ready(const cudaEvent_t* ev, Py_ssize_t pairs) {
+// Each pair's elapsed time into ms[p] (ok[p] false where a mark is None or the time cannot
+// be read: an event never recorded, or made without timing).  cudaErrorNotReady at the first
+// event that has not completed, another error where a call failed so, else cudaSuccess.
+// An error is cleared, as torch does for a query: it is no error for the user's next check.
+cudaError_t elapsed_all(const cudaEvent_t* ev, Py_ssize_t pairs, float* ms, bool* ok) {
   for (Py_ssize_t p = 0; p < pairs; ++p) {
-    if (ev[2 * p + 1] == nullptr) {
+    ok[p] = false;
+    cudaEvent_t start = ev[2 * p], end = ev[2 * p + 1];
+    if (end == nullptr) {
       continue;
     }
-    cudaError_t err = cudaEventQuery(ev[2 * p + 1]);
-    if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();
+    cudaError_t err = start != nullptr ? cudaEventElapsedTime(&ms[p], start, end) : cudaEventQuery(end);
+    if (err == cudaSuccess) {
+      ok[p] = start != nullptr;
+      continue;
     }
-    if (err != cudaSuccess) {
-      return err;
+    (void)cudaGetLastError();
+    if (err != cudaErrorInvalidResourceHandle && err != cudaErrorInvalidValue) {
+      return err;  // cudaErrorNotReady: read again later
     }
   }
   return cudaSuccess;
-}
-
-// Each pair's elapsed time: ok[p] false where a mark is None or the time cannot be read.
-void elapsed_all(const cudaEvent_t* ev, Py_ssize_t pairs, float* ms, bool* ok) {
-  for (Py_ssize_t p = 0; p < pairs; ++p) {
-    ok[p] = false;
-    if (ev[2 * p] != nullptr && ev[2 * p + 1] != nullptr) {
-      if (cudaEventElapsedTime(&ms[p], ev[2 * p], ev[2 * p + 1]) == cudaSuccess) {
-        ok[p] = true;
-      } else {
-        (void)cudaGetLastError();
-      }
-    }
-  }
 }
 
 // (ms or None, ...) for the pairs read.
@@ -475,14 +470,13 @@ PyObject* read_marks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!scratch.fit(n) || !events_of(marks, scratch.ev)) {
     return nullptr;
   }
-  cudaError_t err = ends_ready(scratch.ev, n / 2);
+  cudaError_t err = elapsed_all(scratch.ev, n / 2, scratch.ms, scratch.ok);
   if (err == cudaErrorNotReady) {
     Py_RETURN_NONE;
   }
   if (err != cudaSuccess) {
-    return cuda_error("cudaEventQuery", err);
+    return cuda_error("cudaEventElapsedTime", err);
   }
-  elapsed_all(scratch.ev, n / 2, scratch.ms, scratch.ok);
   return times_tuple(scratch.ms, scratch.ok, n / 2);
 }
 
@@ -671,7 +665,7 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "event_synchronize(ev): wait for the event (releases the GIL)."},
     {"read_marks", STEPPROF_FN(read_marks), METH_FASTCALL,
      "read_marks((start, end, ...)) -> (ms or None, ...) or None: a step's device times, None "
-     "until every end event has completed (keeps the GIL: it never blocks)."},
+     "until every event has completed (keeps the GIL: it never blocks)."},
     {"boundary", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(boundary)),
      METH_FASTCALL,
      "boundary(device, ev, flags, name) -> (mark or None, mem or None): POP, MARK, READ, RESET, "
