@@ -16,7 +16,9 @@ default 3,000 near-empty steps take less) shows a long run's steady state.
 
 Variants:
   step        ``prof.step(batch_size=8)``, the default settings;
-  3 phases    the same with three ``prof.measure`` phases inside;
+  3 phases    the same with three ``prof.measure`` phases inside, the step's one kernel in the
+              first (the bare loop's work: each phase with a kernel of its own would add two
+              launches, 12 µs on an H100's host, that are not stepprof's);
   python      ``step`` with ``boundary="python"``: the Python boundaries, without the step core
               (and on CUDA without the compiled device boundary), as where nothing could be built;
   no log      ``step`` with ``log=None`` (what writing the lines costs, by difference).
@@ -44,7 +46,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# STEPPROF_BENCH_TREE: another tree's stepprof (bench/floor_ab.py's base) under this loop.
+sys.path.insert(0, os.environ.get("STEPPROF_BENCH_TREE") or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when a test imports this file
 import stepprof  # noqa: E402
 from _common import run_info  # noqa: E402
@@ -72,14 +75,18 @@ def near_empty_step(cuda: bool) -> tuple[Callable[[], None], Callable[[], None]]
 
 
 def run_steps(prof: Any, steps: int, phases: Sequence[str], work: Callable[[], None]) -> None:
-    """``steps`` steps of ``work``, each in ``phases`` (one run of ``work`` a phase) or bare."""
+    """``steps`` steps of ``work``, bare or in ``phases``: the step's one ``work`` in the first
+    phase, the others empty, so that every variant's step launches what the bare loop's does."""
     step, measure = prof.step, prof.measure
     if phases:
+        first, rest = phases[0], phases[1:]
         for _ in range(steps):
             with step(batch_size=8):
-                for name in phases:
+                with measure(first):
+                    work()
+                for name in rest:
                     with measure(name):
-                        work()
+                        pass
     else:
         for _ in range(steps):
             with step(batch_size=8):

@@ -1,7 +1,7 @@
 """bench/floor.py for two versions of stepprof, interleaved: one round of each in turn.
 
-Each round runs ``bench/floor.py --rounds 1`` in a fresh process, first from the base tree, then
-from this one, so that both meet the same stretch of a shared host's noise.  The table gives,
+Each round runs this tree's ``bench/floor.py --rounds 1`` in a fresh process, first on the base
+tree's stepprof (``STEPPROF_BENCH_TREE``), then on this one's, so that both meet the same stretch of a shared host's noise.  The table gives,
 per variant, each version's median µs per step over the rounds (and its range) and the median
 of the per-round ratios (this tree over the base), with its range.
 
@@ -41,10 +41,12 @@ def export(rev: str, into: str) -> str:
 
 
 def one_round(tree: str, seed: int, device: str, out: str, steps: int) -> dict:
+    """One round of this tree's bench/floor.py, with ``tree``'s stepprof (the same loop for both:
+    a base's own floor.py may run another)."""
     subprocess.run(
-        [sys.executable, os.path.join(tree, "bench", "floor.py"), "--rounds", "1", "--seed", str(seed),
+        [sys.executable, os.path.join(HERE, "bench", "floor.py"), "--rounds", "1", "--seed", str(seed),
          "--device", device, "--steps", str(steps), "--json", out],
-        check=True, capture_output=True,
+        check=True, capture_output=True, env={**os.environ, "STEPPROF_BENCH_TREE": tree},
     )
     with open(out) as f:
         return json.load(f)
