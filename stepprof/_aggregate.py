@@ -131,6 +131,7 @@ class RunFigures:
     data_ms_mean: float | None
     tflops_per_s_median: float | None
     mfu_median: float | None
+    mfu_datasheet_median: float | None
     energy_j_per_step: float | None = None
     power_w_mean: float | None = None
     samples_per_j: float | None = None
@@ -252,14 +253,15 @@ class PhaseTotals(Fields):
 
 
 #: The sketches of :class:`StepTotals`, one per per-step figure of the timed steps.
-_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "syncs", "tflops", "mfu", "overhead", "data_wait", "wait_in")
+_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "syncs", "tflops", "mfu", "mfu_datasheet", "overhead", "data_wait",
+             "wait_in")
 
 #: A timed step's numeric fields that go into a sketch as they are: (field, sketch's buffer).
 _SKETCHED = tuple((field, attrgetter(f"{name}.buf")) for field, name in (
     ("gpu_ms", "gpu"), ("gpu_busy", "busy"), ("overhead_us", "overhead")))
 #: The same, for a step of a run that asked for FLOPs (one with ``tflops_per_s``, null or not).
 _SKETCHED_FLOPS = tuple((field, attrgetter(f"{name}.buf")) for field, name in (
-    ("tflops_per_s", "tflops"), ("mfu", "mfu")))
+    ("tflops_per_s", "tflops"), ("mfu", "mfu"), ("mfu_datasheet", "mfu_datasheet")))
 
 #: What a step left out of the figures counts in, when it is not measured either.
 _NOT_MEASURED = {WARMUP: "warmup", ERROR: "errors", MALFORMED: "malformed"}
@@ -287,6 +289,7 @@ class _StepAccumulators(Fields):
     syncs: Sketch
     tflops: Sketch
     mfu: Sketch
+    mfu_datasheet: Sketch
     overhead: Sketch
     data_wait: Sketch
     wait_in: Sketch
@@ -313,6 +316,7 @@ class _StepAccumulators(Fields):
     flops_requested: Max
     flops_reason: Last
     mfu_reason: Last
+    mfu_datasheet_reason: Last
     flops_counted_step: Last
     peak_record: Last
     energy_steps: Sum
@@ -386,6 +390,7 @@ class StepTotals(_StepAccumulators):
         ("step_reasons", FirstByKey),  # the first reason per field of the timed steps
         # FLOPs: whether a step carries tflops_per_s (null or not), the latest reasons for null ones
         ("flops_requested", lambda: Max(False)), ("flops_reason", Last), ("mfu_reason", Last),
+        ("mfu_datasheet_reason", Last),
         ("flops_counted_step", Last),
         ("peak_record", Last),  # the latest kind: "peak" record (explain_peak) after one of these steps
         # energy over the timed steps with energy_j: µJ, µs of their spans, their batch sizes and µJ
@@ -445,8 +450,9 @@ class StepTotals(_StepAccumulators):
                 table[x] += 1
             else:
                 self.names.add(x)
-        if "tflops_per_s" in r and (get("mfu") is None or not self.flops_requested.value):
-            self._take_flops_state(r)  # only a step with a null mfu (or the first) has news
+        if "tflops_per_s" in r and (get("mfu") is None or get("mfu_datasheet") is None
+                                    or not self.flops_requested.value):
+            self._take_flops_state(r)  # only a step with a null MFU (or the first) has news
         if "compiles" in r:
             self._take_compiles(r, idx)
         why = left_out(r)  # the timed-step rule (stepprof._rules), which every view applies
@@ -535,9 +541,13 @@ class StepTotals(_StepAccumulators):
             why = unavailable.get("tflops_per_s")
             if type(why) is str and r.get("tflops_per_s") is None:
                 self.flops_reason.add(why)
-            why = unavailable.get("mfu")
-            if type(why) is str and r.get("mfu") is None and r.get("tflops_per_s") is not None:
-                self.mfu_reason.add(why)
+            if r.get("tflops_per_s") is not None:
+                why = unavailable.get("mfu")
+                if type(why) is str and r.get("mfu") is None:
+                    self.mfu_reason.add(why)
+                why = unavailable.get("mfu_datasheet")
+                if type(why) is str and r.get("mfu_datasheet") is None:
+                    self.mfu_datasheet_reason.add(why)
 
     def _take_compiles(self, r: dict[str, Any], idx: int) -> None:
         """A step record with the compile fields (warm-up or not): the run's compile totals."""
@@ -935,6 +945,7 @@ class RunAggregate:
             data_wait_in_step_ms_median=self.wait_in.quantile(0.5),
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
+            mfu_datasheet_median=self.mfu_datasheet.quantile(0.5),
             energy_j_per_step=self.energy_uj / self.energy_steps / 1e6 if self.energy_steps else None,
             power_w_mean=self.energy_uj / self.energy_span_us if self.energy_span_us else None,
             samples_per_j=(self.energy_samples / (self.energy_batched_uj / 1e6)
@@ -985,6 +996,13 @@ class RunAggregate:
                 why["tflops_per_s_median"]
                 if figures.tflops_per_s_median is None
                 else self.mfu_reason or self._flops_record_reason("ideal_ms") or "not computed"
+            )
+        if figures.mfu_datasheet_median is None:
+            why["mfu_datasheet_median"] = (
+                why["tflops_per_s_median"]
+                if figures.tflops_per_s_median is None
+                else self.mfu_datasheet_reason or self._flops_record_reason("datasheet_ms")
+                or "not computed (a log from before mfu_datasheet)"
             )
         if figures.energy_j_per_step is None:
             why["energy_j_per_step"] = why["power_w_mean"] = why["samples_per_j"] = (
@@ -1058,6 +1076,7 @@ class RunAggregate:
             "syncs_outside_steps": outside,
             "tflops_per_s_median": figures.tflops_per_s_median,
             "mfu_median": figures.mfu_median,
+            "mfu_datasheet_median": figures.mfu_datasheet_median,
             "energy_j_per_step": figures.energy_j_per_step,
             "power_w_mean": figures.power_w_mean,
             "samples_per_j": figures.samples_per_j,

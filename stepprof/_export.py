@@ -33,7 +33,7 @@ __all__ = ["Exported", "export_chrome", "export_tensorboard"]
 #: The step figures written as TensorBoard scalars, under ``stepprof/<figure>``.
 TB_FIGURES = (
     "gpu_ms", "wall_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes",
-    "samples_per_s", "data_wait_ms", "overhead_us", "energy_j", "tflops_per_s", "mfu",
+    "samples_per_s", "data_wait_ms", "overhead_us", "energy_j", "tflops_per_s", "mfu", "mfu_datasheet",
 )
 #: Each phase's figures, under ``stepprof/phases/<name>/<figure>``.
 TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")

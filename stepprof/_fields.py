@@ -241,6 +241,8 @@ _STEP = (
     _f("flops", FLOAT, "FLOPs", "the FLOPs of one step", **_OPT_NULL),
     _f("tflops_per_s", FLOAT, "TFLOP/s", "flops over the longer of wall_ms and gpu_ms", **_OPT_NULL),
     _f("mfu", FLOAT, "ratio", "the time the FLOPs need at the calibrated rate, over the step's", **_OPT_NULL),
+    _f("mfu_datasheet", FLOAT, "ratio", "the time the FLOPs need at the GPU's published dense peak, over the "
+       "step's", **_OPT_NULL),
     _f("flops_counted", BOOL, None, "the step ran under FlopCounterMode", **_OPT),
     _f("explained", BOOL, None, "the step explain_peak explained", **_OPT),
     _f("energy_j", FLOAT, "J", "the GPU's energy over energy_span_ms", **_OPT_NULL),
@@ -323,6 +325,7 @@ _SUMMARY = (
     _f("syncs_outside_steps", INT, None, "waits on a thread with no open step", **_NULL),
     _f("tflops_per_s_median", FLOAT, "TFLOP/s", "median of the steps' tflops_per_s", **_NULL),
     _f("mfu_median", FLOAT, "ratio", "median of the steps' mfu", **_NULL),
+    _f("mfu_datasheet_median", FLOAT, "ratio", "median of the steps' mfu_datasheet", **_NULL),
     _f("phases", MapOf(_PHASE_FIGURES, "phase name", 4096), None, "each phase's figures over the measured steps"),
     _f("ended_by", STR, None, "how the run ended: close, exception, exit, SIGTERM or SIGINT", **_NULL),
     _f("overhead_us_mean", FLOAT, "us", "mean of the steps' overhead_us", **_NULL),
@@ -354,6 +357,12 @@ _FLOPS = (
     _f("device_name", STR, None, "the GPU model whose calibration was looked up", **_NULL),
     _f("ideal_ms", FLOAT, "ms", "the time flops_by_dtype needs at the calibrated rates", **_NULL),
     _f("calibration", FREE, None, "the cached calibration used, as written in the cache", **_NULL),
+    _f("datasheet_ms", FLOAT, "ms", "the time flops_by_dtype needs at the GPU's published dense peaks", **_NULL),
+    _f("datasheet", Obj((
+        _f("part", STR, None, "the GPU model, as its vendor names it"),
+        _f("tflops", MapOf(FLOAT, "dtype", 64), "TFLOP/s", "its published dense peak by dtype"),
+        _f("source", STR, None, "where the vendor publishes them"),
+    )), None, "the datasheet peaks mfu_datasheet is against", **_NULL),
     _f("unavailable", REASONS, None, "field -> why it is null"),
 )
 

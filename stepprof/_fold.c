@@ -22,10 +22,10 @@ enum {
     K_STEP, K_DEVICE, K_NAME, K_TFLOPS, K_MFU, K_COMPILES, K_WARMUP, K_ERROR, K_WALL, K_COUNTED,
     K_EXPLAINED, K_COMPILED, K_GPU, K_BUSY, K_OVERHEAD, K_PEAK, K_RESERVED, K_RSS, K_BATCH, K_SPS,
     K_WAIT, K_WAIT_IN, K_DATA, K_ALLOC, K_SYNCS, K_PHASES, K_ENERGY, K_ENERGY_SPAN, K_UNAVAIL,
-    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES, K_WHERE, K_KIND,
+    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES, K_WHERE, K_KIND, K_MFU_DS,
     /* attributes */
     A_STEPS, A_WARMUP, A_ERRORS, A_MALFORMED, A_MEASURED, A_FIRST_STEP, A_LAST_STEP, A_FIRST_MEASURED,
-    A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_SYNCS, A_TFLOPS, A_MFU, A_OVERHEAD,
+    A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_SYNCS, A_TFLOPS, A_MFU, A_MFU_DS, A_OVERHEAD,
     A_DATA_WAIT, A_WAIT_IN, A_OVERHEAD_SUM, A_WAIT_SUM, A_LOOP_SUM, A_DATA_SUM, A_DATA_STEPS,
     A_BATCH_SIZES, A_PEAK, A_RESERVED, A_RESERVED_LAST, A_RSS, A_ALLOC, A_ALLOC_STEPS,
     A_DEVICE_ALLOC_STEPS, A_SYNC_STEPS, A_SYNC_MECHANISM, A_OTHER_THREADS, A_SITES, A_PHASES,
@@ -41,10 +41,10 @@ static const char* const NAMES[N_NAMES] = {
     "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes", "batch_size", "samples_per_s",
     "data_wait_ms", "data_wait_in_step_ms", "data_ms", "allocator", "syncs", "phases", "energy_j",
     "energy_span_ms", "unavailable", "count", "mechanism", "other_threads", "sites",
-    "num_device_alloc", "num_alloc_retries", "where", "kind",
+    "num_device_alloc", "num_alloc_retries", "where", "kind", "mfu_datasheet",
     "steps", "warmup", "errors", "malformed", "measured", "first_step", "last_step",
     "first_measured", "devices", "names", "wall", "gpu", "span", "busy", "sps", "syncs", "tflops",
-    "mfu", "overhead", "data_wait", "wait_in", "overhead_sum_ns", "data_wait_sum_ns",
+    "mfu", "mfu_datasheet", "overhead", "data_wait", "wait_in", "overhead_sum_ns", "data_wait_sum_ns",
     "loop_sum_ns", "data_sum_ns", "data_steps", "batch_sizes", "peak", "reserved", "reserved_last",
     "rss", "alloc", "alloc_steps", "steps_with_device_alloc", "sync_steps", "sync_mechanism",
     "other_threads", "sites", "phases", "spikes", "step_reasons", "flops_requested",
@@ -588,6 +588,8 @@ static int add_timed(PyObject* totals, PyObject* r, Parsed* p) {
         if (is_num(x)) rc = sketch_add(totals, A_TFLOPS, x);
         x = rc ? NULL : GET(r, K_MFU);
         if (is_num(x)) rc = sketch_add(totals, A_MFU, x);
+        x = rc ? NULL : GET(r, K_MFU_DS);
+        if (is_num(x)) rc = sketch_add(totals, A_MFU_DS, x);
     }
     if (!rc) {
         PyObject* syncs_or = n_syncs != NULL ? n_syncs : NULL;
@@ -674,7 +676,8 @@ static PyObject* fold_step(PyObject* self, PyObject* const* args, Py_ssize_t nar
     if (x != NULL && PyUnicode_CheckExact(x) && counter_add(totals, A_NAMES, x)) goto done;
     if (GET(r, K_TFLOPS) != NULL) {
         PyObject* mfu = GET(r, K_MFU);
-        int news = mfu == NULL || mfu == Py_None;
+        PyObject* mfu_ds = mfu == NULL || mfu == Py_None ? NULL : GET(r, K_MFU_DS);
+        int news = mfu == NULL || mfu == Py_None || mfu_ds == NULL || mfu_ds == Py_None;
         if (!news) {
             PyObject* req = acc(totals, off_tot[A_FLOPS_REQUESTED], T_MAX);
             PyObject* v = req ? *SLOT(req, off_value) : NULL;

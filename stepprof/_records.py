@@ -143,6 +143,9 @@ class Summary:
     syncs_outside_steps: int | None = None
     tflops_per_s_median: float | None = None
     mfu_median: float | None = None
+    #: The median step's FLOPs at the GPU's published dense peak for their dtypes (the MFU
+    #: papers report), over its time; ``mfu_median`` is at the rate this GPU was measured at.
+    mfu_datasheet_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
     phases: dict[str, PhaseFigures] = attrs.field(factory=dict)
     #: How the run ended: ``"close"``, ``"exception"`` (the ``with Profiler`` block raised),
@@ -205,6 +208,8 @@ class Summary:
             parts.append(f"{t:.1f} TFLOP/s" if t >= 10 else f"{t:.3g} TFLOP/s")
         if self.mfu_median is not None:
             parts.append(f"MFU {self.mfu_median:.0%}")
+        if self.mfu_datasheet_median is not None:
+            parts.append(f"MFU {self.mfu_datasheet_median:.0%} of datasheet")
         if self.input_wait_fraction is not None and self.input_wait_fraction >= 0.05:
             parts.append(f"input wait {self.input_wait_fraction:.0%} of the loop")
         if self.energy_j_per_step is not None and self.power_w_mean is not None:

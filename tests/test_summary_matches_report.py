@@ -36,6 +36,7 @@ SHARED = {
     "syncs_per_step_median": ("figures", "syncs_per_step", "median"),
     "tflops_per_s_median": ("figures", "tflops_per_s_median"),
     "mfu_median": ("figures", "mfu_median"),
+    "mfu_datasheet_median": ("figures", "mfu_datasheet_median"),
     "energy_j_per_step": ("figures", "energy_j_per_step"),
     "power_w_mean": ("figures", "power_w_mean"),
     "samples_per_j": ("figures", "samples_per_j"),

@@ -7,6 +7,7 @@ from typing import Any
 
 from .._aggregate import NO_STEP_AFTER_THE_COUNT
 from .._device.backend import Backend
+from .._datasheet import datasheet_ms, find_part
 from .._device.facts import device_name
 from .._errors import raised_by_user
 from .._roofline import FlopCount, ideal_ms, load_calibration
@@ -38,6 +39,8 @@ class FlopsHook(Hook):
         self.reason = "not counted yet: FLOPs are counted in the first step past warm-up"
         self.ideal_ms: float | None = None
         self.mfu_reason: str | None = None
+        self.datasheet_ms: float | None = None
+        self.datasheet_reason: str | None = None
         self._record: dict[str, Any] | None = None  # the flops record, awaiting its step's
         self._count: FlopCount | None = None
         self._attempts = 0
@@ -159,16 +162,40 @@ class FlopsHook(Hook):
         self.ideal_ms = ideal
         self.mfu_reason = why
         self.flops = detail
+        sheet, sheet_ms, sheet_why = self._datasheet(name, by_dtype, on_cuda, b)
+        self.datasheet_ms, self.datasheet_reason = sheet_ms, sheet_why
+        unavailable = {} if ideal is not None else {"ideal_ms": why}
+        if sheet_ms is None:
+            unavailable["datasheet_ms"] = sheet_why
         self._record = {
             "kind": "flops", **detail, "device": b.device if b is not None else "none",
             "device_name": name, "ideal_ms": ideal, "calibration": calibration,
-            "unavailable": {} if ideal is not None else {"ideal_ms": why},
+            "datasheet_ms": sheet_ms, "datasheet": sheet, "unavailable": unavailable,
         }
+
+    @staticmethod
+    def _datasheet(name: str | None, by_dtype: dict[str, Any] | None, on_cuda: bool,
+                   b: Backend | None) -> tuple[dict[str, Any] | None, float | None, str]:
+        """(the part's datasheet entry, the time the FLOPs need at its dense peaks, why not)."""
+        if name is None:
+            return None, None, ("the GPU's model name could not be read, so its datasheet peak is unknown"
+                                if on_cuda else "mfu_datasheet is for GPUs: the CPU has no datasheet peak here"
+                                if b is not None else "no step has run, so the device is unknown")
+        part, why = find_part(name)
+        if part is None:
+            return None, None, why or ""
+        entry = {"part": part.name, "tflops": dict(part.tflops), "source": part.source}
+        if by_dtype is None:
+            return entry, None, ("mfu_datasheet needs the FLOPs' dtypes: with flops_per_step they are "
+                                 "unknown; use flops='auto' to count them")
+        ms, why = datasheet_ms(by_dtype, part)
+        return entry, ms, why or ""
 
     # -- collector ------------------------------------------------------------------
 
     def on_record(self, step: Step, record: dict[str, Any]) -> None:
-        """Add ``flops``, ``tflops_per_s`` and ``mfu`` (and ``flops_counted``) to a step record."""
+        """Add ``flops``, ``tflops_per_s``, ``mfu`` and ``mfu_datasheet`` (and ``flops_counted``) to a
+        step record."""
         unavailable = record["unavailable"]
         span = span_ms(record["wall_ms"], record["gpu_ms"])
         f = self.flops
@@ -177,8 +204,9 @@ class FlopsHook(Hook):
         if f is None or (f.get("step") is not None and step.index < f["step"]):
             why = (self.reason if f is None
                    else f"FLOPs were counted at step {f['step']}, after this one")
-            record["flops"] = record["tflops_per_s"] = record["mfu"] = None
+            record["flops"] = record["tflops_per_s"] = record["mfu"] = record["mfu_datasheet"] = None
             unavailable["flops"] = unavailable["tflops_per_s"] = unavailable["mfu"] = why
+            unavailable["mfu_datasheet"] = why
             if counted:
                 record["flops_counted"] = True  # its times include FlopCounterMode's own cost
             return
@@ -194,6 +222,10 @@ class FlopsHook(Hook):
         record["mfu"] = mfu = ideal / span if ideal is not None and span > 0 else None
         if mfu is None:
             unavailable["mfu"] = self.mfu_reason or "step took no measurable time"
+        sheet = self.datasheet_ms
+        record["mfu_datasheet"] = mfu_sheet = sheet / span if sheet is not None and span > 0 else None
+        if mfu_sheet is None:
+            unavailable["mfu_datasheet"] = self.datasheet_reason or "step took no measurable time"
         if counted:
             record["flops_counted"] = True  # its times include FlopCounterMode's own cost
 

@@ -196,7 +196,7 @@ class SummarySink:
         agg = self.aggregate
         extra: dict[str, str] = {}
         if flops_reason is not None and not agg.flops_requested:
-            extra["tflops_per_s_median"] = extra["mfu_median"] = flops_reason
+            extra["tflops_per_s_median"] = extra["mfu_median"] = extra["mfu_datasheet_median"] = flops_reason
         if stopped is not None:
             extra["stepprof"] = stopped
         if log_failed:

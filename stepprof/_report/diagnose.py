@@ -544,6 +544,9 @@ def roofline_class(run: RunReport, roofline_reason: str) -> Diagnosis | str:
     mfu = run.figures.mfu_median
     if mfu is not None:
         evidence.append(f"MFU {mfu:.1%} of this GPU's calibrated (measured, not datasheet) peak")
+    sheet = run.figures.mfu_datasheet_median
+    if sheet is not None:
+        evidence.append(f"MFU {sheet:.1%} of its published dense peak (the datasheet's, as papers report it)")
     if roof["arithmetic_intensity"] is not None and roof["ridge"] is not None:
         evidence.append(
             f"arithmetic intensity {roof['arithmetic_intensity']:.0f} FLOP/byte against a ridge of "

@@ -20,10 +20,10 @@ from .._stats import median
 PREFIX = "stepprof/"
 #: Records a window keeps between two drains (the oldest go first).
 WINDOW_CAP = 4096
-#: Per-step figures logged as their median over the window (``tflops_per_s`` and ``mfu``
+#: Per-step figures logged as their median over the window (``tflops_per_s`` and the MFUs
 #: only when FLOPs are counted: a figure no step had is left out).
 _MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "syncs", "energy_j",
-            "tflops_per_s", "mfu")
+            "tflops_per_s", "mfu", "mfu_datasheet")
 #: Per-step figures logged as their highest over the window (memory: the window's worst).
 _MAXIMA = ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
 #: Per-phase figures logged as their median (``stepprof/phases/forward/gpu_ms``).
