@@ -329,3 +329,14 @@ def test_held_energy_bench_times_the_three_ways_and_checks_they_agree(monkeypatc
     got = json.loads(out.read_text())
     assert set(got["ways"]) == set(mod.WAYS) and got["ways"]["python"]["ratio_median"] == 1.0
     assert all(w["median_us"] > 0 for w in got["ways"].values())
+
+
+def test_crossings_says_it_needs_cuda_on_the_cpu(monkeypatch, capsys):
+    """bench/crossings.py measures CUDA calls only: on the CPU it says so and measures nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs it for real")
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("crossings")
+    monkeypatch.setattr(sys, "argv", ["crossings.py"])
+    assert mod.main() == 0
+    assert "needs CUDA; nothing measured" in capsys.readouterr().out
