@@ -117,6 +117,14 @@ def _loop(prof, gpu: FakeGpu) -> None:
     prof.end_step()
 
 
+def _profiler(path: str, log: str, gpu: FakeGpu, **settings) -> stepprof.Profiler:
+    """A profiler on ``gpu`` through the step core (``path`` "c") or Python's boundaries alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        if path == "python":
+            mp.setattr(core_mod._STATE, "module", None)
+        return make(log, gpu, **settings)
+
+
 @pytest.mark.parametrize("settings", [
     {},
     {"warmup": 0},
@@ -131,12 +139,7 @@ def test_the_core_writes_what_python_writes(tmp_path, settings):
     for path in ("c", "python"):
         gpu = FakeGpu()
         log = str(tmp_path / f"{path}.jsonl")
-        if path == "python":
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(core_mod._STATE, "module", None)
-                prof = make(log, gpu, **settings)
-        else:
-            prof = make(log, gpu, **settings)
+        prof = _profiler(path, log, gpu, **settings)
         slots = _Slots()
         prof._hooks.append(slots)
         prof._collector.use(prof._hooks)
@@ -189,10 +192,7 @@ def test_the_cores_sync_watch_is_the_backends(tmp_path):
     for path in ("c", "python"):
         gpu = PlannedGpu()
         log = str(tmp_path / f"{path}.jsonl")
-        with pytest.MonkeyPatch.context() as mp:
-            if path == "python":
-                mp.setattr(core_mod._STATE, "module", None)
-            prof = make(log, gpu, warmup=2)
+        prof = _profiler(path, log, gpu, warmup=2)
         slots = _Slots()
         prof._hooks.append(slots)
         prof._collector.use(prof._hooks)
@@ -389,10 +389,7 @@ def test_the_compiled_boundarys_pool_in_c_is_the_pool_in_python(tmp_path):
     for path in ("c", "python"):
         gpu = FakeCompiled()
         log = str(tmp_path / f"{path}.jsonl")
-        with pytest.MonkeyPatch.context() as mp:
-            if path == "python":
-                mp.setattr(core_mod._STATE, "module", None)
-            prof = make(log, gpu)
+        prof = _profiler(path, log, gpu)
         assert (type(getattr(prof._enter, "__self__", None)).__name__ == "Core") is (path == "c")
         _loop(prof, gpu)
         gpu.capturing = True  # a CUDA graph capture: no event recorded, none lost
