@@ -27,7 +27,7 @@ _REASON_KEYS = {
     "syncs/step": "syncs_per_step",
     "TFLOP/s (median)": "tflops_per_s_median",
     "MFU (median)": "mfu_median",
-    "MFU of datasheet (median)": "mfu_datasheet_median",
+    "MFU datasheet (median)": "mfu_datasheet_median",
     "stepprof µs/step (mean)": "overhead_us_mean",
     "energy J/step (mean)": "energy_j_per_step",
     "power W (mean)": "power_w_mean",
@@ -211,7 +211,7 @@ def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
         ("syncs/step", _spread(f.syncs_per_step, "{:g}")),
         ("TFLOP/s (median)", _number(f.tflops_per_s_median, ".4g")),
         ("MFU (median)", _number(f.mfu_median, ".1%")),
-        ("MFU of datasheet (median)", _number(f.mfu_datasheet_median, ".1%")),
+        ("MFU datasheet (median)", _number(f.mfu_datasheet_median, ".1%")),
         ("stepprof µs/step (mean)", _number(f.overhead_us_mean, ".0f")
          + (f" ({boundary_name(run.boundary)} boundary)" if run.boundary else "")),
         ("energy J/step (mean)", _number(f.energy_j_per_step, ".4g")),
