@@ -22,7 +22,7 @@ NAMES = ("base", "records and analysis", "device", "capture", "report, views and
 #: modules inside it that have none of their own).
 LAYERS = {
     "_errors": BASE, "_units": BASE, "_stats": BASE, "_fields": BASE, "_rules": BASE, "_paths": BASE,
-    "_signals": BASE, "_native": BASE,
+    "_signals": BASE, "_native": BASE, "_datasheet": BASE,
     "_schema": ANALYSIS, "_records": ANALYSIS, "_sanitise": ANALYSIS, "_log": ANALYSIS,
     "_aggregate": ANALYSIS, "_accumulators": ANALYSIS, "_peak": ANALYSIS, "_peak_record": ANALYSIS, "_validate": ANALYSIS,
     "_sweep": ANALYSIS, "_sweep.result": ANALYSIS, "_sweep.rules": ANALYSIS, "_sweep.verdict": ANALYSIS,
