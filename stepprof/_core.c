@@ -578,8 +578,9 @@ static PyObject* hand_over(PyObject* handler, PyObject* const* args, Py_ssize_t 
 
 /* -- the sync watch ------------------------------------------------------------------ */
 
-/* Whether every check of a sync plan holds (_syncs.checks_pass): 1 or 0; -1 on an error,
- * which the entry's failure takes, as an error in the route's ensure() would be. */
+/* Whether every check of a sync plan holds (_syncs.checks_pass): 1 or 0, 0 too where the
+ * attribute or the item is missing (an empty filter list: ensure() puts it back); -1 on any
+ * other error, which the entry's failure takes, as an error in the route's ensure() would be. */
 static int checks_pass(PyObject* checks) {
     if (!PyTuple_CheckExact(checks)) return 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(checks); i++) {
@@ -588,7 +589,12 @@ static int checks_pass(PyObject* checks) {
         PyObject *obj = PyTuple_GET_ITEM(c, 0), *attr = PyTuple_GET_ITEM(c, 1), *want = PyTuple_GET_ITEM(c, 3);
         PyObject* v = attr == Py_None ? PyObject_CallNoArgs(obj) : PyObject_GetAttr(obj, attr);
         if (v != NULL && PyTuple_GET_ITEM(c, 2) != Py_None) Py_SETREF(v, PyObject_GetItem(v, PyTuple_GET_ITEM(c, 2)));
-        if (v == NULL) return -1;
+        if (v == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_LookupError) && !PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear();
+            return 0;
+        }
         int ok = v == want;
         if (!ok && PyLong_CheckExact(want)) ok = PyObject_RichCompareBool(v, want, Py_EQ);
         Py_DECREF(v);

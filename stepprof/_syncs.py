@@ -464,12 +464,16 @@ Check = tuple[Any, "str | None", "int | None", Any]
 
 
 def checks_pass(checks: Sequence[Check]) -> bool:
-    """Whether every check holds (``_core.c``'s ``checks_pass`` does the same).  A check that
-    raises raises, as :meth:`Route.ensure` would."""
+    """Whether every check holds (``_core.c``'s ``checks_pass`` does the same).  A missing
+    attribute or item fails the check (an empty filter list: :meth:`Route.ensure` puts it back);
+    any other error raises, as it would in ``ensure``."""
     for obj, attr, index, expected in checks:
-        v = obj() if attr is None else getattr(obj, attr)
-        if index is not None:
-            v = v[index]
+        try:
+            v = obj() if attr is None else getattr(obj, attr)
+            if index is not None:
+                v = v[index]
+        except (LookupError, AttributeError):
+            return False
         if v is not expected and not (type(expected) is int and v == expected):
             return False
     return True

@@ -137,6 +137,7 @@ def test_the_warn_routes_checks_hold_exactly_while_ensure_has_nothing_to_do(torc
             "nothing": lambda: None,
             "the mode": lambda: setattr(torch_sync, "mode", 2),
             "a filter in front": lambda: warnings.simplefilter("ignore"),
+            "no filter at all": lambda: warnings.resetwarnings(),
             "the hook": lambda: monkeypatch.setattr(warnings, "_showwarnmsg", users_hook),
             "a function": lambda: monkeypatch.setattr(torch.cuda, "synchronize", users_sync),
         }
@@ -394,6 +395,19 @@ def test_counting_resumes_once_the_mode_is_back(log, warn_gpu, torch_sync):
                 torch_sync.wait()
     assert [r["syncs"] and r["syncs"]["count"] for r in steps(log)] == [1, None, 1]
     assert torch_sync.mode == 0  # "warn" at the close, as stepprof set it: off again
+
+
+def test_a_step_after_the_filters_were_reset_is_still_counted(log, warn_gpu, torch_sync):
+    """``warnings.resetwarnings()`` between steps empties the filter list, stepprof's filter
+    with it: the next step puts it back and counts (on the core's sync plan too, whose check
+    of the list's first filter then finds none)."""
+    with warnings.catch_warnings(), make(log, warn_gpu) as prof:
+        for i in range(4):
+            if i == 2:
+                warnings.resetwarnings()
+            with prof.step():
+                torch_sync.wait()
+    assert [r["syncs"]["count"] for r in steps(log)] == [1, 1, 1, 1]
 
 
 def test_catch_warnings_and_simplefilter_around_a_step(log, warn_gpu, torch_sync):
