@@ -1265,11 +1265,12 @@ static PyObject* end_tracker(PyObject* t) {
     return d;
 }
 
-/* StepMeasure._unwatch where the step's backend has a sync plan (its unwatch_syncs is then
- * _syncs.detach) and the tracker is its thread's innermost: 1 done, 0 left to _unwatch. */
+/* StepMeasure._unwatch where the step's backend gave a sync plan at its last watch (its
+ * unwatch_syncs is then _syncs.detach) and the tracker is its thread's innermost: 1 done, 0
+ * left to _unwatch. */
 static int detach_tracker(Core* self, PyObject* ctx, PyObject* b) {
     PyObject* t = SLOT(ctx, C_CTX, X_TRACKER);
-    if (self->sync_for != b || self->sync_fn == NULL || !Py_IS_TYPE(t, CLS[C_TRACKER].type)) return 0;
+    if (self->sync_for != b || self->sync_plan == NULL || !Py_IS_TYPE(t, CLS[C_TRACKER].type)) return 0;
     PyObject* tid = SLOT(ctx, C_CTX, X_TID);
     PyObject* stack = PyDict_GetItemWithError(TRACKERS, tid);
     Py_ssize_t n = stack != NULL && PyList_CheckExact(stack) ? PyList_GET_SIZE(stack) : 0;

@@ -213,6 +213,29 @@ def test_the_cores_sync_watch_is_the_backends(tmp_path):
     assert c_ensures == 4
 
 
+def test_without_a_plan_the_backends_own_unwatch_runs_every_step(log):
+    """A backend whose sync_plan gives None (one that watches its own way): the core leaves
+    every watch and unwatch to it."""
+    class OwnWay(PlannedGpu):
+        unwatched = 0
+
+        def sync_plan(self):
+            return None
+
+        def unwatch_syncs(self, tracker):
+            OwnWay.unwatched += 1
+            _syncs.detach(tracker)
+
+    gpu = OwnWay()
+    prof = make(log, gpu)
+    for _ in range(6):
+        with prof.step():
+            gpu.launch(0.1)
+    prof.close()
+    assert OwnWay.unwatched == 6 and gpu.route.ensures == 6
+    assert not _syncs._trackers
+
+
 def test_a_sync_plan_whose_check_raises_fails_the_entry_as_ensure_would(log):
     """A check that raises (a user's object in the way) is the entry's failure, as the route's
     ensure() raising is on the Python path: recording stops, training goes on."""

@@ -397,6 +397,34 @@ def test_counting_resumes_once_the_mode_is_back(log, warn_gpu, torch_sync):
     assert torch_sync.mode == 0  # "warn" at the close, as stepprof set it: off again
 
 
+def test_a_cuda_backend_that_watches_syncs_its_own_way_gives_the_core_no_plan():
+    """``CudaBackend.sync_plan`` promises that its watch is the base class's: a subclass that
+    overrides ``watch_syncs`` or ``unwatch_syncs`` gets None, so the core calls its own."""
+    from stepprof._device.cuda import CudaBackend
+
+    from .fakes import FakeRoute
+
+    class OwnUnwatch(CudaBackend):
+        def unwatch_syncs(self, tracker):
+            _syncs.detach(tracker)
+
+    class OwnWatch(CudaBackend):
+        def watch_syncs(self, tracker):
+            return "not counted here"
+
+    for cls, planned in ((CudaBackend, True), (OwnUnwatch, False), (OwnWatch, False)):
+        b = object.__new__(cls)  # (no CUDA here: only what sync_plan reads)
+        b.sync_mechanism = "warn"
+        b._sessions = _syncs.Sessions()
+        tracker = _syncs.SyncTracker("warn")
+        assert b._sessions.watch(tracker, FakeRoute) is None
+        b._sessions.unwatch(tracker)
+        try:
+            assert (b.sync_plan() is not None) is planned, cls.__name__
+        finally:
+            b._sessions.end()
+
+
 def test_a_step_after_the_filters_were_reset_is_still_counted(log, warn_gpu, torch_sync):
     """``warnings.resetwarnings()`` between steps empties the filter list, stepprof's filter
     with it: the next step puts it back and counts (on the core's sync plan too, whose check

@@ -158,8 +158,13 @@ class CudaBackend(BoundaryOps):
     def sync_plan(self) -> tuple[str | None, tuple[_syncs.Check, ...]] | None:
         """For the C step core: :meth:`watch_syncs`' common case as data
         (:meth:`stepprof._syncs.Sessions.plan`), which it may do itself while the plan's
-        checks hold; and :meth:`unwatch_syncs` is :func:`stepprof._syncs.detach`."""
-        return self._sessions.plan(self.sync_mechanism) if self.sync_mechanism is not None else None
+        checks hold; and :meth:`unwatch_syncs` is :func:`stepprof._syncs.detach`.  None where a
+        subclass does its own watch (the core then calls it every step)."""
+        own = type(self).watch_syncs is not CudaBackend.watch_syncs or (
+            type(self).unwatch_syncs is not CudaBackend.unwatch_syncs)
+        if own or self.sync_mechanism is None:
+            return None
+        return self._sessions.plan(self.sync_mechanism)
 
     def end_syncs(self) -> None:
         """Close the sync session: the route is restored unless another session holds it."""
