@@ -400,6 +400,7 @@ def test_counting_resumes_once_the_mode_is_back(log, warn_gpu, torch_sync):
 def test_a_cuda_backend_that_watches_syncs_its_own_way_gives_the_core_no_plan():
     """``CudaBackend.sync_plan`` promises that its watch is the base class's: a subclass that
     overrides ``watch_syncs`` or ``unwatch_syncs`` gets None, so the core calls its own."""
+    from stepprof._device.compiled import CompiledCudaBackend
     from stepprof._device.cuda import CudaBackend
 
     from .fakes import FakeRoute
@@ -412,7 +413,8 @@ def test_a_cuda_backend_that_watches_syncs_its_own_way_gives_the_core_no_plan():
         def watch_syncs(self, tracker):
             return "not counted here"
 
-    for cls, planned in ((CudaBackend, True), (OwnUnwatch, False), (OwnWatch, False)):
+    for cls, planned in ((CudaBackend, True), (CompiledCudaBackend, True), (OwnUnwatch, False),
+                         (OwnWatch, False)):
         b = object.__new__(cls)  # (no CUDA here: only what sync_plan reads)
         b.sync_mechanism = "warn"
         b._sessions = _syncs.Sessions()
