@@ -578,7 +578,7 @@ static PyObject* hand_over(PyObject* handler, PyObject* const* args, Py_ssize_t 
 
 /* -- the sync watch ------------------------------------------------------------------ */
 
-/* Whether every check of a sync plan holds (_syncs.checks_pass): 1 or 0, 0 too where the
+/* Whether every check of a sync plan (_syncs.Check) holds: 1 or 0, 0 too where the
  * attribute or the item is missing (an empty filter list: ensure() puts it back); -1 on any
  * other error, which the entry's failure takes, as an error in the route's ensure() would be. */
 static int checks_pass(PyObject* checks) {
@@ -1526,11 +1526,19 @@ static PyObject* configure_core(PyObject* self, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+/* checks_pass(checks) -> bool: the step core's own test of a sync plan's checks (for the tests). */
+static PyObject* checks_pass_py(PyObject* self, PyObject* checks) {
+    (void)self;
+    int r = checks_pass(checks);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
 static PyMethodDef core_functions[] = {
     {"configure_core", configure_core, METH_VARARGS,
      "configure_core(Step, a Step, OpenPhase, an OpenPhase, PhaseTotals, a PhaseTotals, ThreadSteps, Threads, "
      "ActiveHooks, BackendSlot, NO_BATCH, LIGHT_PHASE, error_message, (MARK, READ, RESET, PUSH, POP), SyncTracker, "
      "_syncs._trackers)"},
+    {"checks_pass", checks_pass_py, METH_O, "checks_pass(checks) -> bool: whether every check of a sync plan holds"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -453,30 +453,16 @@ class Route(Protocol):
         ...
 
     def checks(self) -> tuple[Check, ...] | None:
-        """What :meth:`ensure` checks, as data: while every check passes (:func:`checks_pass`)
-        it would return None having changed nothing.  None: the route cannot say."""
+        """What :meth:`ensure` checks, as data: while every check holds (the step core's
+        ``checks_pass``) it would return None having changed nothing.  None: the route cannot say."""
         ...
 
 
 #: (obj, attr, index, expected): ``getattr(obj, attr)`` (``obj()`` where attr is None), then
-#: ``[index]`` unless it is None, is ``expected`` (equal, where expected is an int).
+#: ``[index]`` unless it is None, is ``expected`` (equal, where expected is an int).  A missing
+#: attribute or item fails the check (an empty filter list: :meth:`Route.ensure` puts it back);
+#: any other error is the step entry's, as it would be in ``ensure``.
 Check = tuple[Any, "str | None", "int | None", Any]
-
-
-def checks_pass(checks: Sequence[Check]) -> bool:
-    """Whether every check holds (``_core.c``'s ``checks_pass`` does the same).  A missing
-    attribute or item fails the check (an empty filter list: :meth:`Route.ensure` puts it back);
-    any other error raises, as it would in ``ensure``."""
-    for obj, attr, index, expected in checks:
-        try:
-            v = obj() if attr is None else getattr(obj, attr)
-            if index is not None:
-                v = v[index]
-        except (LookupError, AttributeError):
-            return False
-        if v is not expected and not (type(expected) is int and v == expected):
-            return False
-    return True
 
 
 class SyncSession:
