@@ -222,6 +222,18 @@ static PyObject* make(int c) {
     return obj;
 }
 
+/* A phase's totals wait with its step until the harvest, up to HARVEST_AT steps: the totals,
+ * their marks list and its (start, end) pairs are taken out of the cyclic GC's lists, so that
+ * its collections (one every 700 objects that stay) no longer walk them: 5 µs a 3-phase step on
+ * the 2-core CPU.  Safe because none of them can be part of a cycle: the totals hold ints and
+ * that list, the list holds the pairs, a pair holds two marks (the backend's events, or None),
+ * and nothing they hold points back; reference counting frees them as before.  The pairs are
+ * untracked where they are made. */
+static void untrack_totals(PyObject* total) {
+    PyObject_GC_UnTrack(total);
+    PyObject_GC_UnTrack(SLOT(total, C_TOTALS, T_MARKS));
+}
+
 /* -- small helpers ------------------------------------------------------------------- */
 
 /* A Boundaries attribute (borrowed; NULL without an error when it is missing). */
@@ -1083,13 +1095,14 @@ static PyObject* end_phase(Core* self, PyObject* ctx, PyObject* step, PyObject* 
         Py_INCREF(total);
     } else {
         if (PyErr_Occurred() || (total = make(C_TOTALS)) == NULL) goto fail;
+        untrack_totals(total);
         set_slot(total, C_TOTALS, T_T0, SLOT(ph, C_PHASE, P_T0));  /* its first run: keys run one after another */
         if (PyDict_SetItem(phases, key, total) < 0) goto fail;
     }
     if (as_ll(SLOT(ph, C_PHASE, P_T0), &pt0) < 0 || add_ll(total, C_TOTALS, T_WALL, t_in - pt0) < 0) goto fail;
-    if ((pair = PyTuple_Pack(2, SLOT(ph, C_PHASE, P_MARK), end)) == NULL ||
-        PyList_Append(SLOT(total, C_TOTALS, T_MARKS), pair) < 0)
-        goto fail;
+    if ((pair = PyTuple_Pack(2, SLOT(ph, C_PHASE, P_MARK), end)) == NULL) goto fail;
+    PyObject_GC_UnTrack(pair);  /* (see untrack_totals) */
+    if (PyList_Append(SLOT(total, C_TOTALS, T_MARKS), pair) < 0) goto fail;
     int gt = PyObject_RichCompareBool(SLOT(ph, C_PHASE, P_PEAK), SLOT(total, C_TOTALS, T_PEAK), Py_GT);
     if (gt < 0) goto fail;
     if (gt) set_slot(total, C_TOTALS, T_PEAK, SLOT(ph, C_PHASE, P_PEAK));
