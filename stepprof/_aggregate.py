@@ -84,6 +84,7 @@ _STEP_REASONS = {
     "input_wait_fraction": ("data_wait_ms", "not in this log (written by an older stepprof)"),
     "gpu_busy_median": ("gpu_busy", "not recorded"),
     "samples_per_s_median": ("samples_per_s", "not recorded"),
+    "tokens_per_s_median": ("tokens_per_s", "no step counted tokens: pass tokens=N, or a batch with input_ids"),
     "syncs_per_step_median": ("syncs", "not in this log (written by an older stepprof)"),
     "peak_allocated_bytes_max": ("peak_allocated_bytes", "not recorded"),
 }
@@ -132,6 +133,8 @@ class RunFigures:
     tflops_per_s_median: float | None
     mfu_median: float | None
     mfu_datasheet_median: float | None
+    #: The median of ``tokens_per_s`` (the steps whose tokens were given or counted).
+    tokens_per_s_median: float | None = None
     energy_j_per_step: float | None = None
     power_w_mean: float | None = None
     samples_per_j: float | None = None
@@ -253,7 +256,7 @@ class PhaseTotals(Fields):
 
 
 #: The sketches of :class:`StepTotals`, one per per-step figure of the timed steps.
-_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "syncs", "tflops", "mfu", "mfu_datasheet", "overhead", "data_wait",
+_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "tps", "syncs", "tflops", "mfu", "mfu_datasheet", "overhead", "data_wait",
              "wait_in")
 
 #: A timed step's numeric fields that go into a sketch as they are: (field, sketch's buffer).
@@ -286,6 +289,7 @@ class _StepAccumulators(Fields):
     span: Sketch
     busy: Sketch
     sps: Sketch
+    tps: Sketch
     syncs: Sketch
     tflops: Sketch
     mfu: Sketch
@@ -495,6 +499,10 @@ class StepTotals(_StepAccumulators):
             t = type(x)
             if t is float or t is int:
                 self.sps.buf.append(x)
+        x = get("tokens_per_s")
+        t = type(x)
+        if t is float or t is int:
+            self.tps.buf.append(x)
         wait = get("data_wait_ms")
         t = type(wait)
         if t is float or t is int:
@@ -946,6 +954,7 @@ class RunAggregate:
             tflops_per_s_median=self.tflops.quantile(0.5),
             mfu_median=self.mfu.quantile(0.5),
             mfu_datasheet_median=self.mfu_datasheet.quantile(0.5),
+            tokens_per_s_median=self.tps.quantile(0.5),
             energy_j_per_step=self.energy_uj / self.energy_steps / 1e6 if self.energy_steps else None,
             power_w_mean=self.energy_uj / self.energy_span_us if self.energy_span_us else None,
             samples_per_j=(self.energy_samples / (self.energy_batched_uj / 1e6)
@@ -970,6 +979,7 @@ class RunAggregate:
             "gpu_busy_median": figures.gpu_busy_median,
             "peak_allocated_bytes_max": self.peak,
             "samples_per_s_median": figures.samples_per_s,
+            "tokens_per_s_median": figures.tokens_per_s_median,
             "overhead_us_median": figures.overhead_us_median,
             "overhead_us_mean": figures.overhead_us_mean,
             "data_wait_ms_median": figures.data_wait_ms,
@@ -1065,6 +1075,7 @@ class RunAggregate:
             "gpu_busy_median": figures.gpu_busy_median,
             "peak_allocated_bytes_max": self.peak,
             "samples_per_s_median": None if figures.samples_per_s is None else figures.samples_per_s.median,
+            "tokens_per_s_median": figures.tokens_per_s_median,
             "overhead_us_median": figures.overhead_us_median,
             "overhead_us_mean": figures.overhead_us_mean,
             "data_wait_ms_median": None if figures.data_wait_ms is None else figures.data_wait_ms.median,

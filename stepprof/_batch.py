@@ -1,10 +1,16 @@
-"""The batch size of a batch that passes through stepprof, when none was given.
+"""The batch size of a batch that passes through stepprof, when none was given; and its tokens.
 
 It is the leading dimension of the tensors in the batch: a tensor, a tuple or list, a dict,
 or an object whose attributes hold them (a dataclass, a ``BatchEncoding``...), looked into
 a few levels deep.  Every tensor found must agree: when two disagree (or the batch holds no
 tensor with a leading dimension), the size is not inferred and the reason says why.
 stepprof never guesses.
+
+Its tokens (:func:`count_tokens`) are those of its ``input_ids`` (a key or attribute), else of
+its first 2-D integer tensor (the batch itself, or an item of a tuple, list or dict): the
+elements of that tensor, or the non-zero ones of the ``attention_mask`` beside it (the padding
+left out).  A mask on a GPU is counted there, and read back only once the step's events have
+completed: no synchronisation.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ import torch
 
 from ._errors import ConfigError, raised_by_user
 
-__all__ = ["NO_BATCH", "check_batch", "infer_batch_size", "leading_sizes", "sample_counts", "total_batch_size"]
+__all__ = [
+    "NO_BATCH", "Tokens", "check_batch", "count_tokens", "infer_batch_size", "leading_sizes", "sample_counts",
+    "set_tokens", "total_batch_size", "total_tokens",
+]
 
 class _NoBatch:
     """The default of ``batch=``: no batch was passed (None may be a batch)."""
@@ -73,6 +82,159 @@ def infer_batch_size(batch: Any) -> tuple[int | None, str | None]:
         f"not inferred: the batch's tensors disagree on their leading dimension "
         f"({_where(where_a)} has {a}, {_where(where_b)} has {b}); pass batch_size=N"
     )
+
+
+class Tokens:
+    """A step's tokens: those known now, the GPU counts still on their way, or why there are none.
+
+    ``pending`` holds (a pinned host tensor, the event recorded after the copy into it): a
+    mask counted on the GPU, read by :meth:`value` once the event has completed.
+    """
+
+    __slots__ = ("known", "pending", "reason")
+
+    def __init__(self, known: int = 0, pending: tuple[tuple[Any, Any], ...] = (), reason: str | None = None) -> None:
+        self.known = known
+        self.pending = pending
+        self.reason = reason
+
+    def plus(self, other: Tokens | None, where: str) -> Tokens:
+        """These tokens and those of a further micro-batch (gradient accumulation sums them),
+        named ``where`` in a reason; ``other`` None: it holds none."""
+        if self.reason is not None:
+            return self
+        if other is None or other.reason is not None:
+            why = other.reason if other is not None else "it holds no input_ids or 2-D integer tensor; pass tokens=N"
+            return Tokens(reason=f"{where}: {why}")
+        return Tokens(self.known + other.known, self.pending + other.pending)
+
+    def value(self) -> tuple[int | None, str | None]:
+        """(the count, None), or (None, why): never waits on the device."""
+        if self.reason is not None:
+            return None, self.reason
+        total = self.known
+        for host, done in self.pending:
+            if not done.query():
+                return None, "the attention mask's count was still on the GPU when the record was built"
+            total += int(host)
+        return total, None
+
+    def __repr__(self) -> str:
+        return f"Tokens(known={self.known}, pending={len(self.pending)}, reason={self.reason!r})"
+
+
+#: The integer dtypes a token tensor has (uint8 is left out: it is an image's).
+_TOKEN_DTYPES = frozenset({torch.int64, torch.int32, torch.int16})
+
+
+def count_tokens(batch: Any) -> Tokens | None:
+    """The tokens of ``batch`` (see the module's docstring), or None when it holds none: no
+    ``input_ids`` and no 2-D integer tensor.  Runs none of the user's code; never raises."""
+    try:
+        ids, mask = _token_tensors(batch)
+        if ids is None:
+            return None
+        if mask is None:
+            return Tokens(_numel(ids))
+        if _shape(mask) != _shape(ids):
+            return Tokens(reason=f"the attention_mask's shape {tuple(_shape(mask))} is not input_ids' "
+                                 f"{tuple(_shape(ids))}; pass tokens=N")
+        if mask.device.type == "cpu":
+            return Tokens(int(torch.count_nonzero(mask)))
+        return Tokens(pending=(_count_on_device(mask),))
+    except Exception as e:  # noqa: BLE001 - an odd batch is a missing figure, never a broken step
+        if raised_by_user(e):
+            raise
+        return Tokens(reason=f"not counted: reading the batch raised {type(e).__name__}; pass tokens=N")
+
+
+def set_tokens(step: Any, tokens: int | Tokens) -> None:
+    """A step's tokens, given or counted, on the step a scope opened (its entry's token: a
+    step, unless the profiler is not recording)."""
+    if hasattr(step, "tokens") and hasattr(step, "phases"):
+        step.tokens = tokens
+
+
+def total_tokens(batches: Sequence[Any]) -> Tokens | None:
+    """The summed tokens of ``batches`` (gradient accumulation's micro-batches); None when none
+    holds any, null with the reason when only some do."""
+    counts = [count_tokens(b) for b in batches]
+    if all(c is None for c in counts):
+        return None
+    total = counts[0] or Tokens()
+    if counts[0] is None:
+        return total.plus(None, "micro-batch 0")
+    for i, c in enumerate(counts[1:], 1):
+        total = total.plus(c, f"micro-batch {i}")
+    return total
+
+
+def _count_on_device(mask: torch.Tensor) -> tuple[Any, Any]:
+    """The mask's non-zero count, copied to pinned memory on the current stream, and the event
+    after the copy: two kernels and an event, no synchronisation."""
+    with torch._C.DisableTorchFunctionSubclass():
+        n = torch.count_nonzero(mask)
+    host = torch.empty((), dtype=torch.int64, pin_memory=True)
+    host.copy_(n, non_blocking=True)
+    done = torch.Event(mask.device)
+    done.record()
+    return host, done
+
+
+def _is_token_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype in _TOKEN_DTYPES and len(_shape(x)) == 2
+
+
+def _shape(x: Any) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.size(x)
+
+
+def _numel(x: Any) -> int:
+    shape = _shape(x)
+    return int(shape[0]) * int(shape[1])
+
+
+def _fields(x: Any) -> dict[Any, Any] | None:
+    """A dict's items, or an object's public attributes (its ``__dict__``), read without its code."""
+    if isinstance(x, dict):
+        return dict(dict.items(x))
+    if isinstance(x, (torch.Tensor, tuple, list, str, bytes, int, float, bool)) or x is None:
+        return None
+    try:
+        fields = object.__getattribute__(x, "__dict__")
+    except AttributeError:
+        return None
+    if type(fields) is not dict:
+        return None
+    data = fields.get("data")  # a BatchEncoding (a UserDict) keeps its items in .data
+    return dict(dict.items(data)) if type(data) is dict and "input_ids" in data else fields
+
+
+def _token_tensors(batch: Any, depth: int = 2) -> tuple[Any, Any]:
+    """(the token tensor, its attention mask or None), or (None, None)."""
+    if _is_token_tensor(batch):
+        return batch, None
+    fields = _fields(batch)
+    if fields is not None:
+        ids = fields.get("input_ids")
+        if _is_token_tensor(ids):
+            mask = fields.get("attention_mask")
+            return ids, mask if isinstance(mask, torch.Tensor) else None
+        items: Any = [v for k, v in fields.items() if type(k) is str and not k.startswith("_")]
+    elif isinstance(batch, (tuple, list)):
+        items = (tuple.__iter__(batch) if isinstance(batch, tuple) else list.__iter__(batch))
+    else:
+        return None, None
+    if depth == 0:
+        return None, None
+    for n, x in enumerate(items):
+        if n >= _MAX_TENSORS:
+            break
+        ids, mask = _token_tensors(x, depth - 1)
+        if ids is not None:
+            return ids, mask
+    return None, None
 
 
 def _where(path: tuple[Any, ...]) -> str:

@@ -63,19 +63,19 @@ enum { C_STEP, C_PHASE, C_TOTALS, C_CTX, C_THREADS, C_HOOKS, C_SLOT, C_TRACKER, 
 static const char* const STEP_F[] = {
     "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark", "peak", "reserved",
     "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason", "counters", "phase_peaks", "backend",
-    "ctx", "thread", "shared", "queued", "sampled", "data_wait_ns", "data_ns", "batch_reason", NULL};
+    "ctx", "thread", "shared", "queued", "sampled", "data_wait_ns", "data_ns", "batch_reason", "tokens", NULL};
 enum { S_INDEX, S_NAME, S_WARMUP, S_BATCH, S_T0, S_T1, S_START, S_END, S_PEAK, S_RESERVED, S_RSS,
        S_PHASES, S_OVERHEAD, S_ERROR, S_SYNCS, S_SYNCS_REASON, S_COUNTERS, S_PHASE_PEAKS, S_BACKEND,
-       S_CTX, S_THREAD, S_SHARED, S_QUEUED, S_SAMPLED, S_DATA_WAIT, S_DATA, S_BATCH_REASON };
+       S_CTX, S_THREAD, S_SHARED, S_QUEUED, S_SAMPLED, S_DATA_WAIT, S_DATA, S_BATCH_REASON, S_TOKENS };
 static const char* const PHASE_F[] = {"key", "ctx", "mark", "t0", "peak", "syncs", NULL};
 enum { P_KEY, P_CTX, P_MARK, P_T0, P_PEAK, P_SYNCS };
 static const char* const TOTALS_F[] = {"t0", "wall_ns", "marks", "peak", "count", "syncs", NULL};
 enum { T_T0, T_WALL, T_MARKS, T_PEAK, T_COUNT, T_SYNCS };
 static const char* const CTX_F[] = {
     "tid", "thread", "step", "stack", "last_top_mark", "tracker", "watching", "hooked", "last_exit",
-    "data_ns", "batch", NULL};
+    "data_ns", "batch", "tokens", NULL};
 enum { X_TID, X_THREAD, X_STEP, X_STACK, X_LAST_TOP, X_TRACKER, X_WATCHING, X_HOOKED, X_LAST_EXIT,
-       X_DATA, X_BATCH };
+       X_DATA, X_BATCH, X_TOKENS };
 static const char* const THREADS_F[] = {"main", NULL};
 static const char* const HOOKS_F[] = {"begin", "end", NULL};
 static const char* const SLOT_F[] = {"backend", "read_rss", "awaiting", NULL};
@@ -769,6 +769,10 @@ static PyObject* new_step(PyObject* d, PyObject* ctx, PyObject* slot, PyObject* 
         set_slot(ctx, C_CTX, X_DATA, MINUS_ONE);
     }
     set_slot(ctx, C_CTX, X_BATCH, Py_None);
+    if (SLOT(ctx, C_CTX, X_TOKENS) != Py_None) {  /* the tokens of the batch iterate() saw */
+        set_slot(step, C_STEP, S_TOKENS, SLOT(ctx, C_CTX, X_TOKENS));
+        set_slot(ctx, C_CTX, X_TOKENS, Py_None);
+    }
     set_slot(step, C_STEP, S_CTX, ctx);
     set_slot(step, C_STEP, S_THREAD, SLOT(ctx, C_CTX, X_THREAD));
     set_slot(step, C_STEP, S_BACKEND, SLOT(slot, C_SLOT, L_BACKEND));

@@ -33,7 +33,8 @@ __all__ = ["Exported", "export_chrome", "export_tensorboard"]
 #: The step figures written as TensorBoard scalars, under ``stepprof/<figure>``.
 TB_FIGURES = (
     "gpu_ms", "wall_ms", "gpu_busy", "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes",
-    "samples_per_s", "data_wait_ms", "overhead_us", "energy_j", "tflops_per_s", "mfu", "mfu_datasheet",
+    "samples_per_s", "tokens_per_s", "data_wait_ms", "overhead_us", "energy_j", "tflops_per_s", "mfu",
+    "mfu_datasheet",
 )
 #: Each phase's figures, under ``stepprof/phases/<name>/<figure>``.
 TB_PHASE_FIGURES = ("gpu_ms", "wall_ms")
@@ -363,8 +364,8 @@ def _phase_layout(phases: Any) -> list[tuple[str, dict[str, Any], int, int, bool
 
 
 #: The step record's fields shown in its slice's args (those that are not null).
-_STEP_ARGS = ("batch_size", "wall_ms", "gpu_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "overhead_us",
-              "sampled", "compiled", "run_id")
+_STEP_ARGS = ("batch_size", "wall_ms", "gpu_ms", "gpu_busy", "samples_per_s", "tokens", "tokens_per_s", "data_wait_ms",
+              "overhead_us", "sampled", "compiled", "run_id")
 #: A phase's, likewise.
 _PHASE_ARGS = ("wall_ms", "gpu_ms", "peak_allocated_bytes", "count", "syncs", "start_ms")
 

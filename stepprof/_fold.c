@@ -22,10 +22,10 @@ enum {
     K_STEP, K_DEVICE, K_NAME, K_TFLOPS, K_MFU, K_COMPILES, K_WARMUP, K_ERROR, K_WALL, K_COUNTED,
     K_EXPLAINED, K_COMPILED, K_GPU, K_BUSY, K_OVERHEAD, K_PEAK, K_RESERVED, K_RSS, K_BATCH, K_SPS,
     K_WAIT, K_WAIT_IN, K_DATA, K_ALLOC, K_SYNCS, K_PHASES, K_ENERGY, K_ENERGY_SPAN, K_UNAVAIL,
-    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES, K_WHERE, K_KIND, K_MFU_DS,
+    K_COUNT, K_MECHANISM, K_OTHER_THREADS, K_SITES, K_DEVICE_ALLOC, K_RETRIES, K_WHERE, K_KIND, K_MFU_DS, K_TPS,
     /* attributes */
     A_STEPS, A_WARMUP, A_ERRORS, A_MALFORMED, A_MEASURED, A_FIRST_STEP, A_LAST_STEP, A_FIRST_MEASURED,
-    A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_SYNCS, A_TFLOPS, A_MFU, A_MFU_DS, A_OVERHEAD,
+    A_DEVICES, A_NAMES, A_WALL, A_GPU, A_SPAN, A_BUSY, A_SPS_, A_TPS, A_SYNCS, A_TFLOPS, A_MFU, A_MFU_DS, A_OVERHEAD,
     A_DATA_WAIT, A_WAIT_IN, A_OVERHEAD_SUM, A_WAIT_SUM, A_LOOP_SUM, A_DATA_SUM, A_DATA_STEPS,
     A_BATCH_SIZES, A_PEAK, A_RESERVED, A_RESERVED_LAST, A_RSS, A_ALLOC, A_ALLOC_STEPS,
     A_DEVICE_ALLOC_STEPS, A_SYNC_STEPS, A_SYNC_MECHANISM, A_OTHER_THREADS, A_SITES, A_PHASES,
@@ -41,9 +41,9 @@ static const char* const NAMES[N_NAMES] = {
     "peak_allocated_bytes", "reserved_bytes", "host_rss_bytes", "batch_size", "samples_per_s",
     "data_wait_ms", "data_wait_in_step_ms", "data_ms", "allocator", "syncs", "phases", "energy_j",
     "energy_span_ms", "unavailable", "count", "mechanism", "other_threads", "sites",
-    "num_device_alloc", "num_alloc_retries", "where", "kind", "mfu_datasheet",
+    "num_device_alloc", "num_alloc_retries", "where", "kind", "mfu_datasheet", "tokens_per_s",
     "steps", "warmup", "errors", "malformed", "measured", "first_step", "last_step",
-    "first_measured", "devices", "names", "wall", "gpu", "span", "busy", "sps", "syncs", "tflops",
+    "first_measured", "devices", "names", "wall", "gpu", "span", "busy", "sps", "tps", "syncs", "tflops",
     "mfu", "mfu_datasheet", "overhead", "data_wait", "wait_in", "overhead_sum_ns", "data_wait_sum_ns",
     "loop_sum_ns", "data_sum_ns", "data_steps", "batch_sizes", "peak", "reserved", "reserved_last",
     "rss", "alloc", "alloc_steps", "steps_with_device_alloc", "sync_steps", "sync_mechanism",
@@ -537,6 +537,8 @@ static int add_figures(PyObject* totals, PyObject* r, Parsed* p) {
         x = GET(r, K_SPS);
         if (is_num(x)) TRY(sketch_add(totals, A_SPS_, x));
     }
+    x = GET(r, K_TPS);
+    if (is_num(x)) TRY(sketch_add(totals, A_TPS, x));
     if (p->wait != NULL) {
         TRY(sketch_add(totals, A_DATA_WAIT, p->wait));
         TRY(sum_add(totals, A_WAIT_SUM, p->wait_ns));
@@ -785,12 +787,13 @@ static PyObject* configure(PyObject* self, PyObject* args) {
 
 enum { B_INDEX, B_NAME, B_WARMUP, B_BATCH, B_T0, B_T1, B_PEAK, B_RESERVED, B_PHASES, B_OVERHEAD, B_ERROR,
        B_SYNCS, B_SYNCS_REASON, B_COUNTERS, B_PHASE_PEAKS, B_THREAD, B_SHARED, B_SAMPLED, B_WAIT, B_DATA,
-       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, B_RSS, B_BACKEND, B_START_MARK, B_END_MARK, B_FLAT, N_STEP };
+       B_WAIT_IN, B_GLOBAL, B_BATCH_REASON, B_TIMES, B_RSS, B_BACKEND, B_START_MARK, B_END_MARK, B_FLAT, B_TOKENS,
+       N_STEP };
 static const char* const STEP_SLOTS[N_STEP] = {
     "index", "name", "warmup", "batch_size", "t0", "t1", "peak", "reserved", "phases", "overhead_ns",
     "error", "syncs", "syncs_reason", "counters", "phase_peaks", "thread", "shared", "sampled",
     "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "rss", "backend",
-    "start_mark", "end_mark", "flat"};
+    "start_mark", "end_mark", "flat", "tokens"};
 enum { P_T0, P_WALL, P_MARKS, P_PEAK, P_COUNT, P_SYNCS, N_PT };
 static const char* const PT_SLOTS[N_PT] = {"t0", "wall_ns", "marks", "peak", "count", "syncs"};
 static Py_ssize_t off_step[N_STEP], off_pt[N_PT];
@@ -1013,8 +1016,8 @@ static int take_step(View* v) {
         PyTuple_GET_SIZE(counters) != PyTuple_GET_SIZE(alloc_names) || v->phases == NULL ||
         !PyDict_CheckExact(v->phases) || syncs == NULL || (syncs != Py_None && !PyDict_CheckExact(syncs)) ||
         batch == NULL || (batch != Py_None && !PyLong_CheckExact(batch)) || v->sampled == NULL ||
-        v->thread == NULL || v->global == NULL || !PyFloat_CheckExact(v->start))
-        return 1;
+        v->thread == NULL || v->global == NULL || !PyFloat_CheckExact(v->start) || STEP(s, B_TOKENS) != Py_None)
+        return 1;  /* (a step with tokens: Python adds tokens_per_s) */
     v->nbatch = 0;
     int rc = time_int(STEP(s, B_T0), &v->t0);
     if (!rc) rc = time_int(STEP(s, B_T1), &v->t1);
@@ -1217,7 +1220,7 @@ static PyObject* build_host_step(PyObject* self, PyObject* const* args, Py_ssize
         PyTuple_GET_SIZE(v.times) != 0 || v.reserved != Py_None || v.counters != Py_None || v.phases == NULL ||
         !PyDict_CheckExact(v.phases) || v.syncs == NULL || (v.syncs != Py_None && !PyDict_CheckExact(v.syncs)) ||
         v.batch == NULL || (v.batch != Py_None && !PyLong_CheckExact(v.batch)) || v.sampled == NULL ||
-        v.thread == NULL || v.global == NULL)
+        v.thread == NULL || v.global == NULL || STEP(s, B_TOKENS) != Py_None)
         Py_RETURN_NOTIMPLEMENTED;
     long long peak;
     int rc = time_int(STEP(s, B_T0), &v.t0);

@@ -146,6 +146,8 @@ class Summary:
     #: The median step's FLOPs at the GPU's published dense peak for their dtypes (the MFU
     #: papers report), over its time; ``mfu_median`` is at the rate this GPU was measured at.
     mfu_datasheet_median: float | None = None
+    #: The median step's tokens (given, or counted in its batch) over its span, when any step had them.
+    tokens_per_s_median: float | None = None
     unavailable: dict[str, str] = attrs.field(factory=dict)
     phases: dict[str, PhaseFigures] = attrs.field(factory=dict)
     #: How the run ended: ``"close"``, ``"exception"`` (the ``with Profiler`` block raised),
@@ -199,6 +201,8 @@ class Summary:
             parts.append(f"peak {format_bytes(self.peak_allocated_bytes_max)}")
         if self.samples_per_s_median is not None:
             parts.append(f"{self.samples_per_s_median:,.0f} samples/s")
+        if self.tokens_per_s_median is not None:
+            parts.append(f"{self.tokens_per_s_median:,.0f} tokens/s")
         if self.syncs_per_step_median:
             parts.append(f"{self.syncs_per_step_median:g} syncs/step")
         if self.syncs_outside_steps:

@@ -22,10 +22,10 @@ from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
-from ._batch import NO_BATCH, infer_batch_size
+from ._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size, set_tokens
 from ._errors import UsageError, raised_by_user
 from ._registry import current
-from ._validate import check_batch_size, check_budget, check_name
+from ._validate import check_batch_size, check_budget, check_name, check_tokens
 
 __all__ = [
     "IterateFunction",
@@ -92,7 +92,7 @@ class _Scope:
 class StepScope(_Scope):
     """The context manager returned by :meth:`Profiler.step` and :func:`stepprof.profile_step`."""
 
-    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_batch_reason")
+    __slots__ = ("_profiler", "_name", "_batch_size", "_budget", "_batch_reason", "_count")
 
     def __init__(
         self,
@@ -102,12 +102,17 @@ class StepScope(_Scope):
         max_syncs: int | None = None,
         on_sync: str | None = None,
         batch: Any = NO_BATCH,
+        tokens: int | None = None,
     ) -> None:
         self._profiler = profiler
         self._name = name
         self._batch_reason = None
-        if batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
-            batch_size, self._batch_reason = infer_batch_size(batch)  # the batch is not kept
+        self._count: int | Tokens | None = tokens  # an explicit count wins
+        if batch is not NO_BATCH:  # the batch is not kept
+            if batch_size is None:  # an explicit batch_size wins
+                batch_size, self._batch_reason = infer_batch_size(batch)
+            if tokens is None:
+                self._count = count_tokens(batch)
         self._batch_size = batch_size
         self._budget = (max_syncs, on_sync)
         self._tokens: list[tuple[Recorder, Any]] = []
@@ -120,6 +125,8 @@ class StepScope(_Scope):
         try:
             token = prof._enter(self._name, self._batch_size, True, self._budget, self._batch_reason)
             self._tokens.append((prof, token))
+            if self._count is not None:
+                set_tokens(token, self._count)
             return self
         except BaseException as e:
             _abandon(self._tokens, prof, token, e)
@@ -356,6 +363,7 @@ class ProfileStepFunction(_PublicFunction):
         max_syncs: int | None = None,
         on_sync: str | None = None,
         batch: Any = NO_BATCH,
+        tokens: int | None = None,
     ) -> StepScope:
         """A context manager around one training step of the current profiler.
 
@@ -371,6 +379,9 @@ class ProfileStepFunction(_PublicFunction):
             batch: the step's batch, to infer ``batch_size`` from when it is not given: the
                 leading dimension of its tensors (a tensor, tuple, list, dict or an object
                 holding them), if they all agree; else ``batch_size`` is null with the reason.
+                Its tokens are counted too, when it holds ``input_ids`` or a 2-D integer
+                tensor (the unmasked ones, with an ``attention_mask``): ``tokens_per_s``.
+            tokens: the tokens the step trains on, in place of counting them in ``batch``.
 
         Example:
             >>> import stepprof
@@ -381,7 +392,8 @@ class ProfileStepFunction(_PublicFunction):
             1
         """
         return StepScope(
-            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync), batch=batch
+            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync), batch=batch,
+            tokens=check_tokens(tokens),
         )
 
 

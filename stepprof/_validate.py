@@ -37,6 +37,7 @@ __all__ = [
     "check_budget",
     "check_calibrate_device",
     "check_callable",
+    "check_tokens",
     "check_choice",
     "check_count",
     "check_demo_options",
@@ -459,6 +460,20 @@ def check_batch_size(batch_size: Any) -> int | None:
         ) from None
     if n <= 0:
         raise ConfigError(f"'batch_size' must be a positive int or None (got {n}); {fix}")
+    return n
+
+
+def check_tokens(tokens: Any) -> int | None:
+    """``tokens=``: the step's token count, an int >= 0, or None (counted in its batch)."""
+    if tokens is None or (type(tokens) is int and tokens >= 0):
+        return tokens
+    fix = "pass the tokens the step trains on, e.g. tokens=input_ids.numel(), or None to count them in batch="
+    try:
+        n = None if isinstance(tokens, bool) else int(tokens.__index__())
+    except (AttributeError, TypeError):
+        n = None
+    if n is None or n < 0:
+        raise ConfigError(f"'tokens' must be an int >= 0 or None (got {tokens!r}); {fix}")
     return n
 
 

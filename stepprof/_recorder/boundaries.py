@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._batch import NO_BATCH, infer_batch_size
+from .._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size
 from .._errors import StepprofError, UsageError, raised_by_user, warn
 from .exchange import ExchangeHook
 from .hooks import Hook
@@ -92,13 +92,15 @@ class Boundaries(StepMeasure):
 
     # -- the threads' contexts ---------------------------------------------------------
 
-    def note_batch(self, data_ns: int | None, batch: tuple[int | None, str | None]) -> None:
+    def note_batch(self, data_ns: int | None, batch: tuple[int | None, str | None], tokens: Tokens | None) -> None:
         """A batch for this thread's next step (``stepprof.iterate``, ``Profiler.add_batch``):
-        the nanoseconds fetching it took (None: not measured), and its size or why not."""
+        the nanoseconds fetching it took (None: not measured), its size or why not, and its
+        tokens (None: it holds none)."""
         ctx = self.context()
         if data_ns is not None:
             ctx.data_ns = plus_ns(ctx.data_ns, data_ns)
         ctx.batch = batch
+        ctx.tokens = tokens
 
     # -- entry and exit, shared by steps, phases and measured functions -------------
 
@@ -146,8 +148,10 @@ class Boundaries(StepMeasure):
         depth = len(ctx.stack)
         try:
             if open_step is None:
-                if batch_size is None and batch is not NO_BATCH:
-                    batch_size, batch_reason = infer_batch_size(batch)
+                if batch is not NO_BATCH:  # a measured function's batch: its size and tokens
+                    if batch_size is None:
+                        batch_size, batch_reason = infer_batch_size(batch)
+                    ctx.tokens = count_tokens(batch) or ctx.tokens
                 return self.begin_step(ctx, name or "step", batch_size, budget, batch_reason, t_in)
             return self.begin_phase(ctx, open_step, name or "phase", t_in)
         except BaseException as e:  # noqa: BLE001 - stepprof never breaks training

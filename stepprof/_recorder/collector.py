@@ -138,6 +138,26 @@ def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> floa
     return rate
 
 
+def _token_figures(s: Step, span_ms: float, record: dict[str, Any]) -> None:
+    """``tokens`` and ``tokens_per_s`` on the record of a step whose tokens were given or
+    counted (the C builds leave such a step to Python), null with the reason where not known."""
+    tokens = s.tokens
+    n, why = (tokens, None) if isinstance(tokens, int) else tokens.value()  # type: ignore[union-attr]
+    rate = None
+    if n is None:
+        why = why or NOT_COUNTED
+    elif span_ms <= 0:
+        why = NO_TIME
+    elif (rate := per_s(n, span_ms)) is None:
+        why = "tokens over the step time is past a float's range"
+    record["tokens"], record["tokens_per_s"] = n, rate
+    if why is not None:
+        unavailable = record["unavailable"]
+        unavailable["tokens_per_s"] = why
+        if n is None:
+            unavailable["tokens"] = why
+
+
 def build_step_record(
     s: Step, b: Backend, *, start_unix_s: float, phase_peaks_why: str, not_sampled: str | None = None,
     host: tuple[str, ...] | None = None,
@@ -223,6 +243,8 @@ def _build_python(s: Step, b: Backend, start_unix_s: float, phase_peaks_why: str
         record["peak_phase"] = peak_phase
     if s.global_step is not None:
         record["global_step"] = s.global_step
+    if s.tokens is not None:
+        _token_figures(s, span_ms(wall_ms, gpu_ms), record)
     return record
 
 
@@ -384,7 +406,7 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
     if on_host:
         unavailable["host_rss_bytes"] = why
     data_wait_ms, data_ms, wait_in_ms = _data_figures(s, unavailable)
-    return step_record(
+    record = step_record(
         step=s.index, name=s.name, warmup=s.warmup, device=b.device, start_unix_s=start_unix_s,
         wall_ms=wall_ms, data_wait_ms=data_wait_ms, data_ms=data_ms,
         data_wait_in_step_ms=wait_in_ms, global_step=s.global_step if s.global_step is not None else ABSENT,
@@ -396,6 +418,9 @@ def _light_record(s: Step, b: Backend, start_unix_s: float, why: str) -> dict[st
         thread=s.thread if s.thread is not None else ABSENT,
         sampled=False,
     )
+    if s.tokens is not None:
+        _token_figures(s, wall_ms, record)
+    return record
 
 
 def phase_peaks_reason(phase_peaks_every: int) -> str:

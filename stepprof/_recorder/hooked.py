@@ -6,10 +6,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .._batch import NO_BATCH, infer_batch_size, total_batch_size
+from .._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size, total_batch_size, total_tokens
 from .._errors import UsageError
 from .._records import Summary
-from .._validate import check_batch_size, check_name, check_seconds
+from .._validate import check_batch_size, check_name, check_seconds, check_tokens
 from .boundaries import Boundaries
 from .step import plus_ns
 
@@ -32,7 +32,7 @@ class HookedSteps:
 
     def begin_step(
         self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH,
-        batch_reason: str | None = None, global_step: int | None = None,
+        batch_reason: str | None = None, global_step: int | None = None, tokens: int | None = None,
     ) -> None:
         """Open a step on this thread, as ``with prof.step(...)`` would; :meth:`end_step` closes it.
 
@@ -49,6 +49,7 @@ class HookedSteps:
                 "call prof.end_step() first"
             )
         name, batch_size, reason = check_name(name), check_batch_size(batch_size), None
+        count: int | Tokens | None = check_tokens(tokens)
         if global_step is not None and (type(global_step) is not int or global_step < 0):
             raise UsageError(
                 f"begin_step(global_step=...) takes the framework's step number, an int >= 0 "
@@ -58,12 +59,17 @@ class HookedSteps:
             reason = _check_reason(batch_reason, batch_size is not None or batch is not NO_BATCH)
         elif batch_size is None and batch is not NO_BATCH:  # an explicit batch_size wins
             batch_size, reason = infer_batch_size(batch)
+        if count is None and batch is not NO_BATCH:
+            count = count_tokens(batch)
         token = self._enter(name, batch_size, True, (None, None), reason)
         self._begun[threading.get_ident()] = [(name, token)]
-        if global_step is not None:
+        if global_step is not None or count is not None:
             step = self._boundaries.threads.step()
             if step is not None:  # None: the profiler stopped recording
-                step.global_step = global_step
+                if global_step is not None:
+                    step.global_step = global_step
+                if count is not None:
+                    step.tokens = count
 
     def end_step(self, error: BaseException | None = None) -> None:
         """Close the step :meth:`begin_step` opened on this thread, and any phase still open in it.
@@ -142,7 +148,7 @@ class HookedSteps:
                     f"add_batch(wait_s={wait_s!r}) outside a step: stepprof measures the wait before a "
                     f"step itself; pass wait_s only for a micro-batch inside the open step"
                 )
-            self._boundaries.note_batch(fetch_ns, (size, reason))
+            self._boundaries.note_batch(fetch_ns, (size, reason), total_tokens(batches))
             return
         if wait_ns is not None:
             step.wait_in_ns = plus_ns(step.wait_in_ns, wait_ns)
@@ -153,6 +159,11 @@ class HookedSteps:
                 step.batch_size, step.batch_reason = None, reason
             else:
                 step.batch_size = (step.batch_size or 0) + size
+        tokens, had = total_tokens(batches), step.tokens
+        if had is None:
+            step.tokens = tokens
+        elif isinstance(had, Tokens):  # (an int: tokens=N given, the step's own)
+            step.tokens = had.plus(tokens, "a batch add_batch() added")
 
 
 def _check_reason(reason: Any, with_batch: bool) -> str:

@@ -142,6 +142,7 @@ class StepMeasure:
         if ctx.data_ns >= 0:
             step.data_ns, ctx.data_ns = ctx.data_ns, -1
         ctx.batch = None
+        step.tokens, ctx.tokens = ctx.tokens, None  # the tokens of the batch iterate() saw, if any
         step.ctx = ctx
         step.thread = ctx.thread
         step.backend = self.slot.backend

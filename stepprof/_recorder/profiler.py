@@ -26,12 +26,12 @@ from .._options import ENERGY_EVERY_S, FLUSH_EVERY_S, ProfilerOptions
 from .._records import Summary
 from .._registry import HOST_RSS, pop_active, push_active, track_open
 from .._signals import Deferring
-from .._batch import NO_BATCH, infer_batch_size
+from .._batch import NO_BATCH, count_tokens, infer_batch_size
 from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
 from .._validate import (
     MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_cuda_device,
-    check_name,
+    check_name, check_tokens,
 )
 from .boundaries import Boundaries
 from .collector import Collector
@@ -237,6 +237,7 @@ class Profiler(HookedSteps, Lifecycle):
         max_syncs: int | None = None,
         on_sync: str | None = None,
         batch: Any = NO_BATCH,
+        tokens: int | None = None,
     ) -> StepScope:
         """A context manager around one training step.
 
@@ -245,11 +246,11 @@ class Profiler(HookedSteps, Lifecycle):
             batch_size: samples in the step; enables ``samples_per_s``.
             max_syncs, on_sync: this step's sync budget and policy (default: the
                 profiler's).
-            batch: the step's batch, to infer ``batch_size`` from (see
-                :func:`stepprof.profile_step`).
+            batch, tokens: the step's batch, to infer ``batch_size`` and its tokens from, and
+                its tokens when given (see :func:`stepprof.profile_step`).
         """
         return StepScope(self, check_name(name), check_batch_size(batch_size),
-                         *check_budget(max_syncs, on_sync), batch=batch)
+                         *check_budget(max_syncs, on_sync), batch=batch, tokens=check_tokens(tokens))
 
     @overload
     def measure(self, name: _F) -> _F: ...
@@ -282,7 +283,7 @@ class Profiler(HookedSteps, Lifecycle):
     def _note_batch(self, data_ns: int, item: Any) -> None:
         """:func:`stepprof.iterate` fetched ``item`` in ``data_ns``: for this thread's next step."""
         if self._summary is None and self._boundaries.broken is None:
-            self._boundaries.note_batch(data_ns, infer_batch_size(item))
+            self._boundaries.note_batch(data_ns, infer_batch_size(item), count_tokens(item))
 
     @property
     def summary(self) -> Summary | None:

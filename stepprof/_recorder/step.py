@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .._batch import Tokens
     from .._device.backend import Backend
 
 
@@ -55,7 +56,7 @@ class Step:
         "index", "name", "warmup", "batch_size", "t0", "t1", "start_mark", "end_mark",
         "peak", "reserved", "rss", "phases", "overhead_ns", "error", "syncs", "syncs_reason",
         "counters", "phase_peaks", "backend", "ctx", "thread", "shared", "queued", "sampled",
-        "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "flat",
+        "data_wait_ns", "data_ns", "wait_in_ns", "global_step", "batch_reason", "times", "flat", "tokens",
     )
 
     def __init__(self, index: int, name: str, warmup: bool, batch_size: int | None) -> None:
@@ -97,6 +98,7 @@ class Step:
         #: Each pair of :meth:`flat_marks`' device ms (None: not read yet; see :meth:`read`).
         self.times: tuple[float | None, ...] | None = None
         self.flat: tuple[Any, ...] = ()  # the flat_marks() that were read
+        self.tokens: int | Tokens | None = None  # tokens=N, or counted in its batch; None: not counted
 
     def read(self) -> bool:
         """Whether its marks have all completed; the first time they have, their times are

@@ -8,17 +8,20 @@ thread, but for :meth:`Threads.forget` (a forked child) and :meth:`Threads.open_
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._syncs import SyncTracker
 from .step import OpenPhase, Step
+
+if TYPE_CHECKING:
+    from .._batch import Tokens
 
 
 class ThreadSteps:
     """One thread's step context: its open step, its phase stack, its sync tracker."""
 
     __slots__ = ("tid", "thread", "step", "stack", "last_top_mark", "tracker", "watching", "hooked",
-                 "last_exit", "data_ns", "batch")
+                 "last_exit", "data_ns", "batch", "tokens")
 
     def __init__(self, tid: int, thread: str | None, tracker: SyncTracker, hooked: bool) -> None:
         self.tid = tid
@@ -32,6 +35,7 @@ class ThreadSteps:
         self.last_exit = 0  # the clock when its last step's exit returned (0: none, or it failed)
         self.data_ns = -1  # time in stepprof.iterate's __next__ since then (-1: not used)
         self.batch: tuple[int | None, str | None] | None = None  # the last batch iterate() saw
+        self.tokens: int | Tokens | None = None  # its tokens, for the next step (None: none counted)
 
 
 class Threads:

@@ -205,6 +205,7 @@ def _figure_rows(run: RunReport) -> list[tuple[str, str]]:
         ("wall ms", _spread(f.wall_ms)),
         ("GPU ms", _spread(f.gpu_ms)),
         ("samples/s", _spread(f.samples_per_s, "{:,.0f}")),
+        *([("tokens/s (median)", _number(f.tokens_per_s_median, ",.0f"))] if f.tokens_per_s_median is not None else []),
         ("data wait ms", _spread(f.data_wait_ms)),
         ("input wait (of loop)", _number(f.input_wait_fraction, ".1%")),
         ("GPU busy (median)", _number(f.gpu_busy_median, ".2f")),

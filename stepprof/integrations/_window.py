@@ -22,7 +22,7 @@ PREFIX = "stepprof/"
 WINDOW_CAP = 4096
 #: Per-step figures logged as their median over the window (``tflops_per_s`` and the MFUs
 #: only when FLOPs are counted: a figure no step had is left out).
-_MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "data_wait_ms", "syncs", "energy_j",
+_MEDIANS = ("gpu_ms", "wall_ms", "gpu_busy", "samples_per_s", "tokens_per_s", "data_wait_ms", "syncs", "energy_j",
             "tflops_per_s", "mfu", "mfu_datasheet")
 #: Per-step figures logged as their highest over the window (memory: the window's worst).
 _MAXIMA = ("peak_allocated_bytes", "reserved_bytes", "host_rss_bytes")
