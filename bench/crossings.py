@@ -1,5 +1,6 @@
 """µs of the calling thread's CPU a call of each compiled-boundary crossing, of a phase scope's
-enter and exit inside an open step, and of the near-empty step's own kernel launch, on CUDA.
+enter and exit inside an open step (a step with 8 runs of a phase, less one without: the harvest the
+training thread takes over included), and of the near-empty step's own kernel launch, on CUDA.
 
 Each row is the median over 5 repeats of N calls (thread CPU clock), after 200 calls to warm up;
 the GPU is drained between repeats.  What a phase costs the training thread, split into its parts.
@@ -77,11 +78,19 @@ def main() -> int:
         prof = stepprof.Profiler(os.path.join(tmp, "run.jsonl"))
         with prof.step():
             x.add_(1.0)
-        with prof.step():  # one open step: each call adds a run of phase "a" to it
-            def phase() -> None:
-                with prof.measure("a"):
-                    pass
-            out["phase scope enter+exit, in an open step"] = per_call_us(phase, n // 4)
+        measure = prof.measure
+
+        def step_with(runs: int) -> Callable[[], None]:
+            def one() -> None:
+                with prof.step():
+                    for _ in range(runs):
+                        with measure("a"):
+                            pass
+            return one
+
+        steps = n // 8  # a phase's enter and exit: a step with 8 runs of it, less one without
+        with8, with0 = per_call_us(step_with(8), steps), per_call_us(step_with(0), steps)
+        out["phase scope enter+exit, in an open step"] = (with8 - with0) / 8
         prof.close()
     m.event_destroy(a)
     m.event_destroy(b)

@@ -323,3 +323,25 @@ def test_a_step_name_nvtx_cannot_take_is_recorded_and_recording_goes_on(tmp_path
                 with prof.step(name=name):
                     torch.ones(8, device="cuda").sum()
     assert [r["name"] for r in stepprof.read(log, kind="step")] == ["a", "b\ufffd", "c"]
+
+
+def test_a_step_with_thousands_of_phase_runs_is_read_whole(tmp_path):
+    """A phase inside a long loop (a decode loop, say) makes one step of thousands of marks:
+    they are read back in one go, and recording goes on (the compiled boundary once refused
+    more than 4,096 marks, which stopped recording)."""
+    log = str(tmp_path / "many.jsonl")
+    x = torch.zeros(16, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "stepprof stopped recording" would be a warning
+        with stepprof.Profiler(log, warmup=0, energy_every_s=None) as prof:
+            for _ in range(2):
+                with prof.step():
+                    for _ in range(3000):
+                        with prof.measure("token"):
+                            x.add_(1.0)
+    recs = list(stepprof.read(log, kind="step"))
+    assert len(recs) == 2
+    for r in recs:
+        phase = r["phases"]["token"]
+        assert phase["count"] == 3000 and phase["gpu_ms"] is not None and r["gpu_ms"] is not None
+        assert phase["gpu_ms"] <= r["gpu_ms"] * 1.01

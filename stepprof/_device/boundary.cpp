@@ -366,7 +366,9 @@ PyObject* event_synchronize(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // (about a microsecond each), and letting go of it hands it to the training thread, which
 // the collector then waits for until the switch interval forces it back (5 ms a step:
 // on the H200, a third of the collector thread's samples were that wait).
-constexpr Py_ssize_t kMaxMarks = 4096;
+// A step may hold any number of phase runs (a phase inside a loop of thousands): the bound
+// only keeps the scratch's size from overflowing.
+constexpr Py_ssize_t kMaxMarks = Py_ssize_t(1) << 26;
 
 // read_marks' scratch: on the stack for up to eight pairs, else on the heap.
 struct MarkScratch {
