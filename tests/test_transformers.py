@@ -82,6 +82,7 @@ def test_one_record_per_optimizer_step_with_both_phases_and_the_batch_size(tmp_p
         assert fb["count"] == 1 and opt["count"] == 1
         assert 0 < fb["wall_ms"] < r["wall_ms"] and 0 < opt["wall_ms"] < r["wall_ms"]
         assert r["samples_per_s"] > 0 and r["data_ms"] >= 0
+        assert r["tokens"] == 4 * SEQ and r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * SEQ)
     assert steps[0]["data_wait_ms"] is None and all(r["data_wait_ms"] >= 0 for r in steps[1:])
     assert cb.summary is not None and cb.summary.measured_steps == 20 and cb.profiler.closed
     assert "training_step" not in vars(trainer) and "get_batch_samples" not in vars(trainer)  # unwrapped
@@ -99,6 +100,7 @@ def test_gradient_accumulation_one_record_per_optimizer_step_micro_batches_count
     assert len(steps) == 20 == trainer.state.global_step
     epoch = [8] * 6 + [2]
     assert [r["batch_size"] for r in steps] == (epoch * 3)[:20]
+    assert [r["tokens"] for r in steps] == [n * SEQ for n in (epoch * 3)[:20]]  # the micro-batches' tokens
     assert [r["phases"]["forward_backward"]["count"] for r in steps] == ([2] * 6 + [1]) * 2 + [2] * 6
     assert all(r["phases"]["optimizer"]["count"] == 1 for r in steps)
 
@@ -123,6 +125,7 @@ def test_figures_reach_every_on_log_and_the_log_history_whatever_the_callback_or
         assert logs["stepprof/phases/forward_backward/wall_ms"] > 0
         assert logs["stepprof/phases/optimizer/wall_ms"] > 0
         assert logs["stepprof/samples_per_s"] > 0
+        assert logs["stepprof/tokens_per_s"] == pytest.approx(logs["stepprof/samples_per_s"] * SEQ)
         assert "stepprof/gpu_ms" not in logs  # null on CPU: left out, never a fake figure
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert [h["stepprof/wall_ms"] for h in history] == [logs["stepprof/wall_ms"] for logs in logged]
