@@ -1399,20 +1399,31 @@ static PyObject* energy_span(PyObject* span, PyObject* s) {
 }
 
 /* A read step's marks into the backend's event pool (Backend.event_pool), as its release_marks
- * does: each distinct mark once, none of None and ``keep``; 0 or -1. */
+ * does: each distinct mark (by identity) once, none of None and ``keep``; 0 or -1.  A step's
+ * few marks are compared pairwise; the thousands of a phase inside a long loop go through a set. */
 static int give_back(PyObject* pool, PyObject* flat, PyObject* keep) {
     if (flat == NULL || !PyTuple_CheckExact(flat)) {
         PyErr_SetString(PyExc_TypeError, "harvest_steps: a step's marks are not a tuple");
         return -1;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(flat);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* seen = n > 32 ? PySet_New(NULL) : NULL;
+    if (n > 32 && seen == NULL) return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
         PyObject* m = PyTuple_GET_ITEM(flat, i);
-        int skip = m == Py_None ? 1 : keep == Py_None ? 0 : PyObject_RichCompareBool(m, keep, Py_EQ);
-        for (Py_ssize_t j = 0; j < i && skip == 0; j++) skip = PyObject_RichCompareBool(m, PyTuple_GET_ITEM(flat, j), Py_EQ);
-        if (skip < 0 || (skip == 0 && PyList_Append(pool, m))) return -1;
+        int skip = m == Py_None || m == keep;
+        if (!skip && seen != NULL) {
+            PyObject* id = PyLong_FromVoidPtr(m);
+            skip = id == NULL ? -1 : PySet_Contains(seen, id);
+            if (skip == 0) skip = PySet_Add(seen, id) ? -1 : 0;
+            Py_XDECREF(id);
+        }
+        for (Py_ssize_t j = 0; j < i && skip == 0 && seen == NULL; j++) skip = m == PyTuple_GET_ITEM(flat, j);
+        if (skip < 0 || (skip == 0 && PyList_Append(pool, m))) rc = -1;
     }
-    return 0;
+    Py_XDECREF(seen);
+    return rc;
 }
 
 /* RunAggregate.add_step(record) (P_ADD_STEP), without its frames for the common step: one that
