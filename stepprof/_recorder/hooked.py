@@ -1,5 +1,6 @@
-"""A profiler's steps and phases without context managers, for code that only has hooks
-(a framework's callbacks): :class:`HookedSteps`, a part of :class:`~.profiler.Profiler`."""
+"""A profiler's steps and phases without context managers, and its record watchers, for code
+that only has hooks (a framework's callbacks): :class:`HookedSteps`, a part of
+:class:`~.profiler.Profiler`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ from typing import Any
 from .._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size, total_batch_size, total_tokens
 from .._errors import UsageError
 from .._records import Summary
-from .._validate import check_batch_size, check_name, check_seconds, check_tokens
+from .._signals import Deferring
+from .._validate import check_batch_size, check_callable, check_name, check_seconds, check_tokens
 from .boundaries import Boundaries
+from .collector import Collector
+from .hooks import Hook
 from .step import plus_ns
+from .watch import Watcher, WatchHook
 
 
 class HookedSteps:
@@ -29,6 +34,24 @@ class HookedSteps:
     # forwarded to them would add a call to every boundary).
     _enter: Any
     _exit: Any
+    _collector: Collector
+    _hooks: list[Hook]
+
+    def watch(self, watcher: Watcher) -> None:
+        """Call ``watcher(record)`` with each step record as it is written, on stepprof's
+        collector thread (the framework callbacks' logged medians come from here).
+
+        ``watcher`` must return quickly and leave the record as it is; an exception it
+        raises is a warning, and it is not called again.
+        """
+        check_callable(watcher, "watcher", "e.g. prof.watch(records.append)")
+        with Deferring(self._collector.lock), self._collector.lock:
+            hook = next((h for h in self._hooks if isinstance(h, WatchHook)), None)
+            if hook is None:
+                hook = WatchHook()
+                self._hooks.append(hook)  # the last record hook: it sees the finished record
+                self._collector.use(self._hooks)
+            hook.add(watcher)
 
     def begin_step(
         self, batch_size: int | None = None, name: str | None = None, *, batch: Any = NO_BATCH,

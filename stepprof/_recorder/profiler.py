@@ -30,7 +30,7 @@ from .._batch import NO_BATCH, count_tokens, infer_batch_size
 from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure
 from .._errors import raised_by_user
 from .._validate import (
-    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_callable, check_cuda_device,
+    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_cuda_device,
     check_name, check_tokens,
 )
 from .boundaries import Boundaries
@@ -47,7 +47,6 @@ from .memory_records import MemoryHook
 from .peak import PeakHook
 from .seams import REAL, Seams
 from .sinks import LogSink, SummarySink
-from .watch import Watcher, WatchHook
 
 __all__ = ["Profiler"]
 
@@ -249,6 +248,10 @@ class Profiler(HookedSteps, Lifecycle):
             batch, tokens: the step's batch, to infer ``batch_size`` and its tokens from, and
                 its tokens when given (see :func:`stepprof.profile_step`).
         """
+        if (max_syncs is None and on_sync is None and batch is NO_BATCH and tokens is None
+                and (name is None or (type(name) is str and name))
+                and (batch_size is None or (type(batch_size) is int and batch_size > 0))):
+            return StepScope(self, name, batch_size)  # the common call: nothing more to check
         return StepScope(self, check_name(name), check_batch_size(batch_size),
                          *check_budget(max_syncs, on_sync), batch=batch, tokens=check_tokens(tokens))
 
@@ -258,27 +261,13 @@ class Profiler(HookedSteps, Lifecycle):
     def measure(self, name: str | None = None) -> MeasureScope: ...
     def measure(self, name: str | Callable[..., Any] | None = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
+        if type(name) is str and name:
+            return MeasureScope(name, self)  # the common call: a phase's name
         return make_measure(name, self)
 
     def iterate(self, iterable: Any) -> Iterated:
         """Like :func:`stepprof.iterate`, but recording into this profiler."""
         return iterate_over(iterable, self)
-
-    def watch(self, watcher: Watcher) -> None:
-        """Call ``watcher(record)`` with each step record as it is written, on stepprof's
-        collector thread (the framework callbacks' logged medians come from here).
-
-        ``watcher`` must return quickly and leave the record as it is; an exception it
-        raises is a warning, and it is not called again.
-        """
-        check_callable(watcher, "watcher", "e.g. prof.watch(records.append)")
-        with Deferring(self._collector.lock), self._collector.lock:
-            hook = next((h for h in self._hooks if isinstance(h, WatchHook)), None)
-            if hook is None:
-                hook = WatchHook()
-                self._hooks.append(hook)  # the last record hook: it sees the finished record
-                self._collector.use(self._hooks)
-            hook.add(watcher)
 
     def _note_batch(self, data_ns: int, item: Any) -> None:
         """:func:`stepprof.iterate` fetched ``item`` in ``data_ns``: for this thread's next step."""
