@@ -45,6 +45,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 #: Whether torch.compile is tracing this code (every scope then does nothing): bound once, as
 #: each scope asks it twice.  Dynamo knows the function itself, so it still adds no graph break.
 _compiling = torch.compiler.is_compiling
+#: Whether a torch.profiler is recording: one C call, asked at each scope's entry.  While it
+#: is, every step and phase is also a ``record_function`` range in its trace (:func:`_open_range`).
+_profiling = torch._C._autograd._profiler_enabled
 
 
 class Recorder(Protocol):
@@ -68,7 +71,9 @@ class _Scope:
     """
 
     __slots__ = ("_tokens",)
-    _tokens: list[tuple[Recorder, Any]]
+    #: (profiler, token) for each entry not exited yet; with a third item, the torch.profiler
+    #: range it opened (:func:`_open_range`).
+    _tokens: list[tuple[Any, ...]]
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         tokens = token = None
@@ -76,17 +81,20 @@ class _Scope:
             tokens = self._tokens
             if not tokens or _compiling():
                 return
-            prof, token = tokens[-1]  # it leaves the list only once the profiler has closed it
+            entry = tokens[-1]  # it leaves the list only once the profiler has closed it
+            prof, token = entry[0], entry[1]
             prof._exit(token, exc)
         except BaseException as e:
             if token is None and tokens:  # cut short before it read its token
-                prof, token = tokens[-1]
+                prof, token = tokens[-1][0], tokens[-1][1]
             if token is not None:
                 _exit_again(prof, token, e)
             raise
         finally:
             if tokens and token is not None and tokens[-1][1] is token:
-                tokens.pop()
+                entry = tokens.pop()
+                if len(entry) > 2:
+                    _close_range(entry[2])
 
 
 class StepScope(_Scope):
@@ -115,7 +123,7 @@ class StepScope(_Scope):
                 self._count = count_tokens(batch)
         self._batch_size = batch_size
         self._budget = (max_syncs, on_sync)
-        self._tokens: list[tuple[Recorder, Any]] = []
+        self._tokens: list[tuple[Any, ...]] = []
 
     def __enter__(self) -> StepScope:
         if _compiling():
@@ -127,6 +135,8 @@ class StepScope(_Scope):
             self._tokens.append((prof, token))
             if self._count is not None:
                 set_tokens(token, self._count)
+            if _profiling():
+                self._tokens[-1] = (prof, token, _open_range(token, None))
             return self
         except BaseException as e:
             _abandon(self._tokens, prof, token, e)
@@ -144,7 +154,7 @@ class MeasureScope(_Scope):
     def __init__(self, name: str | None, profiler: Recorder | None) -> None:
         self._name = name
         self._profiler = profiler
-        self._tokens: list[tuple[Recorder, Any]] = []
+        self._tokens: list[tuple[Any, ...]] = []
 
     def __enter__(self) -> MeasureScope:
         if _compiling():
@@ -158,6 +168,8 @@ class MeasureScope(_Scope):
         try:
             token = prof._enter(self._name, None, False)
             self._tokens.append((prof, token))
+            if _profiling():
+                self._tokens[-1] = (prof, token, _open_range(token, self._name))
             return self
         except BaseException as e:
             _abandon(self._tokens, prof, token, e)
@@ -190,9 +202,11 @@ class MeasureScope(_Scope):
             if _compiling():
                 return fn(*args, **kwargs)
             prof = bound or current()
-            token = None
+            token = span = None
             try:
                 token = prof._enter(name, None, False, (None, None), None, args[at] if len(args) > at else NO_BATCH)
+                if _profiling():
+                    span = _open_range(token, name)
                 result = fn(*args, **kwargs)
             except BaseException as e:
                 if token is not None:
@@ -201,12 +215,16 @@ class MeasureScope(_Scope):
                     except BaseException as e2:
                         _exit_again(prof, token, e2)
                         raise
+                    finally:
+                        _close_range(span)
                 raise
             try:
                 prof._exit(token, None)
             except BaseException as e:
                 _exit_again(prof, token, e)
                 raise
+            finally:
+                _close_range(span)
             return result
 
         return measured  # type: ignore[return-value]
@@ -280,14 +298,49 @@ class _Timed:
 # with the interrupt as its error).  An exit is idempotent, so a second one is harmless.
 
 
-def _abandon(tokens: list[tuple[Recorder, Any]], prof: Recorder, token: Any, exc: BaseException) -> None:
+def _open_range(token: Any, name: str | None) -> Any:
+    """A ``record_function`` range for the step or phase ``token`` just entered, while a
+    torch.profiler records: a step is named as torch.profiler names its steps
+    (``ProfilerStep#N``, N the step's index), so that HTA and TensorBoard find them; a phase by
+    its name.  None where there is none to open (a step the profiler does not record)."""
+    try:
+        if hasattr(token, "phases"):  # a step
+            label = f"ProfilerStep#{token.index}"
+        elif hasattr(token, "key"):  # a phase
+            label = name or "phase"
+        else:
+            return None
+        span = torch.autograd.profiler.record_function(label)
+        span.__enter__()
+        return span
+    except Exception as e:  # noqa: BLE001 - a range is a view, never a broken step
+        if raised_by_user(e):
+            raise
+        return None
+
+
+def _close_range(span: Any) -> None:
+    """Close a range :func:`_open_range` opened (None: none)."""
+    if span is None:
+        return
+    try:
+        span.__exit__(None, None, None)
+    except Exception as e:  # noqa: BLE001 - a range is a view, never a broken step
+        if raised_by_user(e):
+            raise
+
+
+def _abandon(tokens: list[tuple[Any, ...]], prof: Recorder, token: Any, exc: BaseException) -> None:
     """An entry cut short after the profiler opened ``token``: close it (the body never runs)."""
     if token is None:
         return
+    entry: tuple[Any, ...] = ()
     if tokens and tokens[-1][1] is token:
-        tokens.pop()
+        entry = tokens.pop()
     try:
         prof._exit(token, exc)
+        if len(entry) > 2:
+            _close_range(entry[2])
     except BaseException:  # noqa: BLE001, S110 - the interrupt that is propagating is the user's
         pass
 

@@ -345,3 +345,23 @@ def test_a_step_with_thousands_of_phase_runs_is_read_whole(tmp_path):
         phase = r["phases"]["token"]
         assert phase["count"] == 3000 and phase["gpu_ms"] is not None and r["gpu_ms"] is not None
         assert phase["gpu_ms"] <= r["gpu_ms"] * 1.01
+
+
+def test_a_torch_profiler_trace_around_the_loop_holds_its_steps_and_phases(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    log, trace = str(tmp_path / "run.jsonl"), tmp_path / "trace.json"
+    x = torch.randn(256, 256, device="cuda")
+    with stepprof.Profiler(log, warmup=0, energy_every_s=None) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as traced:
+            for _ in range(3):
+                with prof.step():
+                    with prof.measure("forward"):
+                        y = x @ x
+                    with prof.measure("backward"):
+                        y.sum()
+        traced.export_chrome_trace(str(trace))
+    text = trace.read_text()
+    assert all(f'"ProfilerStep#{i}"' in text for i in range(3))
+    assert '"forward"' in text and '"backward"' in text and "gemm" in text.lower()
+    assert len(list(stepprof.read(log, kind="step"))) == 3

@@ -10,7 +10,7 @@ import torch
 
 import stepprof
 
-from .conftest import make
+from .conftest import make, steps
 
 
 def steps(log):
@@ -176,3 +176,49 @@ def test_a_public_function_as_a_class_attribute_stays_itself():
         step = stepprof.profile_step
 
     assert Holder().step is stepprof.profile_step
+
+
+def test_steps_and_phases_are_ranges_in_a_torch_profiler_trace(log, gpu, tmp_path):
+    """While a torch.profiler records, each step is a ``ProfilerStep#N`` range (as torch names
+    its steps, for HTA and TensorBoard) and each phase a range of its name; outside, none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with make(log, gpu) as prof:
+        with prof.step():  # before the profiler: no range
+            pass
+
+        @prof.measure("optimizer")
+        def optimizer_step():
+            torch.ones(2).sum()
+
+        with profile(activities=[ProfilerActivity.CPU]) as traced:
+            for _ in range(3):
+                with prof.step():
+                    with prof.measure("forward"):
+                        torch.ones(4).sum()
+                    optimizer_step()
+        with prof.step():  # after it: none
+            pass
+    names = [e.name for e in traced.events()]  # (torch shows its steps' ranges as "ProfilerStep*")
+    assert names.count("ProfilerStep*") == 3 and names.count("forward") == 3 and names.count("optimizer") == 3
+    trace = tmp_path / "trace.json"
+    traced.export_chrome_trace(str(trace))
+    text = trace.read_text()
+    assert all(f'"ProfilerStep#{i}"' in text for i in (1, 2, 3)) and '"ProfilerStep#0"' not in text
+    assert [r["step"] for r in steps(log)] == [0, 1, 2, 3, 4]
+
+
+def test_a_range_that_fails_to_open_leaves_the_step_recorded(log, gpu, monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    def broken(name):
+        raise RuntimeError("no range")
+
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", broken)
+    with make(log, gpu) as prof:
+        with profile(activities=[ProfilerActivity.CPU]):
+            with prof.step():
+                with prof.measure("forward"):
+                    pass
+    (r,) = steps(log)
+    assert r["error"] is None and r["phases"]["forward"]["count"] == 1
