@@ -340,3 +340,18 @@ def test_crossings_says_it_needs_cuda_on_the_cpu(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["crossings.py"])
     assert mod.main() == 0
     assert "needs CUDA; nothing measured" in capsys.readouterr().out
+
+
+def test_thread_split_gives_each_variant_its_threads_cpu(monkeypatch, tmp_path, capsys):
+    """bench/thread_split.py at its smallest on the CPU: a row per variant, each thread's column,
+    the JSON with the same figures."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("thread_split")
+    out = tmp_path / "split.json"
+    assert mod.main(["--steps", "200", "--rounds", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert list(res["us"]) == list(mod.VARIANTS) and res["bare_us"] > 0
+    for row in res["us"].values():
+        assert row["training"] > 0 and row["total"] >= row["training"] and row["stepprof-energy"] == 0
+    table = capsys.readouterr().out
+    assert all(f"  {name:26s}" in table for name in mod.VARIANTS)
