@@ -72,12 +72,14 @@ def _ns(ms: float) -> int:
 class _Run:
     """One run of one log: a profiler's steps (one rank's, in a distributed run)."""
 
-    __slots__ = ("log", "run_id", "rank", "device", "steps", "first_s", "label", "pid", "subdir", "written")
+    __slots__ = ("log", "run_id", "rank", "world_size", "device", "steps", "first_s", "label", "pid", "subdir",
+                 "written")
 
     def __init__(self, log: str, run_id: str | None) -> None:
         self.log = log
         self.run_id = run_id
         self.rank: int | None = None
+        self.world_size: int | None = None
         self.device: str | None = None
         self.steps = 0  # usable step records
         self.first_s = math.inf  # the earliest start_unix_s
@@ -144,7 +146,8 @@ def _survey(paths: Sequence[str]) -> tuple[list[list[_Run]], int]:
                 run.first_s = start
             rank = r.get("rank")
             if run.rank is None and type(rank) is int:
-                run.rank = rank
+                run.rank, world = rank, r.get("world_size")
+                run.world_size = world if type(world) is int else None
             device = r.get("device")
             if type(device) is str and (run.device is None or (
                     device.startswith("cuda") and not run.device.startswith("cuda"))):
@@ -385,14 +388,16 @@ def _step_events(tr: _Trace, run: _Run, r: dict[str, Any]) -> None:
     name = get("name")
     if name is None:
         name = "step"
-    args: dict[str, Any] = {"step": index, "warmup": warmup}
+    args: dict[str, Any] = {"step": index, "name": name, "warmup": warmup}
     if error is not None:
         args["error"] = error
     for k in _STEP_ARGS:
         v = get(k)
         if v is not None:
             args[k] = v
-    host_tid = draw(pid, thread, "host", name, host_name, s, e, cat, args)
+    # On the host track a step is named as torch.profiler names its steps, which HTA and the
+    # TensorBoard plugin look for (its own name in args); on the GPU track, by its name.
+    host_tid = draw(pid, thread, "host", f"ProfilerStep#{index}", host_name, s, e, cat, args)
     device = get("device") or run.device
     gpu_name = f"GPU {device or ''}".rstrip() + ("" if thread is None else f": {thread}")
     gpu_ms = get("gpu_ms")
@@ -477,6 +482,17 @@ def _memory_event(tr: _Trace, pid: int, s: int, r: dict[str, Any]) -> None:
         tr.emit({"name": "memory", "ph": "C", "ts": s / 1e3, "pid": pid, "tid": 0, "args": args})
 
 
+def _distributed_info(runs: Sequence[_Run]) -> bytes:
+    """``"distributedInfo"``, the rank HTA reads from a trace, when the runs are one rank's
+    (HTA takes a trace per rank: export each rank's log to a file of its own); else nothing."""
+    ranks = {(run.rank, run.world_size) for run in runs if run.rank is not None}
+    if len(ranks) != 1 or len({run.rank for run in runs}) != 1:
+        return b""
+    ((rank, world),) = ranks
+    info = {"rank": rank} if world is None else {"rank": rank, "world_size": world}
+    return b', "distributedInfo": ' + orjson.dumps(info)
+
+
 def export_chrome(paths: Sequence[str], out: str) -> Exported:
     """Write the steps of the logs at ``paths`` to a Chrome trace-event file at ``out``.
 
@@ -512,7 +528,8 @@ def export_chrome(paths: Sequence[str], out: str) -> Exported:
         raise OSError(e.errno, e.strerror, out) from e
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(b'{"displayTimeUnit": "ms", "otherData": ' + orjson.dumps(other) + b', "traceEvents": [\n')
+            f.write(b'{"displayTimeUnit": "ms", "otherData": ' + orjson.dumps(other) + _distributed_info(runs)
+                    + b', "traceEvents": [\n')
             tr = _Trace(f, t0)
             for run in sorted(runs, key=lambda r: r.pid):
                 tr.emit({"name": "process_name", "ph": "M", "pid": run.pid, "tid": 0, "args": {"name": run.label}})

@@ -325,6 +325,24 @@ def test_two_ranks_are_two_processes_named_by_rank(tmp_path, capsys):
     assert_properly_nested(trace)
 
 
+def test_what_hta_reads_the_steps_and_one_ranks_distributed_info(tmp_path, capsys):
+    """Host step slices are named as torch.profiler names steps (``ProfilerStep#N``, stepprof's
+    name in args); a trace of one rank's log says which rank (``distributedInfo``), one of
+    several ranks' does not (HTA takes a trace per rank)."""
+    logs = [_rank_log(str(tmp_path / f"run.rank{k}.jsonl"), k) for k in (0, 1)]
+    one, both = str(tmp_path / "rank1.json"), str(tmp_path / "both.json")
+    assert cli(capsys, "export", "--chrome", one, logs[1])[0] == 0
+    assert cli(capsys, "export", "--chrome", both, *logs)[0] == 0
+    trace = load(one)
+    assert trace["distributedInfo"] == {"rank": 1, "world_size": 2}
+    steps_ = [e for e in slices(trace) if e["cat"].startswith("step")]
+    host = [e for e in steps_ if e["name"].startswith("ProfilerStep#")]
+    assert [e["name"] for e in host] == [f"ProfilerStep#{e['args']['step']}" for e in host]
+    assert sorted(e["args"]["step"] for e in host) == [0, 1, 2, 3] and all(e["args"]["name"] == "step" for e in host)
+    assert {e["name"] for e in steps_ if e not in host} == {"step"}  # the GPU track keeps the step's name
+    assert "distributedInfo" not in load(both)
+
+
 def test_old_logs_without_start_ms_export_with_phases_back_to_back(tmp_path):
     log = fx.write(str(tmp_path / "old.jsonl"), fx.training_log(steps=10))
     out = str(tmp_path / "t.json")
