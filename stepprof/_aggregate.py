@@ -256,8 +256,8 @@ class PhaseTotals(Fields):
 
 
 #: The sketches of :class:`StepTotals`, one per per-step figure of the timed steps.
-_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "tps", "syncs", "tflops", "mfu", "mfu_datasheet", "overhead", "data_wait",
-             "wait_in")
+_SKETCHES = ("wall", "gpu", "span", "busy", "sps", "tps", "syncs", "tflops", "mfu", "mfu_datasheet", "overhead",
+             "data_wait", "wait_in")
 
 #: A timed step's numeric fields that go into a sketch as they are: (field, sketch's buffer).
 _SKETCHED = tuple((field, attrgetter(f"{name}.buf")) for field, name in (

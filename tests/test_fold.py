@@ -130,6 +130,7 @@ def _record(rng: random.Random, i: int, hostile: bool = True) -> dict[str, Any]:
         "host_rss_bytes": lambda: rng.choice([rng.randint(0, 2**40), None, 2.5]),
         "batch_size": lambda: rng.choice([8, 16, 0, -2, None, True, 2.0] + list(range(300, 560))),
         "samples_per_s": lambda: _num(rng),
+        "tokens_per_s": lambda: _num(rng),
         "data_wait_ms": lambda: _num(rng),
         "data_wait_in_step_ms": lambda: _num(rng),
         "data_ms": lambda: _num(rng),
@@ -148,6 +149,7 @@ def _record(rng: random.Random, i: int, hostile: bool = True) -> dict[str, Any]:
         "energy_span_ms": lambda: _num(rng),
         "tflops_per_s": lambda: _num(rng),
         "mfu": lambda: _num(rng),
+        "mfu_datasheet": lambda: _num(rng),
         "compiles": lambda: rng.choice([0, 1, None]),
         "compiled": lambda: rng.choice([False, True]),
         "flops_counted": lambda: rng.choice([False, True]),
@@ -155,7 +157,7 @@ def _record(rng: random.Random, i: int, hostile: bool = True) -> dict[str, Any]:
         "unavailable": lambda: rng.choice([None, {}, {"gpu_ms": "why", f"k{rng.randint(0, 300)}": "w",
                                                       "energy_j": rng.choice(["no sample", 3])}]),
     }
-    rare = {"compiles", "compiled", "flops_counted", "explained", "tflops_per_s", "mfu"}
+    rare = {"compiles", "compiled", "flops_counted", "explained", "tflops_per_s", "mfu", "mfu_datasheet"}
     for key, make in fields.items():
         if rng.random() < (0.1 if key in rare else 0.8):
             r[key] = make()
