@@ -355,3 +355,20 @@ def test_thread_split_gives_each_variant_its_threads_cpu(monkeypatch, tmp_path, 
         assert row["training"] > 0 and row["total"] >= row["training"] and row["stepprof-energy"] == 0
     table = capsys.readouterr().out
     assert all(f"  {name:26s}" in table for name in mod.VARIANTS)
+
+
+def test_dist_scale_models_the_exchange_from_the_record_it_builds(monkeypatch):
+    """bench/dist_scale.py's parts that need no processes: rank 0's ranks record over synthetic
+    rows (it grows with the ranks) and the model (bytes, latency and the report grow with them)."""
+    monkeypatch.syspath_prepend(BENCH)
+    mod = importlib.import_module("dist_scale")
+    small, large = mod.record_cost(8, 1), mod.record_cost(256, 1)
+    assert 0 < small["bytes"] < large["bytes"] and small["ms"] >= 0
+    sim = {"world": 8, "every": 100}
+    records = {w: mod.record_cost(min(w, 256), 1) for w in mod.SCALES}
+    costs = mod.model(sim, records, {"per_line_s": 1e-5}, 50000)
+    assert list(costs) == list(mod.SCALES)
+    for a, b in zip(mod.SCALES, mod.SCALES[1:]):
+        assert costs[a]["received_bytes"] < costs[b]["received_bytes"]
+        assert costs[a]["report_s"] < costs[b]["report_s"] and costs[a]["report_rss_gib"] < costs[b]["report_rss_gib"]
+    assert costs[8]["sent_bytes"] == costs[16384]["sent_bytes"] and costs[8]["collectives_per_step"] == 0.01
