@@ -15,7 +15,8 @@ completed: no synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from ._errors import ConfigError, raised_by_user
 
 __all__ = [
     "NO_BATCH", "Tokens", "check_batch", "count_tokens", "infer_batch_size", "leading_sizes", "sample_counts",
-    "set_tokens", "total_batch_size", "total_tokens",
+    "total_batch_size", "total_tokens",
 ]
 
 class _NoBatch:
@@ -148,23 +149,14 @@ def count_tokens(batch: Any) -> Tokens | None:
         return Tokens(reason=f"not counted: reading the batch raised {type(e).__name__}; pass tokens=N")
 
 
-def set_tokens(step: Any, tokens: int | Tokens) -> None:
-    """A step's tokens, given or counted, on the step a scope opened (its entry's token: a
-    step, unless the profiler is not recording)."""
-    if hasattr(step, "tokens") and hasattr(step, "phases"):
-        step.tokens = tokens
-
-
 def total_tokens(batches: Sequence[Any]) -> Tokens | None:
     """The summed tokens of ``batches`` (gradient accumulation's micro-batches); None when none
     holds any, null with the reason when only some do."""
     counts = [count_tokens(b) for b in batches]
     if all(c is None for c in counts):
         return None
-    total = counts[0] or Tokens()
-    if counts[0] is None:
-        return total.plus(None, "micro-batch 0")
-    for i, c in enumerate(counts[1:], 1):
+    total = Tokens()
+    for i, c in enumerate(counts):
         total = total.plus(c, f"micro-batch {i}")
     return total
 
@@ -195,42 +187,25 @@ def _numel(x: Any) -> int:
     return int(shape[0]) * int(shape[1])
 
 
-def _fields(x: Any) -> dict[Any, Any] | None:
-    """A dict's items, or an object's public attributes (its ``__dict__``), read without its code."""
-    if isinstance(x, dict):
-        return dict(dict.items(x))
-    if isinstance(x, (torch.Tensor, tuple, list, str, bytes, int, float, bool)) or x is None:
-        return None
-    try:
-        fields = object.__getattribute__(x, "__dict__")
-    except AttributeError:
-        return None
-    if type(fields) is not dict:
-        return None
-    data = fields.get("data")  # a BatchEncoding (a UserDict) keeps its items in .data
-    return dict(dict.items(data)) if type(data) is dict and "input_ids" in data else fields
-
-
 def _token_tensors(batch: Any, depth: int = 2) -> tuple[Any, Any]:
-    """(the token tensor, its attention mask or None), or (None, None)."""
+    """(the token tensor, its attention mask or None), or (None, None): the batch itself, its
+    ``input_ids`` (a key or attribute; a ``BatchEncoding``'s are in its ``data``, one level
+    down), else the first found ``depth`` levels into it, read as :func:`_items` reads them."""
     if _is_token_tensor(batch):
         return batch, None
-    fields = _fields(batch)
-    if fields is not None:
-        ids = fields.get("input_ids")
+    items = _items(batch)
+    if items is None:
+        return None, None
+    if isinstance(batch, (tuple, list)):
+        pairs = list(itertools.islice(items, _MAX_TENSORS))
+    else:  # a dict or an object: its input_ids by name
+        pairs = list(items)
+        named = {k.name if type(k) is _Attr else k: v for k, v in pairs}
+        ids = named.get("input_ids")
         if _is_token_tensor(ids):
-            mask = fields.get("attention_mask")
+            mask = named.get("attention_mask")
             return ids, mask if isinstance(mask, torch.Tensor) else None
-        items: Any = [v for k, v in fields.items() if type(k) is str and not k.startswith("_")]
-    elif isinstance(batch, (tuple, list)):
-        items = (tuple.__iter__(batch) if isinstance(batch, tuple) else list.__iter__(batch))
-    else:
-        return None, None
-    if depth == 0:
-        return None, None
-    for n, x in enumerate(items):
-        if n >= _MAX_TENSORS:
-            break
+    for _, x in pairs[:_MAX_TENSORS] if depth > 0 else ():
         ids, mask = _token_tensors(x, depth - 1)
         if ids is not None:
             return ids, mask
@@ -287,6 +262,29 @@ def sample_counts(batch: Any, depth: int = _DEPTH) -> list[int]:
     return [len(batch), *inner]
 
 
+def _items(x: Any) -> Iterable[tuple[Any, Any]] | None:
+    """The (key, value) pairs inside a container, read through the built-in types' own methods
+    (a ``dict`` subclass's overridden ``items`` is not called): a dict's items, a tuple's or
+    list's (index, item), an object's public attributes from its ``__dict__`` (keyed by
+    :class:`_Attr`, no ``__getattr__``); None for a tensor, a scalar or None."""
+    t = type(x)
+    if x is None or issubclass(t, (torch.Tensor, str, bytes, int, float, bool)):
+        return None
+    if issubclass(t, dict):
+        return dict.items(x)
+    if issubclass(t, tuple):
+        return enumerate(tuple.__iter__(x))
+    if issubclass(t, list):
+        return enumerate(list.__iter__(x))
+    try:
+        fields = object.__getattribute__(x, "__dict__")
+    except AttributeError:
+        return None
+    if type(fields) is not dict:
+        return None
+    return ((_Attr(k), v) for k, v in dict.items(fields) if type(k) is str and not k.startswith("_"))
+
+
 def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[Any, ...]], limit: int) -> None:
     if len(sizes) >= limit:
         return  # enough: infer_batch_size stops at a disagreement
@@ -296,22 +294,9 @@ def _collect(x: Any, where: tuple[Any, ...], depth: int, sizes: dict[int, tuple[
         if n is not None:
             sizes.setdefault(n, where)
         return
-    if depth == 0 or x is None or issubclass(t, (str, bytes, int, float, bool)):
+    items = _items(x) if depth > 0 else None
+    if items is None:
         return
-    if issubclass(t, dict):
-        items: Any = dict.items(x)
-    elif issubclass(t, tuple):
-        items = enumerate(tuple.__iter__(x))
-    elif issubclass(t, list):
-        items = enumerate(list.__iter__(x))
-    else:
-        try:
-            fields = object.__getattribute__(x, "__dict__")
-        except AttributeError:
-            return
-        if type(fields) is not dict:
-            return
-        items = ((_Attr(k), v) for k, v in dict.items(fields) if type(k) is str and not k.startswith("_"))
     for n, (k, v) in enumerate(items):
         if n >= _MAX_TENSORS:
             return

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, overload
 
 import torch
 
-from ._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size, set_tokens
+from ._batch import NO_BATCH, Tokens, count_tokens, infer_batch_size
 from ._errors import UsageError, raised_by_user
 from ._registry import current
 from ._validate import check_batch_size, check_budget, check_name, check_tokens
@@ -38,6 +38,7 @@ __all__ = [
     "StepScope",
     "iterate_over",
     "make_measure",
+    "step_scope",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -133,8 +134,8 @@ class StepScope(_Scope):
         try:
             token = prof._enter(self._name, self._batch_size, True, self._budget, self._batch_reason)
             self._tokens.append((prof, token))
-            if self._count is not None:
-                set_tokens(token, self._count)
+            if self._count is not None and _is_step(token):  # (not a step: the profiler does not record)
+                token.tokens = self._count
             if _profiling():
                 self._tokens[-1] = (prof, token, _open_range(token, None))
             return self
@@ -298,13 +299,19 @@ class _Timed:
 # with the interrupt as its error).  An exit is idempotent, so a second one is harmless.
 
 
+def _is_step(token: Any) -> bool:
+    """Whether a profiler's entry token is the step it opened (else a phase, or nothing the
+    profiler records)."""
+    return hasattr(token, "phases")
+
+
 def _open_range(token: Any, name: str | None) -> Any:
     """A ``record_function`` range for the step or phase ``token`` just entered, while a
     torch.profiler records: a step is named as torch.profiler names its steps
     (``ProfilerStep#N``, N the step's index), so that HTA and TensorBoard find them; a phase by
     its name.  None where there is none to open (a step the profiler does not record)."""
     try:
-        if hasattr(token, "phases"):  # a step
+        if _is_step(token):
             label = f"ProfilerStep#{token.index}"
         elif hasattr(token, "key"):  # a phase
             label = name or "phase"
@@ -354,8 +361,23 @@ def _exit_again(prof: Recorder, token: Any, exc: BaseException) -> None:
         pass
 
 
+def step_scope(
+    profiler: Recorder | None, name: Any, batch_size: Any, max_syncs: Any, on_sync: Any, batch: Any, tokens: Any,
+) -> StepScope:
+    """What ``profile_step(...)`` and ``Profiler.step(...)`` return, their arguments checked: the
+    common call (a name, a batch size) has nothing more to check."""
+    if (max_syncs is None and on_sync is None and batch is NO_BATCH and tokens is None
+            and (name is None or (type(name) is str and name))
+            and (batch_size is None or (type(batch_size) is int and batch_size > 0))):
+        return StepScope(profiler, name, batch_size)
+    return StepScope(profiler, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync),
+                     batch=batch, tokens=check_tokens(tokens))
+
+
 def make_measure(name: Any, profiler: Recorder | None) -> Any:
     """What ``measure(name)`` returns: a :class:`MeasureScope`, or ``name`` measured if it is a function."""
+    if type(name) is str and name:  # the common call: a phase's name, nothing more to check
+        return MeasureScope(name, profiler)
     if name is None or isinstance(name, str):
         return MeasureScope(check_name(name), profiler)
     if callable(name) or isinstance(name, (staticmethod, classmethod)):  # bare decorator: @measure
@@ -444,10 +466,7 @@ class ProfileStepFunction(_PublicFunction):
             >>> prof.summary.steps
             1
         """
-        return StepScope(
-            None, check_name(name), check_batch_size(batch_size), *check_budget(max_syncs, on_sync), batch=batch,
-            tokens=check_tokens(tokens),
-        )
+        return step_scope(None, name, batch_size, max_syncs, on_sync, batch, tokens)
 
 
 class IterateFunction(_PublicFunction):

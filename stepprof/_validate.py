@@ -37,7 +37,6 @@ __all__ = [
     "check_budget",
     "check_calibrate_device",
     "check_callable",
-    "check_tokens",
     "check_choice",
     "check_count",
     "check_demo_options",
@@ -71,6 +70,7 @@ __all__ = [
     "check_restore",
     "check_seconds",
     "check_syncs",
+    "check_tokens",
     "check_warmup",
     "check_warmup_variable",
 ]
@@ -467,14 +467,9 @@ def check_tokens(tokens: Any) -> int | None:
     """``tokens=``: the step's token count, an int >= 0, or None (counted in its batch)."""
     if tokens is None or (type(tokens) is int and tokens >= 0):
         return tokens
+    index = None if isinstance(tokens, bool) else getattr(type(tokens), "__index__", None)  # numpy's ints too
     fix = "pass the tokens the step trains on, e.g. tokens=input_ids.numel(), or None to count them in batch="
-    try:
-        n = None if isinstance(tokens, bool) else int(tokens.__index__())
-    except (AttributeError, TypeError):
-        n = None
-    if n is None or n < 0:
-        raise ConfigError(f"'tokens' must be an int >= 0 or None (got {tokens!r}); {fix}")
-    return n
+    return check_int(tokens if index is None else index(tokens), "tokens", 0, fix, requirement="an int >= 0 or None")
 
 
 _NO_BUDGET: tuple[None, None] = (None, None)

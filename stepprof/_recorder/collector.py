@@ -129,13 +129,18 @@ def _samples_per_s(s: Step, span_ms: float, unavailable: dict[str, str]) -> floa
         if s.batch_reason is not None:
             unavailable["batch_size"] = s.batch_reason
         return None
-    if span_ms <= 0:
-        unavailable["samples_per_s"] = NO_TIME
-        return None
-    rate = per_s(s.batch_size, span_ms)
-    if rate is None:
-        unavailable["samples_per_s"] = PAST_RANGE
+    rate, why = _rate(s.batch_size, span_ms, PAST_RANGE)
+    if why is not None:
+        unavailable["samples_per_s"] = why
     return rate
+
+
+def _rate(n: int, span_ms: float, past_range: str) -> tuple[float | None, str | None]:
+    """``n`` a second over ``span_ms``, or (None, why): no measurable time, or ``past_range``."""
+    if span_ms <= 0:
+        return None, NO_TIME
+    rate = per_s(n, span_ms)
+    return rate, None if rate is not None else past_range
 
 
 def _token_figures(s: Step, span_ms: float, record: dict[str, Any]) -> None:
@@ -146,10 +151,8 @@ def _token_figures(s: Step, span_ms: float, record: dict[str, Any]) -> None:
     rate = None
     if n is None:
         why = why or NOT_COUNTED
-    elif span_ms <= 0:
-        why = NO_TIME
-    elif (rate := per_s(n, span_ms)) is None:
-        why = "tokens over the step time is past a float's range"
+    else:
+        rate, why = _rate(n, span_ms, "tokens over the step time is past a float's range")
     record["tokens"], record["tokens_per_s"] = n, rate
     if why is not None:
         unavailable = record["unavailable"]

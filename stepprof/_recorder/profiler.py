@@ -27,11 +27,10 @@ from .._records import Summary
 from .._registry import HOST_RSS, pop_active, push_active, track_open
 from .._signals import Deferring
 from .._batch import NO_BATCH, count_tokens, infer_batch_size
-from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure
+from .._scopes import Iterated, MeasureScope, StepScope, iterate_over, make_measure, step_scope
 from .._errors import raised_by_user
 from .._validate import (
-    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_batch_size, check_budget, check_cuda_device,
-    check_name, check_tokens,
+    MEMORY_EVERY, PHASE_PEAKS_EVERY, check_cuda_device,
 )
 from .boundaries import Boundaries
 from .collector import Collector
@@ -248,12 +247,7 @@ class Profiler(HookedSteps, Lifecycle):
             batch, tokens: the step's batch, to infer ``batch_size`` and its tokens from, and
                 its tokens when given (see :func:`stepprof.profile_step`).
         """
-        if (max_syncs is None and on_sync is None and batch is NO_BATCH and tokens is None
-                and (name is None or (type(name) is str and name))
-                and (batch_size is None or (type(batch_size) is int and batch_size > 0))):
-            return StepScope(self, name, batch_size)  # the common call: nothing more to check
-        return StepScope(self, check_name(name), check_batch_size(batch_size),
-                         *check_budget(max_syncs, on_sync), batch=batch, tokens=check_tokens(tokens))
+        return step_scope(self, name, batch_size, max_syncs, on_sync, batch, tokens)
 
     @overload
     def measure(self, name: _F) -> _F: ...
@@ -261,8 +255,6 @@ class Profiler(HookedSteps, Lifecycle):
     def measure(self, name: str | None = None) -> MeasureScope: ...
     def measure(self, name: str | Callable[..., Any] | None = None) -> Any:
         """Like :func:`stepprof.measure`, but recording into this profiler."""
-        if type(name) is str and name:
-            return MeasureScope(name, self)  # the common call: a phase's name
         return make_measure(name, self)
 
     def iterate(self, iterable: Any) -> Iterated:
