@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stepprof  # noqa: E402
 from _common import run_info  # noqa: E402
-
-PHASES = ("forward", "backward", "optimizer")
+from floor import PHASES, run_steps  # noqa: E402 - floor.py's loop: the kernel in the first phase
 VARIANTS: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
     "step": ({}, ()),
     "step, no energy": ({"energy_every_s": None}, ()),
@@ -55,17 +54,7 @@ def one_run(path: str, settings: dict[str, Any], phases: tuple[str, ...], steps:
     """µs of CPU a step, by thread, of one whole run."""
     t0, m0 = time.process_time_ns(), time.thread_time_ns()
     prof = stepprof.Profiler(path, **settings)
-    step, measure = prof.step, prof.measure
-    for _ in range(steps):
-        with step(batch_size=8):
-            if phases:
-                with measure(phases[0]):
-                    x.add_(1.0)
-                for name in phases[1:]:
-                    with measure(name):
-                        pass
-            else:
-                x.add_(1.0)
+    run_steps(prof, steps, phases, lambda: x.add_(1.0))
     if cuda:
         torch.cuda.synchronize()
     m1 = time.thread_time_ns()
