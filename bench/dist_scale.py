@@ -149,7 +149,10 @@ def report_cost(logs: list[str]) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     out = subprocess.run([sys.executable, "-c", code, *logs], capture_output=True, text=True, check=True, env=env)
     wall_s, rss_kib = out.stdout.split()
-    lines = sum(1 for p in logs for _ in open(p, "rb"))
+    lines = 0
+    for path in logs:
+        with open(path, "rb") as f:
+            lines += sum(1 for _ in f)
     return {"wall_s": float(wall_s), "rss_mib": int(rss_kib) / 1024, "lines": lines}
 
 
